@@ -1,0 +1,180 @@
+"""Paged KV placement with prefix caching: which physical block holds which tokens' KV.
+
+The KV cache (owned by the workers) is cut into `num_blocks` blocks of `block_size`
+token slots. A sequence's block table maps its logical blocks to physical ones. Full
+blocks whose KV has been computed are registered under a chained hash of their tokens,
+so a later sequence with the same prefix reuses them instead of recomputing.
+
+Rules that keep reuse correct:
+  * Only full blocks that end before a sequence's last token may hit: the last token is
+    always computed, so the step produces logits to sample from.
+  * A block is registered only after its KV is computed (`commit`), so a chunked
+    prefill's still-empty blocks are never served to someone else.
+  * A hit is verified exactly, never trusted to the hash alone (see `_lookup`).
+"""
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import count
+
+import xxhash
+
+from scheduler_service.sequence import Sequence
+
+
+def compute_hash(token_ids: tuple[int, ...], prefix_hash: int | None) -> int:
+    """xxhash64 over (previous block's hash as 8 LE bytes, if any) + tokens as LE int32.
+
+    Chained, so equal hashes mean equal prefixes up to and including this block
+    (barring collisions, which `BlockManager._lookup` also rules out).
+    """
+    h = xxhash.xxh64()
+    if prefix_hash is not None:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    """One physical KV block. The fields below `ref_count` describe its contents once
+    registered; they are cleared when the block is handed out fresh."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None          # its key in the hash table (None: never registered)
+    token_ids: tuple[int, ...] = ()  # the tokens whose KV it holds
+    # content_id names the exact token prefix (this block and all before it) whose KV
+    # the block holds: blocks share one iff they hold KV of the same prefix. Checking
+    # tokens + the parent's content_id on a hit makes reuse exact at any depth of the
+    # chain even if the hash collides, without storing whole prefixes.
+    content_id: int | None = None
+    parent_content_id: int | None = None  # the previous block's content_id (None: block 0)
+
+    def reset(self) -> None:
+        self.hash = None
+        self.token_ids = ()
+        self.content_id = None
+        self.parent_content_id = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        # Free list as an ordered set: FIFO (freed blocks go to the back, fresh ones come
+        # from the front, so recently freed, still-hashed blocks survive longest), and
+        # O(1) removal from the middle when a freed block is hit again.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._content_ids = count()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_ids)
+
+    # ---- allocation ---------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Conservative: ignores prefix hits (a hit on a free block still takes one)."""
+        return seq.num_blocks(self.block_size) <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Build seq's block table over all its tokens, reusing cached leading blocks."""
+        assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
+        bs = self.block_size
+        parent: Block | None = None
+        num_hits = 0
+        for i in range((seq.num_tokens - 1) // bs):  # full blocks ending before the last token
+            block = self._lookup(tuple(seq.block_tokens(i, bs)), parent)
+            if block is None:
+                break  # chained: after one miss nothing further can match
+            if block.ref_count == 0:
+                del self.free_block_ids[block.block_id]  # freed but still holding its KV
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            parent = block
+            num_hits += 1
+        for _ in range(num_hits, seq.num_blocks(bs)):
+            seq.block_table.append(self._take_fresh_block())
+        seq.num_cached_tokens = num_hits * bs
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_hashed_blocks = num_hits
+
+    def can_append(self, seq: Sequence) -> bool:
+        return len(seq.block_table) >= seq.num_blocks(self.block_size) or bool(self.free_block_ids)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Give the last token (about to be computed by a decode step) a block if it has none."""
+        if len(seq.block_table) < seq.num_blocks(self.block_size):
+            seq.block_table.append(self._take_fresh_block())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the full blocks whose KV is now computed, so others can hit them."""
+        bs = self.block_size
+        while seq.num_hashed_blocks < seq.num_computed_tokens // bs:
+            i = seq.num_hashed_blocks
+            parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
+            block = self.blocks[seq.block_table[i]]
+            tokens = tuple(seq.block_tokens(i, bs))
+            twin = self._lookup(tokens, parent)  # a block already holding the same prefix
+            block.hash = compute_hash(tokens, parent.hash if parent else None)
+            block.token_ids = tokens
+            block.parent_content_id = parent.content_id if parent else None
+            block.content_id = twin.content_id if twin else next(self._content_ids)
+            self.hash_to_block[block.hash] = block.block_id  # newest wins; twins are equal
+            seq.num_hashed_blocks += 1
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop seq's references, last block first so its tail is evicted first.
+
+        Freed blocks keep their hash and contents until handed out fresh: a later
+        request (or this one, resumed) may still hit them.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} released twice"
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table.clear()
+        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _lookup(self, tokens: tuple[int, ...], parent: Block | None) -> Block | None:
+        """The registered block holding KV of exactly `parent`'s prefix + `tokens`, or None.
+
+        The hash finds a candidate; its stored tokens and its parent's content_id prove it.
+        """
+        if len(tokens) < self.block_size:
+            return None
+        block_id = self.hash_to_block.get(compute_hash(tokens, parent.hash if parent else None))
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        parent_content_id = parent.content_id if parent else None
+        if block.token_ids != tokens or block.parent_content_id != parent_content_id:
+            return None  # hash collision
+        return block
+
+    def _take_fresh_block(self) -> int:
+        """Pop the oldest free block and forget what it held: it is about to be overwritten."""
+        block_id, _ = self.free_block_ids.popitem(last=False)  # KeyError if none: caller checks
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.reset()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,211 @@
+"""Continuous batching: decides what runs each step and folds the sampled tokens back in.
+
+One step is either a prefill batch (new, chunked or resumed sequences: many tokens each)
+or a decode batch (running sequences: one token each). Prefill goes first so new
+requests join the running batch quickly. When the KV cache runs out during decode, the
+newest running sequence is preempted by recompute: its blocks are released and it is
+re-prefilled later over all its tokens (prefix-cache hits make that cheap when its old
+blocks have not been reused yet).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_service.block_manager import BlockManager
+from scheduler_service.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    eos_token_id: int | None = None
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence]  # each with num_scheduled_tokens set; start position = num_computed_tokens
+    is_prefill: bool
+    # sample[i]: seqs[i] reaches its last token this step, so the worker samples for it.
+    # Fixed at schedule time so postprocess can match `sampled` even if a seq is aborted
+    # in between (abort resets its counters).
+    sample: list[bool] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_scheduled_tokens for seq in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self._live: dict[int, Sequence] = {}  # seq_id -> seq, for abort
+        self._released: list[int] = []
+
+    # ---- queue management ---------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Rejects one that could never run (it would stall the queue)."""
+        cfg = self.config
+        if seq.seq_id in self._live:
+            raise ValueError(f"seq {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"seq {seq.seq_id} is not a fresh sequence")
+        if seq.num_tokens == 0:
+            raise ValueError("empty prompt")
+        if seq.num_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens exceeds max_model_len {cfg.max_model_len}")
+        if seq.num_blocks(cfg.block_size) > cfg.num_kv_blocks:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens exceeds the KV cache")
+        if seq.sampling.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self._live[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
+        """Drop a request now, wherever it is; its blocks are free at once."""
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            return None
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        self._release(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drain_released(self) -> list[int]:
+        """Seq ids whose blocks were released since the last call (workers drop their state)."""
+        released, self._released = self._released, []
+        return released
+
+    # ---- scheduling ---------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        """The next step's batch, or None when nothing can run."""
+        batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        if batch is None:
+            # Decode preempted everything it looked at: those seqs wait, re-prefill them.
+            batch = self._schedule_prefill()
+        return batch
+
+    def _schedule_prefill(self) -> Batch | None:
+        cfg, bm = self.config, self.block_manager
+        seqs: list[Sequence] = []
+        sample: list[bool] = []
+        budget = cfg.max_num_batched_tokens
+        # Seqs whose last chunk is scheduled join `running` at once, so len(running)
+        # counts them; a chunked seq ends the loop (it used the whole budget).
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:  # not mid chunked prefill: needs its blocks first
+                if not bm.can_allocate(seq):
+                    break
+                bm.allocate(seq)
+                if seq.usage_cached_tokens is None:
+                    seq.usage_cached_tokens = seq.num_cached_tokens
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.num_scheduled_tokens = chunk
+            budget -= chunk
+            seqs.append(seq)
+            is_last_chunk = seq.num_computed_tokens + chunk == seq.num_tokens
+            sample.append(is_last_chunk)
+            if not is_last_chunk:
+                break  # stays at the head of `waiting` with its blocks; continued next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return Batch(seqs, is_prefill=True, sample=sample) if seqs else None
+
+    def _schedule_decode(self) -> Batch | None:
+        cfg, bm = self.config, self.block_manager
+        limit = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        seqs: list[Sequence] = []
+        while self.running and len(seqs) < limit:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())  # the newest loses its KV
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                bm.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))  # scheduled ones first, in their order
+        return Batch(seqs, is_prefill=False, sample=[True] * len(seqs)) if seqs else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_scheduled_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- results ------------------------------------------------------------------
+
+    def postprocess(self, batch: Batch, sampled: list[int],
+                    logprobs: list[float] | None = None) -> list[Sequence]:
+        """Fold one step's results in; return the seqs that got a token (finished included).
+
+        `sampled` (and `logprobs`, if given) hold one entry per seq with batch.sample set,
+        in batch order.
+        """
+        if len(sampled) != sum(batch.sample):
+            raise ValueError(f"{len(sampled)} sampled ids for {sum(batch.sample)} sampling seqs")
+        bm = self.block_manager
+        out: list[Sequence] = []
+        k = 0
+        for seq, samples in zip(batch.seqs, batch.sample):
+            if samples:
+                token = sampled[k]
+                logprob = logprobs[k] if logprobs is not None and seq.sampling.logprobs else None
+                k += 1
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted after schedule(): its result is dropped
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            bm.commit(seq)
+            if not samples:
+                continue
+            seq.append_token(token, logprob)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                del self._live[seq.seq_id]
+                self._release(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+            out.append(seq)
+        if any(seq.status is SequenceStatus.FINISHED for seq in out):
+            self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
+        return out
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        cfg, opts = self.config, seq.sampling
+        if (not opts.ignore_eos and token == cfg.eos_token_id) or token in opts.stop_token_ids:
+            return "stop"
+        if (seq.num_completion_tokens >= opts.max_tokens
+                or seq.num_tokens >= cfg.max_model_len
+                # the next step would need more blocks than the cache has: it could never run
+                or seq.num_blocks(cfg.block_size) > cfg.num_kv_blocks):
+            return "length"
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+            self._released.append(seq.seq_id)

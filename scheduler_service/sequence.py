@@ -1,0 +1,88 @@
+"""One request as the scheduler sees it: its token ids, its KV placement, its progress.
+
+A Sequence holds every token id it has (prompt + generated), so the scheduler can always
+rebuild its KV by re-prefilling: after a preemption or after a worker restart.
+Pure Python: the scheduler service never imports torch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()   # in Scheduler.waiting: not started, mid chunked prefill, or preempted
+    RUNNING = enum.auto()   # in Scheduler.running: prompt computed, decoding one token a step
+    FINISHED = enum.auto()  # done; its blocks are released
+
+
+@dataclass
+class SamplingOptions:
+    """What the worker needs to sample and the scheduler needs to stop (validated elsewhere)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+@dataclass(eq=False)  # identity equality: two requests with the same tokens are still two
+class Sequence:
+    seq_id: int
+    token_ids: list[int]  # prompt + generated
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    num_prompt_tokens: int = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    # Progress counters. Invariant: num_cached_tokens <= num_computed_tokens <= num_tokens.
+    num_cached_tokens: int = 0    # prompt tokens served by prefix-cache hits at the last allocate()
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached + computed)
+    num_scheduled_tokens: int = 0  # tokens to compute in the current step
+    num_hashed_blocks: int = 0    # leading full blocks registered in the hash table (BlockManager's)
+    # Prompt tokens served from the prefix cache at first admission: what usage reports
+    # (a re-prefill after preemption hitting its own old blocks is not the client's saving).
+    usage_cached_tokens: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[float] = field(default_factory=list)  # one per generated token if asked
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)  # our own copy: we append to it
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold the KV of every token (the last one included)."""
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        """Token ids of logical block i (the last block may be partial)."""
+        return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)

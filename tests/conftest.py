@@ -1,0 +1,22 @@
+"""Test-wide setup: Triton runs in its CPU interpreter, GPU tests skip without a GPU."""
+import os
+
+# Must be set before anything imports triton.
+if not os.environ.get("NANOSERVE_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,365 @@
+"""Scheduler unit tests: prefill/decode batching, chunked prefill, preemption, stops, abort."""
+import pytest
+
+from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
+from scheduler_service.sequence import SamplingOptions, Sequence, SequenceStatus
+
+W, R, F = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+
+
+def make(num_kv_blocks=16, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_kv_blocks=num_kv_blocks, **kw))
+
+
+def seq(seq_id, tokens, **sampling) -> Sequence:
+    return Sequence(seq_id, list(tokens), SamplingOptions(**sampling))
+
+
+def shape(batch: Batch):
+    """(seq_id, start position, tokens, samples) per seq: what the worker is asked to do."""
+    return [(s.seq_id, s.num_computed_tokens, s.num_scheduled_tokens, smp)
+            for s, smp in zip(batch.seqs, batch.sample)]
+
+
+def step(sched: Scheduler, token=7, logprobs=None):
+    batch = sched.schedule()
+    assert batch is not None
+    out = sched.postprocess(batch, [token] * sum(batch.sample), logprobs)
+    return batch, out
+
+
+# ---- add / validation -------------------------------------------------------------
+
+
+def test_add_rejects_what_could_never_run():
+    s = make(num_kv_blocks=2, block_size=4, max_model_len=10)
+    with pytest.raises(ValueError):
+        s.add(seq(1, []))
+    with pytest.raises(ValueError):
+        s.add(seq(1, range(11)))  # > max_model_len
+    with pytest.raises(ValueError):
+        s.add(seq(1, range(9)))  # 3 blocks > 2 in the cache
+    with pytest.raises(ValueError):
+        s.add(seq(1, [1], max_tokens=0))
+    s.add(seq(1, range(8)))
+    with pytest.raises(ValueError):
+        s.add(seq(1, [1]))  # duplicate live id
+    assert len(s.waiting) == 1 and s.has_work()
+
+
+def test_empty_scheduler():
+    s = make()
+    assert not s.has_work() and s.schedule() is None and s.drain_released() == []
+
+
+# ---- one sequence end to end ------------------------------------------------------
+
+
+def test_prefill_then_decode_until_max_tokens():
+    s = make(num_kv_blocks=8, block_size=4)
+    a = seq(1, [1, 2, 3, 4, 5], max_tokens=4, logprobs=True)
+    s.add(a)
+    batch, out = step(s, token=9, logprobs=[-0.1])
+    assert batch.is_prefill and shape(batch) == [(1, 5, 0, True)]  # after postprocess: 5 computed
+    assert out == [a] and a.status is R and a.token_ids[-1] == 9 and a.logprobs == [-0.1]
+    assert a.num_computed_tokens == 5 and a.num_hashed_blocks == 1
+    for i, n in enumerate([6, 7, 8]):
+        batch = s.schedule()
+        assert not batch.is_prefill and shape(batch) == [(1, n - 1, 1, True)]
+        assert batch.num_tokens == 1
+        assert len(a.block_table) == 2
+        out = s.postprocess(batch, [10 + i], [-1.0 - i])
+        assert out == [a]
+    assert a.completion_token_ids == [9, 10, 11, 12]
+    assert a.logprobs == [-0.1, -1.0, -2.0, -3.0]
+    assert a.status is F and a.finish_reason == "length"
+    assert not s.has_work() and s.block_manager.num_free_blocks == 8
+    assert s.drain_released() == [1] and s.drain_released() == []
+
+
+def test_logprobs_only_when_asked():
+    s = make()
+    a, b = seq(1, [1, 2]), seq(2, [3, 4], logprobs=True)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    s.postprocess(batch, [5, 6], [-0.5, -0.25])
+    assert a.logprobs == [] and b.logprobs == [-0.25]
+    assert a.token_ids == [1, 2, 5] and b.token_ids == [3, 4, 6]
+
+
+def test_postprocess_checks_sampled_count():
+    s = make()
+    s.add(seq(1, [1, 2]))
+    batch = s.schedule()
+    with pytest.raises(ValueError):
+        s.postprocess(batch, [])
+
+
+# ---- stopping ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opts, token, reason", [
+    (dict(), 2, "stop"),                                  # eos
+    (dict(ignore_eos=True), 2, None),                     # eos ignored
+    (dict(stop_token_ids=(5, 6)), 6, "stop"),             # stop token
+    (dict(stop_token_ids=(5,), ignore_eos=True), 5, "stop"),
+    (dict(max_tokens=1), 7, "length"),
+    (dict(), 7, None),
+])
+def test_stop_conditions(opts, token, reason):
+    s = make(eos_token_id=2)
+    a = seq(1, [1, 3], **opts)
+    s.add(a)
+    _, out = step(s, token=token)
+    assert out == [a] and a.finish_reason == reason
+    assert (a.status is F) == (reason is not None)
+    assert a.completion_token_ids == [token]
+
+
+def test_no_eos_configured():
+    s = make(eos_token_id=None)
+    a = seq(1, [1], max_tokens=3)
+    s.add(a)
+    for _ in range(3):
+        step(s, token=0)
+    assert a.completion_token_ids == [0, 0, 0] and a.finish_reason == "length"
+
+
+def test_max_model_len():
+    s = make(max_model_len=6)
+    a = seq(1, [1, 2, 3, 4], max_tokens=100)
+    s.add(a)
+    step(s)
+    step(s)
+    assert a.num_tokens == 6 and a.finish_reason == "length" and a.status is F
+
+
+def test_prompt_of_max_model_len_gets_one_token():
+    s = make(max_model_len=4)
+    a = seq(1, [1, 2, 3, 4])
+    s.add(a)
+    step(s)
+    assert a.completion_token_ids == [7] and a.finish_reason == "length"
+
+
+def test_kv_capacity_stops_a_sequence_that_outgrows_the_cache():
+    """A lone sequence needing more blocks than exist would otherwise preempt itself forever."""
+    s = make(num_kv_blocks=2, block_size=2, max_model_len=100)
+    a = seq(1, [1, 2, 3], max_tokens=100)
+    s.add(a)
+    step(s)  # 4 tokens: 2 blocks
+    step(s)  # 5 tokens: would need a 3rd block
+    assert a.num_tokens == 5 and a.finish_reason == "length"
+    assert s.num_preemptions == 0 and not s.has_work()
+
+
+# ---- batching limits --------------------------------------------------------------
+
+
+def test_prefill_batches_up_to_token_budget_and_chunks_the_last():
+    s = make(block_size=4, max_num_batched_tokens=10)
+    a, b, c = seq(1, range(4)), seq(2, range(10, 14)), seq(3, range(20, 24))
+    for x in (a, b, c):
+        s.add(x)
+    batch = s.schedule()
+    assert batch.is_prefill and shape(batch) == [(1, 0, 4, True), (2, 0, 4, True), (3, 0, 2, False)]
+    assert batch.num_tokens == 10
+    assert list(s.running) == [a, b] and list(s.waiting) == [c] and c.status is W
+    assert c.block_table  # keeps its blocks between chunks
+    out = s.postprocess(batch, [5, 6])
+    assert out == [a, b] and c.num_computed_tokens == 2 and c.num_tokens == 4
+    batch = s.schedule()  # the chunked seq is continued first, before any decode
+    assert batch.is_prefill and shape(batch) == [(3, 2, 2, True)]
+    s.postprocess(batch, [8])
+    assert list(s.running) == [a, b, c] and c.token_ids[-1] == 8
+    batch = s.schedule()
+    assert not batch.is_prefill and shape(batch) == [(1, 4, 1, True), (2, 4, 1, True), (3, 4, 1, True)]
+
+
+def test_chunked_prefill_over_several_steps_then_decode():
+    s = make(num_kv_blocks=8, block_size=2, max_num_batched_tokens=4)
+    a = seq(1, range(10), max_tokens=3)
+    s.add(a)
+    seen = []
+    while s.has_work():
+        batch = s.schedule()
+        seen.append((batch.is_prefill, shape(batch), a.status))
+        s.postprocess(batch, [7] * sum(batch.sample))
+        seen.append((a.num_computed_tokens, a.num_hashed_blocks, len(s.block_manager.hash_to_block)))
+    assert seen == [
+        (True, [(1, 0, 4, False)], W), (4, 2, 2),   # blocks register as their KV is computed
+        (True, [(1, 4, 4, False)], W), (8, 4, 4),
+        (True, [(1, 8, 2, True)], R), (10, 5, 5),
+        (False, [(1, 10, 1, True)], R), (11, 5, 5),
+        (False, [(1, 11, 1, True)], R), (0, 0, 6),  # finished: released, hashes stay
+    ]
+    assert a.completion_token_ids == [7, 7, 7] and a.finish_reason == "length"
+    assert s.block_manager.num_free_blocks == 8
+
+
+def test_chunked_prefix_not_served_before_computed():
+    """b arrives while a is mid chunked prefill: it may hit only a's computed blocks."""
+    s = make(num_kv_blocks=16, block_size=2, max_num_batched_tokens=4)
+    a = seq(1, range(10))
+    b = seq(2, list(range(10)) + [99])
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert shape(batch) == [(1, 0, 4, False)]
+    s.postprocess(batch, [])
+    batch = s.schedule()
+    assert shape(batch) == [(1, 4, 4, False)]
+    s.postprocess(batch, [])
+    batch = s.schedule()  # a's last chunk (blocks 0-3 computed, block 4 not) and b's first
+    assert shape(batch) == [(1, 8, 2, True), (2, 8, 2, False)]
+    assert b.num_cached_tokens == 8 and b.block_table[:4] == a.block_table[:4]
+    assert b.block_table[4] != a.block_table[4]
+    s.postprocess(batch, [7])
+    batch = s.schedule()
+    assert shape(batch) == [(2, 10, 1, True)]
+
+
+def test_max_num_seqs_in_prefill_and_decode():
+    s = make(max_num_seqs=2)
+    seqs = [seq(i, [i, i]) for i in range(1, 4)]
+    for x in seqs:
+        s.add(x)
+    batch, _ = step(s)
+    assert [x.seq_id for x in batch.seqs] == [1, 2] and list(s.waiting) == [seqs[2]]
+    batch, _ = step(s)
+    assert not batch.is_prefill and [x.seq_id for x in batch.seqs] == [1, 2]
+
+
+def test_decode_respects_token_budget():
+    s = make(max_num_batched_tokens=2, max_num_seqs=8)
+    for i in range(1, 4):
+        s.add(seq(i, [i]))
+    assert [x.seq_id for x in step(s)[0].seqs] == [1, 2]
+    assert [x.seq_id for x in step(s)[0].seqs] == [3]
+    batch, _ = step(s)
+    assert not batch.is_prefill and [x.seq_id for x in batch.seqs] == [1, 2]
+    assert [x.seq_id for x in s.running] == [1, 2, 3]
+
+
+def test_waiting_head_blocks_the_queue_when_cache_is_full():
+    s = make(num_kv_blocks=3, block_size=2)
+    a, b, c = seq(1, range(4)), seq(2, range(10, 14)), seq(3, [50])
+    for x in (a, b, c):
+        s.add(x)
+    batch = s.schedule()  # a takes 2 blocks; b needs 2, 1 free: FCFS, c waits behind b
+    assert [x.seq_id for x in batch.seqs] == [1] and list(s.waiting) == [b, c]
+
+
+# ---- prefix caching through the scheduler -----------------------------------------
+
+
+def test_second_request_with_same_prefix_computes_only_the_rest():
+    s = make(block_size=4)
+    system = list(range(100, 112))
+    a = seq(1, system + [1, 2])
+    s.add(a)
+    step(s)
+    b = seq(2, system + [3])
+    s.add(b)
+    batch = s.schedule()
+    assert batch.is_prefill and shape(batch) == [(2, 12, 1, True)]
+    assert b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    assert all(s.block_manager.blocks[i].ref_count == 2 for i in a.block_table[:3])
+
+
+# ---- preemption -------------------------------------------------------------------
+
+
+def test_preempt_newest_then_resume_recomputes_with_own_surviving_blocks():
+    s = make(num_kv_blocks=4, block_size=2)
+    a, b = seq(1, [1, 2], max_tokens=5), seq(2, [3, 4], max_tokens=10)
+    s.add(a)
+    s.add(b)
+    step(s, token=5)  # prefill: a -> block 0, b -> block 1
+    assert (a.block_table, b.block_table) == ([0], [1])
+    step(s, token=5)  # decode: a -> block 2, b -> block 3; cache full
+    step(s, token=5)  # decode within the blocks; a and b have 5 tokens each
+    assert s.block_manager.num_free_blocks == 0 and a.num_tokens == b.num_tokens == 5
+    batch = s.schedule()  # a needs a block: b (newest) is preempted
+    assert shape(batch) == [(1, 4, 1, True)] and not batch.is_prefill
+    assert s.num_preemptions == 1 and b.status is W and list(s.waiting) == [b]
+    assert b.block_table == [] and b.num_computed_tokens == 0 and b.num_tokens == 5
+    assert s.drain_released() == [2]
+    assert a.block_table == [0, 2, 3]  # b's freed tail block, reused fresh (its hash evicted)
+    s.postprocess(batch, [5])
+    batch, out = step(s)  # b needs 3 blocks, 1 free: a decodes and finishes
+    assert not batch.is_prefill and a.finish_reason == "length" and out == [a]
+    assert s.drain_released() == [1]
+    batch = s.schedule()  # b resumes: all 5 tokens, its own block [3,4] survived
+    assert batch.is_prefill and shape(batch) == [(2, 2, 3, True)]
+    assert b.num_cached_tokens == 2 and b.block_table[0] == 1
+    assert b.status is R
+    s.postprocess(batch, [6])
+    assert b.token_ids == [3, 4, 5, 5, 5, 6] and b.num_computed_tokens == 5
+
+
+def test_preemption_keeps_running_order_and_requeues_oldest_first():
+    s = make(num_kv_blocks=3, block_size=1, max_model_len=100)
+    a, b, c = seq(1, [1], max_tokens=50), seq(2, [2], max_tokens=50), seq(3, [3], max_tokens=50)
+    for x in (a, b, c):
+        s.add(x)
+    step(s)  # 3 blocks used, each seq has 2 tokens and needs a 2nd block to decode
+    batch = s.schedule()  # a preempts c (newest); b then finds none left to preempt: itself
+    assert [x.seq_id for x in batch.seqs] == [1]
+    assert list(s.waiting) == [b, c] and s.num_preemptions == 2
+    assert list(s.running) == [a]
+
+
+def test_lone_sequence_preempts_itself_when_others_hold_the_blocks():
+    """The only running seq cannot append: it preempts itself and re-prefills later."""
+    s = make(num_kv_blocks=3, block_size=1)
+    a = seq(1, [1])
+    s.add(a)
+    step(s)  # a = [1, 7]: block 0 holds [1] (computed, registered)
+    holder = Sequence(99, [8, 9])  # blocks held outside the scheduler's queues
+    s.block_manager.allocate(holder)
+    assert s.schedule() is None  # a preempted; re-prefill needs 2 free blocks, 1 free
+    assert a.status is W and s.num_preemptions == 1 and list(s.waiting) == [a]
+    assert s.drain_released() == [1] and s.has_work()
+    s.block_manager.deallocate(holder)
+    batch = s.schedule()
+    assert batch.is_prefill and shape(batch) == [(1, 1, 1, True)]  # its old block 0 hits
+    assert a.block_table[0] == 0 and a.num_cached_tokens == 1
+
+
+# ---- abort ------------------------------------------------------------------------
+
+
+def test_abort_everywhere():
+    s = make(num_kv_blocks=16, block_size=2, max_num_batched_tokens=6)
+    a, b, c, d = seq(1, range(4)), seq(2, range(10, 16)), seq(3, [1]), seq(4, [2])
+    for x in (a, b, c, d):
+        s.add(x)
+    batch = s.schedule()  # a whole, b chunked (2 of 6)
+    assert shape(batch) == [(1, 0, 4, True), (2, 0, 2, False)]
+    s.postprocess(batch, [7])
+    assert s.abort(4) is d and d.status is F and d.finish_reason == "abort"  # never scheduled
+    assert s.abort(2, reason="cancelled") is b and b.finish_reason == "cancelled"  # mid-chunk
+    assert b.block_table == [] and s.block_manager.num_used_blocks == 2  # a's
+    assert s.abort(1) is a and a.block_table == [] and list(s.running) == []
+    assert s.abort(1) is None and s.abort(12345) is None
+    assert s.drain_released() == [2, 1]  # d never held blocks
+    assert list(s.waiting) == [c]
+    step(s)
+    assert s.abort(3) is c and s.block_manager.num_free_blocks == 16 and not s.has_work()
+
+
+def test_abort_between_schedule_and_postprocess():
+    s = make()
+    a, b, c = seq(1, [1, 2]), seq(2, [3, 4]), seq(3, [5, 6])
+    for x in (a, b, c):
+        s.add(x)
+    batch = s.schedule()
+    s.abort(2)
+    out = s.postprocess(batch, [10, 20, 30])
+    assert out == [a, c]
+    assert a.token_ids[-1] == 10 and c.token_ids[-1] == 30 and b.token_ids == [3, 4]
+    assert b.num_computed_tokens == 0 and b.status is F
+    assert list(s.running) == [a, c]
+    assert s.block_manager.num_used_blocks == 2
