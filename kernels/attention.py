@@ -5,9 +5,18 @@ The KV cache of one layer is two tensors `k_cache`, `v_cache` of shape
 tokens are ragged: sequence i contributes query tokens cu_seqlens_q[i]:cu_seqlens_q[i+1],
 at positions context_lens[i] - q_len_i .. context_lens[i] - 1, and attends causally to
 every key of its own sequence up to its own position (cached prefix included).
+
+Backends (`select_backend`): `torch` (this file's reference; CPU), `triton` (own kernels in
+store_kvcache.py / paged_attention.py), `flash_attn` (flash_attn_backend.py). Every
+backend's forward(q, k, v, k_cache, v_cache, meta, scale) first writes this step's k/v at
+meta.slot_mapping, then attends q [T, Hq, D] over the paged cache -> [T, Hq, D].
+Index tensors (slot_mapping, block_tables, context_lens, cu_seqlens_*) are int32 on q's
+device; the KV caches must be contiguous; q/k/v need only a contiguous last dim.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +86,105 @@ class TorchBackend:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
-def select_backend(name: str = "auto", device: torch.device | str = "cpu"):
-    """Pick an attention backend: auto|flash_attn|triton|torch."""
-    if name in ("auto", "torch"):
+class TritonBackend:
+    """Own Triton kernels: store_kvcache + paged decode / paged prefill. Default on CUDA
+    without flash-attn; also runs on CPU under TRITON_INTERPRET=1 (tests only: slow).
+
+    decode_splits: flash-decoding splits for decode; None = heuristic from the batch shape
+    (host ints only, no sync). Under CUDA graphs pass a fixed number: any value is correct
+    for any context length, only the speed depends on it.
+    """
+    name = "triton"
+
+    def __init__(self, decode_splits: int | None = None) -> None:
+        # Imported here, not at module import, so TRITON_INTERPRET can still be set first.
+        from kernels.paged_attention import default_num_splits, paged_decode, paged_prefill
+        from kernels.store_kvcache import store_kvcache
+        self._store, self._decode, self._prefill = store_kvcache, paged_decode, paged_prefill
+        self._default_splits = default_num_splits
+        self.decode_splits = decode_splits
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            splits = self.decode_splits
+            if splits is None:
+                splits = self._default_splits(meta.num_seqs, k_cache.shape[2],
+                                              meta.max_seqlen_k, q.device)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                scale, num_splits=splits)
+        return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                             meta.cu_seqlens_q, meta.max_seqlen_q, scale)
+
+
+class FlashAttnBackend:
+    """flash-attn 2 over the paged cache (needs block_size % 256 == 0, fp16/bf16, CUDA).
+    K/V are written by the Triton store kernel (flash-attn's own append path wants
+    per-sequence k/v, not our flat slot mapping)."""
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from kernels import flash_attn_backend
+        from kernels.store_kvcache import store_kvcache
+        self._fa, self._store = flash_attn_backend, store_kvcache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._fa.check_supported(q, k_cache)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return self._fa.flash_decode(q, k_cache, v_cache, meta.context_lens,
+                                         meta.block_tables, scale)
+        return self._fa.flash_prefill(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                                      meta.max_seqlen_q, meta.max_seqlen_k, meta.block_tables,
+                                      scale)
+
+
+def _triton_usable(device: torch.device) -> str | None:
+    """None if Triton kernels can run on `device`, else the reason they cannot."""
+    if importlib.util.find_spec("triton") is None:       # find, don't import: see TritonBackend
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"triton needs a CUDA device (or TRITON_INTERPRET=1 set before import), got {device}"
+
+
+def select_backend(name: str = "auto", device: torch.device | str = "cpu",
+                   block_size: int | None = None):
+    """Pick an attention backend: auto|flash_attn|triton|torch.
+
+    auto: flash_attn if importable and device is CUDA, else triton on CUDA, else torch.
+    Passing the KV block_size lets auto skip flash_attn when block_size % 256 != 0 (its
+    paged kernels reject that). Asking by name for one that cannot run here raises
+    ValueError saying why.
+    """
+    from kernels.flash_attn_backend import flash_attn_available
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cuda":
+            fa_ok = flash_attn_available() and (block_size is None or block_size % 256 == 0)
+            return FlashAttnBackend() if fa_ok else TritonBackend()
         return TorchBackend()
-    raise ValueError(f"unknown or unavailable attention backend {name!r}")
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        reason = _triton_usable(device)
+        if reason:
+            raise ValueError(f"attention backend 'triton' unavailable: {reason}")
+        return TritonBackend()
+    if name == "flash_attn":
+        if device.type != "cuda":
+            raise ValueError(f"attention backend 'flash_attn' needs a CUDA device, got {device}")
+        if not flash_attn_available():
+            raise ValueError("attention backend 'flash_attn' unavailable: `import flash_attn` "
+                             "failed (no binary wheel; build it on the GPU host)")
+        if block_size is not None and block_size % 256 != 0:
+            raise ValueError(f"attention backend 'flash_attn' needs block_size % 256 == 0, "
+                             f"got {block_size}")
+        return FlashAttnBackend()
+    raise ValueError(f"unknown attention backend {name!r}: expected auto|flash_attn|triton|torch")

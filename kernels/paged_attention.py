@@ -1,0 +1,290 @@
+"""Triton paged attention over a [num_blocks, block_size, Hkv, D] KV cache.
+
+Reference: `kernels.attention.paged_attention_ref`. Two kernels:
+
+* `paged_decode`: one query token per sequence. One program per (sequence, kv head,
+  split) holds all `group = Hq // Hkv` query heads of that kv head, so each K/V tile is
+  loaded once for the whole group (decode is memory-bound: K/V bytes are the cost).
+  Keys are walked in tiles of BLOCK_N tokens whose pages are looked up per token, so the
+  tile size is independent of the page size (16 or 256 both work). With num_splits > 1
+  the context is cut into that many chunks (flash-decoding) and a second kernel merges
+  the partial results by their log-sum-exp; the chunk length is derived in-kernel from
+  the real context length, so a fixed num_splits is correct for any context (CUDA-graph
+  safe).
+* `paged_prefill`: ragged query blocks (cu_seqlens_q); sequence i's queries sit at
+  positions context_len - q_len .. context_len - 1 and attend causally to its whole paged
+  context, so a prefix-cache hit only queries the uncached suffix. Rows of a program are
+  (query token, group head) pairs so the group shares K/V tiles here too.
+
+Both use an online softmax in base 2 (exp2, scale folded with log2(e)) and fp32
+accumulators. Block ids are widened to int64 before scaling by the page stride.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KCache, VCache, Out, BlockTables, ContextLens, PartOut, PartLse,
+    num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,      # page, slot-in-page, kv-head strides of the caches
+    stride_bt,
+    qk_scale_log2,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ContextLens + seq)
+    # Chunk of the context this split owns, rounded up to whole tiles.
+    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx, lo + chunk)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    table = BlockTables + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [G, N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))    # finite: every tile has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        dst = Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # PartOut [S, Hq, NUM_SPLITS, BLOCK_D], PartLse [S, Hq, NUM_SPLITS], contiguous.
+        part = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(PartOut + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Out, PartOut, PartLse, stride_ot, stride_oh, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Combine the splits of one (sequence, query head) by their base-2 log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    base = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS
+    lse = tl.load(PartLse + base + offs_s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - lse_max))
+    parts = tl.load(PartOut + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KCache, VCache, Out, BlockTables, ContextLens, CuSeqlensQ,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    qk_scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOKENS: tl.constexpr, PRECISION: tl.constexpr,   # TOKENS = BLOCK_M // GROUP query tokens
+):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(CuSeqlensQ + seq)
+    q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
+    if q_block * TOKENS >= q_len:
+        return
+    ctx = tl.load(ContextLens + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q_block * TOKENS + offs_m // GROUP
+    heads = kv_head * GROUP + offs_m % GROUP
+    row_mask = (offs_m < TOKENS * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = ctx - q_len + tok                        # absolute position of each row's token
+    # Keys past the last query position of this program are never visible.
+    hi = tl.minimum(ctx, ctx - q_len + (q_block + 1) * TOKENS)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = BlockTables + seq.to(tl.int64) * stride_bt
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [M, N]
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # The first tile holds key 0, visible to every row, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor) -> tuple[int, int]:
+    assert q.dim() == 3 and q.stride(-1) == 1, "q must be [T, Hq, D] with contiguous last dim"
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape == v_cache.shape
+    assert k_cache.stride(-1) == 1 and k_cache.shape[3] == q.shape[2]
+    assert block_tables.stride(-1) == 1, "block_tables rows must be contiguous"
+    num_kv_heads = k_cache.shape[2]
+    assert q.shape[1] % num_kv_heads == 0
+    return num_kv_heads, q.shape[1] // num_kv_heads
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full-precision dot (no TF32), so fp32 runs match the reference closely.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
+                       device: torch.device) -> int:
+    """Split the context only when (seqs x kv heads) cannot fill the GPU and contexts are long."""
+    if device.type != "cuda" or max_seqlen_k <= 512:
+        return 1
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    programs = num_seqs * num_kv_heads
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 256), 16))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention: q [num_seqs, Hq, D] (one token per sequence) -> [num_seqs, Hq, D].
+
+    block_tables [num_seqs, max_blocks] and context_lens [num_seqs] are int32. A sequence
+    with context_len 0 (batch padding) yields zeros.
+    """
+    num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
+    num_seqs, num_heads, head_dim = q.shape
+    assert context_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    num_splits = max(1, int(num_splits))
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, block_d,
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out                     # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, block_tables, context_lens, part_out, part_lse,
+        num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=64 if head_dim <= 128 else 32,
+        NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill (or any ragged batch): q [T, Hq, D] -> [T, Hq, D], causal over the paged context.
+
+    cu_seqlens_q [num_seqs + 1], context_lens [num_seqs], block_tables: int32.
+    max_seqlen_q is a host int (no device sync); it only sizes the grid.
+    """
+    num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    assert cu_seqlens_q.shape == (num_seqs + 1,)
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = max(64, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (triton.cdiv(max_seqlen_q, block_m // group), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32, TOKENS=block_m // group,
+        PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+__all__ = ["paged_decode", "paged_prefill", "default_num_splits"]

@@ -1,0 +1,60 @@
+"""Triton kernel: scatter this step's K/V rows into the paged KV cache.
+
+Reference: `kernels.attention.store_kvcache_ref`. One program per token copies that
+token's [num_kv_heads, head_dim] row of K and of V to `slot_mapping[token]`; slot -1
+(CUDA-graph padding, or a token whose KV is already cached) is skipped. Slots are
+widened to int64 before scaling by the row stride: a 1 GiB-per-layer cache already has
+more elements than int32 can address.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    K, V, KCache, VCache, SlotMapping,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cache_slot,                 # elements between consecutive slots (Hkv * D)
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(SlotMapping + token).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src_k = K + token.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = V + token.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst = slot * stride_cache_slot + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(KCache + dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(VCache + dst, tl.load(src_v, mask=mask), mask=mask)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at slot_mapping.
+
+    k/v may be strided views (e.g. slices of a fused qkv projection) as long as the last
+    dim is contiguous; the caches must be contiguous. slot_mapping: int32 or int64, [T].
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "last dim of k/v must be contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert k_cache.dtype == k.dtype == v.dtype == v_cache.dtype
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_kv_heads * head_dim,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,161 @@
+"""Triton store_kvcache / paged attention vs the torch references, on CPU via the interpreter.
+
+Sizes are tiny but ragged: several sequences per batch, context lengths at and around
+block boundaries (k*bs, k*bs +- 1), q_len 1 inside prefill batches, prefix-cache hits
+(context longer than the queried suffix), shuffled block ids, padded block tables.
+"""
+from __future__ import annotations
+
+import os
+
+# Must precede the first `import triton` (tests/conftest.py does the same, globally);
+# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
+if not os.environ.get("NANOSERVE_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend,
+                               paged_attention_ref, select_backend, store_kvcache_ref)
+from kernels.paged_attention import paged_decode, paged_prefill
+from kernels.store_kvcache import store_kvcache
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def make_batch(seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int, group: int,
+               head_dim: int, dtype: torch.dtype = torch.float32, device: str = DEVICE,
+               seed: int = 0) -> dict:
+    """Build a step: seqs = [(context_len, q_len)]. The cache holds random values for every
+    slot (the cached prefixes); k/v are the new tokens' keys/values; pages are shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [(ctx + block_size - 1) // block_size for ctx, _ in seqs]
+    num_blocks = sum(pages) + 3                                     # a few never-used blocks
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[order.pop() for _ in range(n)] for n in pages]
+    max_blocks = max(pages) + 1                                     # padding column of zeros
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                dtype=torch.int32)
+    slots = []
+    for (ctx, q_len), table in zip(seqs, tables):
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx - q_len, ctx)]
+    q_lens = [q for _, q in seqs]
+    ctxs = [c for c, _ in seqs]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)   # noqa: E731
+    t = sum(q_lens)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int32),
+        block_tables=block_tables,
+        context_lens=torch.tensor(ctxs, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0] + torch.tensor(ctxs).cumsum(0).tolist(), dtype=torch.int32),
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(ctxs),
+        is_decode=all(q == 1 for q in q_lens),
+    )
+    for name in ("slot_mapping", "block_tables", "context_lens", "cu_seqlens_q", "cu_seqlens_k"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    return dict(q=rand(t, num_kv_heads * group, head_dim).to(device),
+                k=rand(t, num_kv_heads, head_dim).to(device),
+                v=rand(t, num_kv_heads, head_dim).to(device),
+                k_cache=rand(*cache_shape).to(device), v_cache=rand(*cache_shape).to(device),
+                meta=meta, scale=head_dim ** -0.5)
+
+
+def boundary_contexts(bs: int) -> list[int]:
+    return [1, bs - 1, bs, bs + 1, 3 * bs, 3 * bs - 1, 3 * bs + 1]
+
+
+# (block_size, head_dim, group): the full product, and a covering subset for split-K.
+ALL_CONFIGS = [(bs, hd, g) for bs in (4, 16) for hd in (16, 32, 64, 128) for g in (1, 2, 4)]
+CONFIGS = [(4, 16, 1), (4, 32, 4), (16, 64, 2), (16, 128, 1), (4, 128, 2), (16, 16, 4)]
+
+
+@pytest.mark.parametrize("block_size,head_dim,group", ALL_CONFIGS)
+def test_prefill_matches_ref(block_size: int, head_dim: int, group: int) -> None:
+    bs = block_size
+    seqs = [(bs + 1, bs + 1),            # full prompt, crosses a block boundary
+            (3 * bs, 1),                 # q_len 1 inside a prefill batch, ctx at boundary
+            (3 * bs + 1, 2 * bs - 1),    # prefix-cache hit: only the suffix is queried
+            (bs - 1, bs - 1) if bs > 1 else (1, 1),
+            (70, 37)]                    # several query tiles and key tiles
+    b = make_batch(seqs, bs, num_kv_heads=2, group=group, head_dim=head_dim, seed=bs + head_dim)
+    m = b["meta"]
+    out = paged_prefill(b["q"], b["k_cache"], b["v_cache"], m.block_tables, m.context_lens,
+                        m.cu_seqlens_q, m.max_seqlen_q, b["scale"])
+    ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], m, b["scale"])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size,head_dim,group,num_splits",
+                         [c + (1,) for c in ALL_CONFIGS] + [c + (3,) for c in CONFIGS])
+def test_decode_matches_ref(block_size: int, head_dim: int, group: int, num_splits: int) -> None:
+    seqs = [(c, 1) for c in boundary_contexts(block_size)] + [(130, 1)]
+    b = make_batch(seqs, block_size, num_kv_heads=2, group=group, head_dim=head_dim, seed=group)
+    m = b["meta"]
+    out = paged_decode(b["q"], b["k_cache"], b["v_cache"], m.block_tables, m.context_lens,
+                       b["scale"], num_splits=num_splits)
+    ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], m, b["scale"])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_zero_context_padding_gives_zeros() -> None:
+    """CUDA-graph batches are padded with context_len 0 sequences: no NaN, zeros out."""
+    b = make_batch([(5, 1), (9, 1)], 4, num_kv_heads=1, group=2, head_dim=16)
+    m = b["meta"]
+    ctx = torch.tensor([5, 0], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 2):
+        out = paged_decode(b["q"], b["k_cache"], b["v_cache"], m.block_tables, ctx,
+                           b["scale"], num_splits=splits)
+        assert torch.isfinite(out).all() and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kvcache_matches_ref(dtype: torch.dtype) -> None:
+    b = make_batch([(5, 5), (9, 2), (1, 1)], 4, num_kv_heads=3, group=1, head_dim=32, dtype=dtype)
+    slots = b["meta"].slot_mapping.clone()
+    slots[1] = -1                                                   # skipped token
+    # k/v as strided views of a fused tensor, as a qkv projection would produce.
+    kv = torch.randn(slots.shape[0], 2, 3, 32).to(dtype).to(DEVICE)
+    k, v = kv[:, 0], kv[:, 1]
+    kc_ref, vc_ref = b["k_cache"].clone(), b["v_cache"].clone()
+    store_kvcache_ref(k, v, kc_ref, vc_ref, slots)
+    store_kvcache(k, v, b["k_cache"], b["v_cache"], slots)
+    assert torch.equal(b["k_cache"], kc_ref) and torch.equal(b["v_cache"], vc_ref)
+
+
+@pytest.mark.parametrize("seqs", [[(5, 5), (17, 17), (33, 9)], [(5, 1), (16, 1), (17, 1)]],
+                         ids=["prefill", "decode"])
+def test_triton_backend_matches_torch_backend(seqs: list[tuple[int, int]]) -> None:
+    """End to end through forward(): store this step's k/v, then attend over the cache."""
+    b = make_batch(seqs, 16, num_kv_heads=2, group=2, head_dim=32)
+    caches = (b["k_cache"].clone(), b["v_cache"].clone())
+    ref = TorchBackend().forward(b["q"], b["k"], b["v"], *caches, b["meta"], b["scale"])
+    out = TritonBackend().forward(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"],
+                                  b["meta"], b["scale"])
+    assert torch.equal(b["k_cache"], caches[0]) and torch.equal(b["v_cache"], caches[1])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("torch", "cpu").name == "torch"
+    if INTERPRET:
+        assert select_backend("triton", "cpu").name == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton"):
+        select_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="flash_attn"):
+        select_backend("flash_attn", "cpu")
+    with pytest.raises(ValueError, match="unknown"):
+        select_backend("xformers", "cpu")
+    from kernels.flash_attn_backend import flash_attn_available
+    if not flash_attn_available():
+        with pytest.raises(ValueError, match="flash_attn"):
+            select_backend("flash_attn", "cuda")
+        assert select_backend("auto", "cuda").name == "triton"

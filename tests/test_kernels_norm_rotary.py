@@ -1,0 +1,86 @@
+"""Fused RMSNorm(+residual) and rotary Triton kernels vs their torch references (interpreter)."""
+from __future__ import annotations
+
+import os
+
+# Must precede the first `import triton` (tests/conftest.py does the same, globally);
+# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
+if not os.environ.get("NANOSERVE_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.rmsnorm import rms_norm, rms_norm_ref
+from kernels.rotary import apply_rotary, apply_rotary_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], -1).to(DEVICE)
+
+
+@pytest.mark.parametrize("hidden", [48, 64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_ref(hidden: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=g).to(DEVICE)
+    w = torch.randn(hidden, generator=g).to(DEVICE)
+    if not with_residual:
+        torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+        return
+    res = torch.randn(7, hidden, generator=g).to(DEVICE)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-6, res.clone())
+    out, new_res = rms_norm(x, w, 1e-6, res)
+    assert new_res is res                                            # updated in place
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(res, ref_res)
+
+
+def test_rms_norm_fp16_and_per_head_strided_view() -> None:
+    """Per-head q/k norm (Qwen3) on a strided slice of a fused qkv tensor, in fp16."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=g).half().to(DEVICE)
+    q = qkv[:, :64].view(5, 4, 16)                                   # non-contiguous [T, H, D]
+    w = torch.rand(16, generator=g).half().to(DEVICE)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6),
+                               atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim,rot_dim", [(32, 32), (64, 64), (32, 16)])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_rotary_matches_ref(head_dim: int, rot_dim: int, pos_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(head_dim + rot_dim)
+    t, hq, hkv = 9, 4, 2
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).to(DEVICE)
+    q = qkv[:, :hq * head_dim].view(t, hq, head_dim)                 # strided views, as in
+    k = qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(t, hkv, head_dim)   # the model
+    positions = torch.tensor([0, 1, 2, 7, 31, 100, 5, 3, 63], dtype=pos_dtype, device=DEVICE)
+    cache = cos_sin_cache(128, rot_dim)
+    q_ref, k_ref = apply_rotary_ref(q, k, positions, cache)
+    v_before = qkv[:, (hq + hkv) * head_dim:].clone()
+    q_out, k_out = apply_rotary(q, k, positions, cache)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    assert torch.equal(qkv[:, (hq + hkv) * head_dim:], v_before)     # v untouched
+
+
+def test_rotary_ref_is_neox_rotate_half() -> None:
+    """Pin the reference to the Hugging Face formula q*cos + rotate_half(q)*sin."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 16, generator=g)
+    pos = torch.tensor([0, 4, 9])
+    cache = cos_sin_cache(16, 16).cpu()
+    cos, sin = cache[pos].chunk(2, -1)
+    cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
+    rotate_half = torch.cat([-q[..., 8:], q[..., :8]], -1)
+    q_ref, _ = apply_rotary_ref(q, q[:, :1], pos, cache)
+    torch.testing.assert_close(q_ref, q * cos + rotate_half * sin)
