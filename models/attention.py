@@ -1,0 +1,39 @@
+"""Paged attention layer: owns one layer's KV cache slots and calls the backend.
+
+The runner allocates the whole KV tensor once and assigns each layer its views
+(`layer.k_cache = kv[0, i]`); the layer itself never allocates, so memory planning stays
+in one place. The backend (kernels.attention) writes this step's k/v at
+meta.slot_mapping and attends over meta.block_tables.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend) -> None:
+        super().__init__()
+        self.num_heads = num_heads        # local (this rank's) head counts
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+        # plain attributes, not buffers: the runner owns these tensors, state_dict must not
+        self.k_cache = torch.tensor([])   # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("KV cache not assigned: set layer.k_cache / layer.v_cache "
+                               "(see models.qwen3.kv_cache_layers) before running the model")
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"backend={getattr(self.backend, 'name', type(self.backend).__name__)}")

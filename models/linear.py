@@ -1,0 +1,152 @@
+"""Linear layers sharded for tensor parallelism (Megatron style).
+
+Column-parallel layers split the output features across ranks, so their output stays
+sharded and needs no communication; row-parallel layers split the input features, take
+the sharded activation, and all-reduce the partial sums. An attention block or MLP is
+one column-parallel layer followed by one row-parallel layer: one all-reduce each.
+
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)` that copies
+this rank's slice of a full checkpoint tensor into it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
+
+
+class LinearBase(nn.Module):
+    """Holds weight [out_local, in_local] and optional bias [out_local]."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y[:, rank's rows] = x @ W[rank's rows].T: output features are sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup = TPGroup()) -> None:
+        super().__init__(input_size, divide(output_size, tp.size, "output size"), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} got unexpected shard id {shard_id!r}")
+        size = param.shape[0]
+        shard = loaded_weight.narrow(0, self.tp.rank * size, size)
+        check_shape(param, shard, type(self).__name__)
+        param.data.copy_(shard)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked into one GEMM (gate_proj + up_proj).
+
+    Each rank holds [its slice of part 0; its slice of part 1; ...], so the local output
+    splits back into the parts with a plain chunk."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: TPGroup = TPGroup()) -> None:
+        for size in output_sizes:
+            divide(size, tp.size, "output size")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if shard_id is None:  # an already-merged checkpoint tensor: split and recurse
+            for i, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
+        if shard_id not in range(len(self.output_sizes)):
+            raise ValueError(f"merged linear has no part {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        dst = param.data.narrow(0, offset, size)
+        shard = loaded_weight.narrow(0, self.tp.rank * size, size)
+        check_shape(dst, shard, f"merged linear part {shard_id}")
+        dst.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one GEMM, sharded by attention head.
+
+    Each rank holds its q heads, then its k heads, then its v heads; GQA groups stay
+    whole because both head counts must divide by the TP size."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False, tp: TPGroup = TPGroup()) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp.size, "num_attention_heads")
+        self.num_kv_heads = divide(total_num_kv_heads, tp.size, "num_key_value_heads")
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        q_total, kv_total = self.q_size * self.tp.size, self.kv_size * self.tp.size
+        if shard_id is None:  # an already-fused qkv checkpoint tensor: split and recurse
+            q, k, v = loaded_weight.split([q_total, kv_total, kv_total], dim=0)
+            for sid, part in (("q", q), ("k", k), ("v", v)):
+                self.weight_loader(param, part, sid)
+            return
+        offsets = {"q": (0, self.q_size),
+                   "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        if shard_id not in offsets:
+            raise ValueError(f"qkv linear has no part {shard_id!r}")
+        offset, size = offsets[shard_id]
+        dst = param.data.narrow(0, offset, size)
+        shard = loaded_weight.narrow(0, self.tp.rank * size, size)
+        check_shape(dst, shard, f"qkv part {shard_id}")
+        dst.copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """y = sum over ranks of x[:, rank's cols] @ W[:, rank's cols].T (+ bias once).
+
+    The bias is replicated and added after the all-reduce so it is counted once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 tp: TPGroup = TPGroup()) -> None:
+        super().__init__(divide(input_size, tp.size, "input size"), output_size, bias, tp)
+        if self.bias is not None:
+            self.bias.weight_loader = replicated_weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear got unexpected shard id {shard_id!r}")
+        size = param.shape[1]
+        shard = loaded_weight.narrow(1, self.tp.rank * size, size)
+        check_shape(param, shard, "RowParallelLinear")
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,111 @@
+"""Build a Qwen3 model from a Hugging Face checkpoint directory and load this rank's shards.
+
+Every checkpoint tensor must land in a parameter, and every parameter (every part of a
+merged one) must be filled: a silent partial load produces a model that runs and emits
+garbage, the worst failure to debug from a server.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+
+from models.parallel import TPGroup
+from models.qwen3 import Qwen3ForCausalLM
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+def config_dtype(config) -> torch.dtype:
+    """The checkpoint's dtype: `dtype` (transformers 5) or `torch_dtype` (4.x); float32 if unset."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
+    return dtype
+
+
+def load_config(model_dir: str):
+    """AutoConfig from local files only; rejects model families we cannot build."""
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {config.model_type!r} in {model_dir} "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return config
+
+
+def _destination(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """Checkpoint name -> (parameter name, shard id) via the model's packed_modules_mapping."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in mapping:
+        target, shard_id = mapping[parts[-2]]
+        return ".".join(parts[:-2] + [target, parts[-1]]), shard_id
+    return name, None
+
+
+def _expected_shards(param_name: str, mapping: dict[str, tuple[str, object]]) -> set:
+    """Which shard ids must be loaded into a parameter before it is complete."""
+    parts = param_name.split(".")
+    shards = {sid for target, sid in mapping.values() if len(parts) >= 2 and parts[-2] == target}
+    return shards or {None}
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {name: set() for name in params}
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                param_name, shard_id = _destination(name, mapping)
+                param = params.get(param_name)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                weight_loader = param.weight_loader
+                tensor = f.get_tensor(name)
+                if shard_id is None:
+                    weight_loader(param, tensor)
+                else:
+                    weight_loader(param, tensor, shard_id)
+                loaded[param_name].add(shard_id)
+    missing = [f"{name}[{sid}]" if sid is not None else name
+               for name in params for sid in sorted(_expected_shards(name, mapping) - loaded[name],
+                                                    key=str)]
+    if unexpected or missing:
+        raise ValueError(f"checkpoint {model_dir} does not match the model: "
+                         f"tensors with no destination: {unexpected or 'none'}; "
+                         f"parameters never loaded: {missing or 'none'}")
+
+
+def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | None = None,
+               device: torch.device | str = "cpu", attn_backend=None
+               ) -> tuple[Qwen3ForCausalLM, transformers.PretrainedConfig]:
+    """Build the model directly on `device` in `dtype` (default: the checkpoint's) and load
+    this TP rank's shards. Returns (model in eval mode, config)."""
+    config = load_config(model_dir)
+    dtype = dtype or config_dtype(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config, tp=tp, attn_backend=attn_backend)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(model, model_dir)
+    return model.eval(), config

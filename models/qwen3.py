@@ -1,0 +1,157 @@
+"""Qwen3 decoder built from tensor-parallel layers over a paged KV cache.
+
+Llama checkpoints run through the same code: a Llama layer is a Qwen3 layer without the
+per-head q/k RMSNorm (that is the only architectural difference that matters here).
+
+Parameter names match the Hugging Face checkpoint except where projections are merged
+(q/k/v -> qkv_proj, gate/up -> gate_up_proj); `packed_modules_mapping` tells the loader
+how to route those. The input is one flat ragged batch of tokens (no padding): positions
+give each token's place in its sequence and `meta` says which tokens belong together.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention import AttentionMetadata, select_backend
+from models.activation import SiluAndMul
+from models.attention import Attention
+from models.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layernorm import RMSNorm
+from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.parallel import TPGroup
+from models.rotary import RotaryEmbedding, rope_theta_from_config
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Qwen3Attention(nn.Module):
+    """qkv GEMM -> per-head q/k RMSNorm -> rotary -> paged attention -> o GEMM."""
+
+    def __init__(self, config, tp: TPGroup, backend) -> None:
+        super().__init__()
+        head_dim = _head_dim(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias, tp=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=bias, tp=tp)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                          rope_theta_from_config(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class Qwen3MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one GEMM."""
+
+    def __init__(self, config, tp: TPGroup) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (Qwen3 uses silu)")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("MLP bias is not supported")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=False, tp=tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is passed alongside so the adds fuse into norms."""
+
+    def __init__(self, config, tp: TPGroup, backend) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, tp, backend)
+        self.mlp = Qwen3MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config, tp: TPGroup, backend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, tp: TPGroup = TPGroup(), attn_backend=None) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False) or \
+                "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ValueError("sliding-window attention layers are not supported")
+        self.config = config
+        self.tp = tp
+        backend = attn_backend if attn_backend is not None else select_backend("torch")
+        self.model = Qwen3Model(config, tp, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden_size] (every token; pick rows for logits)."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size], full vocab on every rank."""
+        return self.lm_head(hidden)
+
+
+def kv_cache_layers(model: nn.Module) -> list[Attention]:
+    """Every paged Attention layer in layer order, for the runner to assign KV views."""
+    return [m for m in model.modules() if isinstance(m, Attention)]

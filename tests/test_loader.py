@@ -1,0 +1,177 @@
+"""Loader: strict name matching, config validation, dtype handling, TP shard math."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.loader import load_model
+from models.parallel import TPGroup
+from models.rotary import rope_theta_from_config
+from tiny_checkpoint import tiny_qwen3_dir
+
+
+@pytest.fixture
+def ckpt(tmp_path_factory, tmp_path) -> Path:
+    """A private, editable copy of the default tiny checkpoint (single file)."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_qwen3_dir(tmp_path_factory), dst)
+    return dst
+
+
+def edit_weights(path: Path, fn) -> None:
+    tensors = load_file(path / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def edit_config(path: Path, fn) -> None:
+    config = json.loads((path / "config.json").read_text())
+    fn(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_loads_and_every_param_matches_checkpoint(tmp_path_factory):
+    path = tiny_qwen3_dir(tmp_path_factory)
+    model, config = load_model(str(path))
+    ckpt = load_file(path / "model.safetensors")
+    params = dict(model.named_parameters())
+    qkv = params["model.layers.1.self_attn.qkv_proj.weight"]
+    p = "model.layers.1.self_attn."
+    torch.testing.assert_close(qkv, torch.cat([ckpt[p + "q_proj.weight"], ckpt[p + "k_proj.weight"],
+                                               ckpt[p + "v_proj.weight"]]), rtol=0, atol=0)
+    assert not model.training and config.model_type == "qwen3"
+
+
+@pytest.mark.parametrize("drop, reported", [
+    ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj.weight[k]"),
+    ("model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.gate_up_proj.weight[1]"),
+    ("model.norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+])
+def test_missing_tensor_is_reported(ckpt, drop, reported):
+    edit_weights(ckpt, lambda t: t.pop(drop))
+    with pytest.raises(ValueError, match="never loaded") as err:
+        load_model(str(ckpt))
+    assert reported in str(err.value)
+
+
+def test_extra_tensor_is_reported(ckpt):
+    edit_weights(ckpt, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="no destination") as err:
+        load_model(str(ckpt))
+    assert "model.layers.0.mlp.extra.weight" in str(err.value)
+
+
+def test_wrong_shape_is_rejected(ckpt):
+    edit_weights(ckpt, lambda t: t.update(
+        {"model.norm.weight": torch.ones(t["model.norm.weight"].numel() + 1)}))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(str(ckpt))
+
+
+def test_non_qwen3_model_type_rejected(ckpt):
+    edit_config(ckpt, lambda c: c.update(model_type="mistral", architectures=["MistralForCausalLM"]))
+    with pytest.raises(ValueError, match="unsupported model_type '(mistral|ministral)'"):
+        load_model(str(ckpt))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 128}},
+    {"rope_parameters": None, "rope_theta": 10000.0,
+     "rope_scaling": {"type": "linear", "factor": 2.0}},     # transformers 4 spelling
+])
+def test_unsupported_rope_scaling_rejected(ckpt, rope):
+    edit_config(ckpt, lambda c: c.update(rope))
+    with pytest.raises(ValueError, match="unsupported rope_scaling"):
+        load_model(str(ckpt))
+
+
+def test_rope_theta_both_config_spellings():
+    v4 = SimpleNamespace(rope_theta=1e6, rope_scaling=None)
+    v5 = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert rope_theta_from_config(v4) == 1e6
+    assert rope_theta_from_config(v5) == 5e5
+    with pytest.raises(ValueError, match="unsupported rope_scaling"):
+        rope_theta_from_config(SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "llama3"}))
+
+
+def test_dtype_from_config_and_override(tmp_path_factory):
+    bf16_dir = tiny_qwen3_dir(tmp_path_factory, dtype=torch.bfloat16)
+    model, _ = load_model(str(bf16_dir))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    model32, _ = load_model(str(bf16_dir), dtype=torch.float32)
+    assert {p.dtype for p in model32.parameters()} == {torch.float32}
+    # fp32 checkpoint loaded as bf16: params are bf16 and equal to the rounded weights
+    fp32_dir = tiny_qwen3_dir(tmp_path_factory)
+    model16, _ = load_model(str(fp32_dir), dtype=torch.bfloat16)
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+    ckpt = load_file(fp32_dir / "model.safetensors")
+    torch.testing.assert_close(model16.model.norm.weight, ckpt["model.norm.weight"].bfloat16(),
+                               rtol=0, atol=0)
+    assert model16.model.layers[0].self_attn.rotary_emb.cos.dtype == torch.float32
+
+
+def test_bf16_forward_runs_close_to_fp32(tmp_path_factory):
+    from test_qwen3_vs_hf import PagedKV, run_step
+    path = tiny_qwen3_dir(tmp_path_factory)
+    prompt = [torch.arange(1, 11)]
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model, _ = load_model(str(path), dtype=dtype)
+        cache = PagedKV(model, [10], block_size=4)
+        assert cache.kv.dtype == dtype
+        (logits[dtype],) = run_step(model, cache, prompt, [(0, 0, 10)])
+    assert logits[torch.bfloat16].dtype == torch.bfloat16
+    err = (logits[torch.bfloat16].float() - logits[torch.float32]).abs().max()
+    assert err < 0.1 * logits[torch.float32].abs().max()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp2_shards_concatenate_to_full_weights(tmp_path_factory, tied):
+    """Load rank 0 and rank 1 separately (no process group needed) and reassemble."""
+    path = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, tie_word_embeddings=tied, shards=2)
+    full, config = load_model(str(path))
+    ranks = [dict(load_model(str(path), tp=TPGroup(r, 2))[0].named_parameters()) for r in (0, 1)]
+    full_params = dict(full.named_parameters())
+    assert set(ranks[0]) == set(full_params)
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+
+    def cat(name: str, dim: int) -> torch.Tensor:
+        return torch.cat([ranks[0][name], ranks[1][name]], dim)
+
+    for name, ref in full_params.items():
+        if "qkv_proj" in name:
+            parts = [r[name].split([q // 2, kv // 2, kv // 2]) for r in ranks]
+            got = torch.cat([torch.cat([parts[0][i], parts[1][i]]) for i in range(3)])
+        elif "gate_up_proj" in name:
+            parts = [r[name].chunk(2) for r in ranks]
+            got = torch.cat([parts[0][0], parts[1][0], parts[0][1], parts[1][1]])
+        elif "o_proj" in name or "down_proj" in name:
+            got = cat(name, 1)
+        elif "embed_tokens" in name or "lm_head" in name:
+            shard = ranks[0][name].shape[0]
+            assert shard == 195                      # ceil(389 / 2); rank 1 has a zero pad row
+            assert ranks[1][name][-1].abs().sum() == 0
+            got = cat(name, 0)[:config.vocab_size]
+        else:                                        # norms: replicated
+            for r in ranks:
+                torch.testing.assert_close(r[name], ref, rtol=0, atol=0)
+            continue
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=name)
+    # tied: lm_head shares the embedding Parameter, so named_parameters lists it once
+    assert ("lm_head.weight" not in ranks[0]) == tied
+
+
+def test_tp_rejects_indivisible_heads(tmp_path_factory):
+    path = tiny_qwen3_dir(tmp_path_factory)        # 4 heads, 2 kv heads
+    with pytest.raises(ValueError, match="num_key_value_heads 2"):
+        load_model(str(path), tp=TPGroup(0, 4))
+    with pytest.raises(ValueError):
+        TPGroup(2, 2)
