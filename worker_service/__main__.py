@@ -1,0 +1,78 @@
+"""python -m worker_service: serve one tensor-parallel rank of a model over gRPC."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m worker_service",
+        description="nanoserve worker: owns the model weights and the KV cache of one "
+                    "tensor-parallel rank and executes the Step batches a scheduler sends.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50061,
+                   help="port to listen on (0 = any free port; the bound port is printed)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cuda, cuda:1, cpu (default: cuda:<local rank> if "
+                        "available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and KV dtype (auto = the checkpoint's torch_dtype)")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash_attn", "triton", "torch"],
+                   help="auto = flash_attn if installed, else triton on GPU, torch on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, activations and KV cache")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0,
+                   help="KV cache size on CPU (GPU sizes it by profiling)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="largest prefill batch; the memory profiler plans for it")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="context length limit (0 = the model's max_position_embeddings)")
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size")
+    p.add_argument("--dist-init", default="tcp://127.0.0.1:29500",
+                   help="torch.distributed rendezvous address for world size > 1")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch  # after --help, which should not pay for importing torch
+
+    from models.parallel import TPGroup
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.server import serve
+
+    device = args.device or (f"cuda:{args.rank % max(torch.cuda.device_count(), 1)}"
+                             if torch.cuda.is_available() else "cpu")
+    if args.world_size > 1:
+        raise SystemExit("tensor parallelism (--world-size > 1) is not wired yet")
+    tp = TPGroup(rank=args.rank, size=args.world_size)
+    runner = ModelRunner(RunnerConfig(
+        model_dir=args.model, device=device, dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len), tp)
+    server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host, args.port)
+    print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=5).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Everything stays on the logits' device; the only host sync is the caller reading the
+sampled ids. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which
+draws from p exactly and needs no cumulative-sum search. A seeded request draws its noise
+from a generator seeded with (seed, position), so its tokens do not depend on which other
+requests share the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as device tensors, built once per step."""
+    temperature: torch.Tensor   # [N] float32 (0 rows are greedy)
+    top_k: torch.Tensor         # [N] int64, vocab size where off
+    top_p: torch.Tensor         # [N] float32
+    min_p: torch.Tensor         # [N] float32
+    seeded_rows: list[tuple[int, int]]   # (row, seed ^ position mix) for seeded rows
+    all_greedy: bool
+    need_top_k_or_p: bool
+    need_min_p: bool
+    want_logprobs: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], positions: list[int], vocab_size: int,
+              device: torch.device) -> "SamplingBatch":
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        seeded = [(i, _mix(p.seed, pos)) for i, (p, pos) in enumerate(zip(params, positions))
+                  if p.seed is not None and p.temperature > 0]
+        sampled_rows = [i for i, t in enumerate(temps) if t > 0]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
+            top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
+            min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
+            seeded_rows=seeded,
+            all_greedy=not sampled_rows,
+            need_top_k_or_p=any(top_k[i] < vocab_size or top_p[i] < 1.0 for i in sampled_rows),
+            need_min_p=any(min_p[i] > 0.0 for i in sampled_rows),
+            want_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, token position)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] -> (token ids [N] int64, logprobs of those ids [N] or None)."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy
+    else:
+        temp = batch.temperature.clamp_min(1e-6).unsqueeze(1)
+        probs = torch.softmax(logits / temp, dim=-1)
+        if batch.need_top_k_or_p:
+            probs = _top_k_top_p(probs, batch.top_k, batch.top_p)
+        if batch.need_min_p:
+            keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs * keep
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed in batch.seeded_rows:
+            gen = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperature > 0, sampled, greedy)
+    logprobs = None
+    if batch.want_logprobs:
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logprobs
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero out tokens outside each row's top-k and outside its top-p nucleus."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+    drop = rank >= top_k.unsqueeze(1)
+    # Mass strictly before each token: a token is kept while that mass is below top_p,
+    # so the most likely token always survives.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
