@@ -1,0 +1,350 @@
+"""Python client for the nanoserve public gRPC API (sync `Client`, asyncio `AsyncClient`).
+
+A thin layer over the generated stubs: plain dataclasses in, plain dataclasses out, so
+callers never touch protobuf. Both clients share the conversions below; they differ only
+in how they wait. gRPC failures surface as `NanoserveError`, which keeps the status code
+(INVALID_ARGUMENT vs RESOURCE_EXHAUSTED vs UNAVAILABLE call for different reactions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, AsyncIterator, Iterator, Sequence, TypeVar, Union
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# Long prompts as token ids and long completions with logprobs can exceed gRPC's 4 MiB
+# default; the server enforces its own limit (RESOURCE_EXHAUSTED).
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+# str -> text, list[int] -> token ids, list of {"role", "content"} -> chat.
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+_FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+class NanoserveError(Exception):
+    """A failed call: the gRPC status code (grpc.StatusCode) and the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> "NanoserveError":
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else str(error)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class SamplingParams:
+    """Sampling settings; None (or empty) leaves the server's default (see generate.proto)."""
+
+    temperature: float | None = None      # 0 = greedy
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def to_proto(self) -> generate_pb2.SamplingParams:
+        msg = generate_pb2.SamplingParams(stop=list(self.stop),
+                                          stop_token_ids=list(self.stop_token_ids),
+                                          ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None:  # proto3 `optional`: unset means "server default"
+                setattr(msg, name, value)
+        return msg
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed message: the new tokens and the text they complete. finish_reason
+    ("stop" / "length") and usage are set on the last chunk only."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None
+    usage: Usage
+
+
+@dataclass
+class ModelInfo:
+    model: str = ""
+    vocab_size: int = 0
+    max_model_len: int = 0
+    eos_token_id: int = 0
+    tensor_parallel_size: int = 0
+    block_size: int = 0
+    num_kv_blocks: int = 0
+
+
+@dataclass
+class Stats:
+    num_waiting: int = 0
+    num_running: int = 0
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    workers_healthy: bool = False
+
+
+# ---------------------------------------------------------------------------- conversions
+T = TypeVar("T")
+
+
+def _from_message(cls: type[T], msg: Any) -> T:
+    """Copy the proto fields a dataclass names (fields it doesn't know are ignored)."""
+    return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})  # type: ignore[arg-type]
+
+
+def _chat_proto(messages: Sequence[dict]) -> generate_pb2.Chat:
+    chat = generate_pb2.Chat()
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"a chat message is a dict with 'role' and 'content', got {m!r}")
+        chat.messages.add(role=m["role"], content=str(m.get("content") or ""))
+    return chat
+
+
+def _generate_request(prompt: Prompt, params: SamplingParams | None, request_id: str,
+                      skip_special_tokens: bool) -> generate_pb2.GenerateRequest:
+    req = generate_pb2.GenerateRequest(request_id=request_id,
+                                       skip_special_tokens=skip_special_tokens)
+    if params is not None:
+        req.sampling.CopyFrom(params.to_proto())
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, (bytes, bytearray)):
+        raise TypeError("prompt must be str, not bytes: decode it first")
+    elif isinstance(prompt, Sequence) and all(isinstance(p, dict) for p in prompt) and prompt:
+        req.chat.CopyFrom(_chat_proto(prompt))  # type: ignore[arg-type]
+    elif isinstance(prompt, Sequence) and all(isinstance(p, int) for p in prompt):
+        # Empty list: token ids (the server answers INVALID_ARGUMENT for an empty prompt).
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+    else:
+        raise TypeError("prompt must be a str, a list of token ids, or a list of "
+                        f"{{'role', 'content'}} dicts, got {type(prompt).__name__}")
+    return req
+
+
+def _tokenize_request(prompt: str | Sequence[dict]) -> generate_pb2.TokenizeRequest:
+    if isinstance(prompt, str):
+        return generate_pb2.TokenizeRequest(text=prompt)
+    return generate_pb2.TokenizeRequest(chat=_chat_proto(prompt))
+
+
+def _usage(msg: Any) -> Usage | None:
+    return _from_message(Usage, msg.usage) if msg.HasField("usage") else None
+
+
+def _chunk(msg: generate_pb2.GenerateResponse | generate_pb2.CompleteResponse) -> GenerationChunk:
+    return GenerationChunk(request_id=msg.request_id, token_ids=list(msg.token_ids),
+                           text=msg.text, logprobs=list(msg.logprobs),
+                           finish_reason=_FINISH_REASONS.get(msg.finish_reason),
+                           usage=_usage(msg))
+
+
+def _completion(msg: generate_pb2.CompleteResponse) -> Completion:
+    c = _chunk(msg)
+    return Completion(c.request_id, c.token_ids, c.text, c.logprobs, c.finish_reason,
+                      c.usage or Usage())
+
+
+def _health_status(resp: health_pb2.HealthCheckResponse) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+# ---------------------------------------------------------------------------- sync
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 options: list[tuple[str, Any]] | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS + (options or []))
+        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return method(request, timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, stream: bool = True,
+                 *, request_id: str = "", skip_special_tokens: bool = False,
+                 timeout: float | None = None) -> Iterator[GenerationChunk]:
+        """Chunks as they are produced (stream=False: one chunk, from Complete). Leaving
+        the loop early (break, close, garbage collection) cancels the request on the
+        server, which frees its KV blocks. A bad prompt type raises here, not on next()."""
+        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        if not stream:
+            return iter([_chunk(self._unary(self._stub.Complete, req, timeout))])
+        return self._stream(req, timeout)
+
+    def _stream(self, req: generate_pb2.GenerateRequest,
+                timeout: float | None) -> Iterator[GenerationChunk]:
+        call = self._stub.Generate(req, timeout=self._timeout(timeout))
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+        finally:
+            call.cancel()  # no-op once the stream has ended
+
+    def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                 request_id: str = "", skip_special_tokens: bool = False,
+                 timeout: float | None = None) -> Completion:
+        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        return _completion(self._unary(self._stub.Complete, req, timeout))
+
+    def tokenize(self, prompt: str | Sequence[dict], timeout: float | None = None) -> list[int]:
+        """Token ids of a text, or of a chat rendered with the model's template."""
+        resp = self._unary(self._stub.Tokenize, _tokenize_request(prompt), timeout)
+        return list(resp.token_ids)
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        msg = self._unary(self._stub.GetModelInfo, generate_pb2.ModelInfoRequest(), timeout)
+        return _from_message(ModelInfo, msg)
+
+    def stats(self, timeout: float | None = None) -> Stats:
+        return _from_message(Stats, self._unary(self._stub.GetStats, generate_pb2.StatsRequest(),
+                                                timeout))
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """grpc.health.v1 status name: "SERVING", "NOT_SERVING", "UNKNOWN", "SERVICE_UNKNOWN"."""
+        req = health_pb2.HealthCheckRequest(service=service)
+        return _health_status(self._unary(self._health.Check, req, timeout))
+
+
+# ---------------------------------------------------------------------------- asyncio
+class AsyncClient:
+    """The same surface on grpc.aio: `async for chunk in client.generate(...)`, and
+    `await` for the rest. Create it inside the event loop that uses it."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 options: list[tuple[str, Any]] | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + (options or []))
+        self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(request, timeout=self._timeout(timeout))
+        except grpc.RpcError as e:  # grpc.aio.AioRpcError is one
+            raise NanoserveError.from_rpc_error(e) from None
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None,
+                 stream: bool = True, *, request_id: str = "",
+                 skip_special_tokens: bool = False,
+                 timeout: float | None = None) -> AsyncIterator[GenerationChunk]:
+        """Async iterator of chunks; leaving the loop early cancels the request."""
+        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        return self._stream(req, stream, timeout)
+
+    async def _stream(self, req: generate_pb2.GenerateRequest, stream: bool,
+                      timeout: float | None) -> AsyncIterator[GenerationChunk]:
+        if not stream:
+            yield _chunk(await self._unary(self._stub.Complete, req, timeout))
+            return
+        call = self._stub.Generate(req, timeout=self._timeout(timeout))
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                       request_id: str = "", skip_special_tokens: bool = False,
+                       timeout: float | None = None) -> Completion:
+        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        return _completion(await self._unary(self._stub.Complete, req, timeout))
+
+    async def tokenize(self, prompt: str | Sequence[dict],
+                       timeout: float | None = None) -> list[int]:
+        resp = await self._unary(self._stub.Tokenize, _tokenize_request(prompt), timeout)
+        return list(resp.token_ids)
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        msg = await self._unary(self._stub.GetModelInfo, generate_pb2.ModelInfoRequest(), timeout)
+        return _from_message(ModelInfo, msg)
+
+    async def stats(self, timeout: float | None = None) -> Stats:
+        msg = await self._unary(self._stub.GetStats, generate_pb2.StatsRequest(), timeout)
+        return _from_message(Stats, msg)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        req = health_pb2.HealthCheckRequest(service=service)
+        return _health_status(await self._unary(self._health.Check, req, timeout))
