@@ -1,0 +1,212 @@
+"""The engine loop: schedule -> Step on the workers -> postprocess, on its own thread.
+
+Requests enter through `submit`/`abort` from any thread (the gRPC event loop); the loop
+applies them between steps, so the Scheduler and BlockManager are touched by one thread
+only. Results leave through a callback once per step, batched, so the event loop wakes
+once per step rather than once per token.
+
+If the worker group fails, every sequence is put back to waiting with its tokens, the
+prefix cache is forgotten (the KV bytes are gone), and the loop reconnects and re-prefills:
+clients see a pause, not an error.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from array import array
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from nanoserve.v1 import worker_pb2
+from scheduler_service.block_manager import BlockManager
+from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
+from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.worker_client import GroupInfo, WorkerGroup, WorkerGroupError, wait_for_group
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+@dataclass
+class SeqUpdate:
+    """What one step produced for one sequence."""
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None      # "stop" | "length" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None       # the request failed (INTERNAL)
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+
+
+def _i32(values) -> bytes:
+    return array("i", values).tobytes()   # native order: little-endian on every host we run
+
+
+class Engine:
+    def __init__(self, group: WorkerGroup, info: GroupInfo, config: SchedulerConfig,
+                 on_updates: Callable[[list[SeqUpdate]], None]):
+        self.group = group
+        self.info = info
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.on_updates = on_updates
+        self.stats = EngineStats()
+        self.healthy = True
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._sent_blocks: dict[int, int] = {}    # seq_id -> blocks the workers know
+        self._step_id = 0
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # ---- called from other threads --------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        self._post("add", seq)
+
+    def abort(self, seq_id: int) -> None:
+        self._post("abort", seq_id)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def num_pending(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self._inbox)
+
+    def _post(self, kind: str, item: object) -> None:
+        with self._wake:
+            self._inbox.append((kind, item))
+            self._wake.notify()
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                with self._wake:
+                    if not self._inbox and not self._stop.is_set():
+                        self._wake.wait(timeout=0.5)
+                continue
+            batch = self.scheduler.schedule()
+            if batch is None:
+                continue
+            try:
+                resp = self.group.step(self._build_step(batch))
+            except WorkerGroupError as e:
+                self._recover(batch, e)
+                continue
+            self._finish_step(batch, resp)
+
+    def _drain_inbox(self) -> None:
+        with self._wake:
+            items, self._inbox = list(self._inbox), deque()
+        for kind, item in items:
+            if kind == "add":
+                self.scheduler.add(item)
+            else:
+                self.scheduler.abort(item)
+
+    def _build_step(self, batch: Batch) -> worker_pb2.StepRequest:
+        self._step_id += 1
+        req = worker_pb2.StepRequest(step_id=self._step_id)
+        for seq_id in self.scheduler.drain_released():
+            if self._sent_blocks.pop(seq_id, None) is not None:
+                req.drop_seq_ids.append(seq_id)
+        bs = self.config.block_size
+        tokens: list[int] = []
+        slots: list[int] = []
+        for seq in batch.seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            tokens.extend(seq.token_ids[start:start + n])
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            known = self._sent_blocks.get(seq.seq_id)
+            work = req.seqs.add(seq_id=seq.seq_id, num_tokens=n, start_pos=start,
+                                sample=start + n == seq.num_tokens)
+            if known is None:
+                work.reset_block_table = True
+                work.block_table_i32 = _i32(table)
+                s = seq.sampling
+                work.sampling.temperature = s.temperature
+                work.sampling.top_p = s.top_p
+                work.sampling.top_k = s.top_k
+                work.sampling.min_p = s.min_p
+                work.sampling.has_seed = s.seed is not None
+                work.sampling.seed = s.seed or 0
+                work.sampling.logprobs = s.logprobs
+            elif known < len(table):
+                work.block_table_i32 = _i32(table[known:])
+            self._sent_blocks[seq.seq_id] = len(table)
+        req.token_ids_i32 = _i32(tokens)
+        req.slot_mapping_i32 = _i32(slots)
+        return req
+
+    def _finish_step(self, batch: Batch, resp: worker_pb2.StepResponse) -> None:
+        sampled = array("i")
+        sampled.frombytes(resp.sampled_token_ids_i32)
+        logprobs = None
+        if resp.logprobs_f32:
+            lp = array("f")
+            lp.frombytes(resp.logprobs_f32)
+            logprobs = lp.tolist()
+        done = self.scheduler.postprocess(batch, sampled.tolist(), logprobs)
+        self.stats.num_steps += 1
+        self.stats.num_generated_tokens += len(done)
+        updates = [SeqUpdate(
+            seq_id=s.seq_id, token_ids=[s.last_token],
+            logprobs=[s.logprobs[-1]] if s.sampling.logprobs and s.logprobs else [],
+            finish_reason=s.finish_reason if s.status == SequenceStatus.FINISHED else None,
+            num_prompt_tokens=s.num_prompt_tokens, num_cached_tokens=s.usage_cached_tokens or 0)
+            for s in done]
+        if updates:
+            self.on_updates(updates)
+
+    def _recover(self, batch: Batch, err: WorkerGroupError) -> None:
+        """Put every sequence back to waiting and reconnect; fail only on a step error."""
+        log.error("worker group failed: %s", err)
+        self.healthy = False
+        failed = [] if err.lost else [s for s in batch.seqs if s.status != SequenceStatus.FINISHED]
+        for seq in failed:
+            self.scheduler.abort(seq.seq_id)
+        if failed:
+            self.on_updates([SeqUpdate(s.seq_id, [], [], None, s.num_prompt_tokens,
+                                       s.usage_cached_tokens or 0, error=str(err)) for s in failed])
+        self._reset_sequences()
+        try:
+            self.info = wait_for_group(self.group, self.config.block_size,
+                                       self.config.num_kv_blocks, stop=self._stop)
+        except WorkerGroupError as e:
+            log.error("giving up on the worker group: %s", e)
+            return
+        self.healthy = True
+        log.info("worker group back; re-prefilling %d sequences", len(self.scheduler.waiting))
+
+    def _reset_sequences(self) -> None:
+        """The workers' KV is gone: every sequence recomputes from its token ids."""
+        sched = self.scheduler
+        live = list(sched.running) + list(sched.waiting)
+        sched.running.clear()
+        sched.waiting.clear()
+        sched.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        for seq in live:
+            seq.status = SequenceStatus.WAITING
+            seq.block_table = []
+            seq.num_cached_tokens = seq.num_computed_tokens = 0
+            seq.num_scheduled_tokens = seq.num_hashed_blocks = 0
+            sched.waiting.append(seq)
+        sched.drain_released()
+        self._sent_blocks.clear()
