@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.rotary import apply_rotary, apply_rotary_ref
+
 
 def rope_theta_from_config(config) -> float:
     """rope_theta from a transformers 4 (config.rope_theta, config.rope_scaling) or
@@ -26,6 +28,8 @@ def rope_theta_from_config(config) -> float:
 
 
 class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin table; the rotation is kernels/rotary.py (Triton on GPU)."""
+
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
         if head_dim % 2:
@@ -35,17 +39,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # float32 whatever the model dtype (the loader builds the model in its dtype, so no
         # .to(dtype) ever rounds these); not saved in checkpoints (derived from the config)
-        self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_position, D/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]; cos/sin [T, 1, D/2]."""
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)   # [max_position, head_dim]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k)."""
-        cos = self.cos[positions].float().unsqueeze(1)
-        sin = self.sin[positions].float().unsqueeze(1)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k) (in place on GPU)."""
+        rotate = apply_rotary if q.is_cuda else apply_rotary_ref
+        return rotate(q, k, positions, self.cos_sin_cache)

@@ -115,7 +115,7 @@ def test_dtype_from_config_and_override(tmp_path_factory):
     ckpt = load_file(fp32_dir / "model.safetensors")
     torch.testing.assert_close(model16.model.norm.weight, ckpt["model.norm.weight"].bfloat16(),
                                rtol=0, atol=0)
-    assert model16.model.layers[0].self_attn.rotary_emb.cos.dtype == torch.float32
+    assert model16.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32
 
 
 def test_bf16_forward_runs_close_to_fp32(tmp_path_factory):

@@ -1,0 +1,56 @@
+"""A small paged KV cache wired into a model, for tests that drive the model directly."""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from models.qwen3 import kv_cache_layers
+
+
+class PagedKV:
+    """A small paged KV cache wired into a model, with shuffled per-sequence block tables."""
+
+    def __init__(self, model, seq_lens: list[int], block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        layers = kv_cache_layers(model)
+        attn = layers[0]
+        need = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(need) + 3                       # a few spare, never-used blocks
+        dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.kv = torch.full((2, len(layers), num_blocks, block_size, attn.num_kv_heads,
+                              attn.head_dim), float("nan"), dtype=dtype,
+                             device=self.device)  # junk reads show
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables, start = [], 0
+        for n in need:
+            self.tables.append(perm[start:start + n])
+            start += n
+
+    def metadata(self, chunks: list[tuple[int, int, int]], is_decode: bool = False
+                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """chunks: (seq index, first position, end position) per sequence in this step.
+        Returns (positions [T], metadata)."""
+        positions, slots, cu_q, ctx = [], [], [0], []
+        for seq, start, end in chunks:
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(self.tables[seq][p // self.block_size] * self.block_size
+                             + p % self.block_size)
+            cu_q.append(cu_q[-1] + end - start)
+            ctx.append(end)
+        width = max(len(self.tables[seq]) for seq, _, _ in chunks)
+        tables = [self.tables[seq] + [0] * (width - len(self.tables[seq])) for seq, _, _ in chunks]
+        i32 = dict(dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, **i32),
+            block_tables=torch.tensor(tables, **i32),
+            context_lens=torch.tensor(ctx, **i32),
+            cu_seqlens_q=torch.tensor(cu_q, **i32),
+            cu_seqlens_k=torch.tensor([0] + torch.tensor(ctx).cumsum(0).tolist(), **i32),
+            max_seqlen_q=max(e - s for _, s, e in chunks),
+            max_seqlen_k=max(ctx),
+            is_decode=is_decode)
+        return torch.tensor(positions, dtype=torch.long, device=self.device), meta
