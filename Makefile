@@ -21,7 +21,7 @@ setup: $(STAMP)
 # constraints.txt keeps torch on the local CPU wheel (no CUDA download).
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev,demo]'
 	touch $@
 
 proto: $(STUBS)
@@ -32,6 +32,15 @@ $(STUBS) &: $(PROTOS) $(STAMP)
 
 test: proto
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# Serve the embedded default model (or MODEL=dir) on loopback and stream one answer.
+demo: proto
+	$(BIN)/python -m client.demo $(if $(MODEL),--model $(MODEL),)
+
+# Scheduler on :50051 + TP worker processes on this host (GPU when present). Ctrl-C stops all.
+serve: proto
+	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
+	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP)
 
 clean:
 	rm -rf $(VENV) $(STUBS) $(PROTOS:.proto=_pb2.pyi) $(PROTOS:.proto=_pb2_grpc.py)
