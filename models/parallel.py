@@ -32,6 +32,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite x on every rank with rank src's x (in place); identity for size 1."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's x along dim, on every rank; identity for size 1."""
         if self.size == 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,12 +23,18 @@ class Proc:
     popen: subprocess.Popen | None = None
     port: int = 0
     log: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)   # on top of os.environ
+    _found: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def start(self, timeout: float = 120.0) -> "Proc":
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return self.launch().wait_listening(timeout)
+
+    def launch(self) -> "Proc":
+        """Start the process without waiting: TP ranks only listen once all have started."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.popen = subprocess.Popen([sys.executable, "-m", *self.args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        found = threading.Event()
+        found = self._found = threading.Event()
 
         def pump():
             for line in self.popen.stdout:
@@ -39,10 +46,21 @@ class Proc:
             found.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(timeout) or not self.port:
+        return self
+
+    def wait_listening(self, timeout: float = 120.0) -> "Proc":
+        """Block until the process prints its port; RuntimeError with its output if it dies."""
+        if not self._found.wait(timeout) or not self.port:
             self.stop()
             raise RuntimeError(f"{self.name} did not start:\n{self.output()}")
         return self
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit status, or None if still running after timeout."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def output(self) -> str:
         return "".join(self.log[-80:])
@@ -58,11 +76,54 @@ class Proc:
             return self.popen.wait()
 
 
+def free_port() -> int:
+    """A port that was free a moment ago (for addresses a process must be told up front)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_proc(model_dir: Path, port: int = 0, kv_cache_gb: float = 0.05, extra: list[str] = (),
+                *, rank: int = 0, world_size: int = 1, dist_init: str | None = None,
+                env: dict[str, str] | None = None) -> Proc:
+    """A worker Proc, not started yet (see start_worker / start_tp_workers)."""
+    args = ["worker_service", "--model", str(model_dir), "--device", "cpu", "--port", str(port),
+            "--kv-cache-gb", str(kv_cache_gb), "--log-level", "WARNING"]
+    if world_size > 1 or rank:
+        args += ["--rank", str(rank), "--world-size", str(world_size)]
+    if dist_init:
+        args += ["--dist-init", dist_init]
+    return Proc(f"worker rank {rank}/{world_size}", [*args, *extra], env=dict(env or {}))
+
+
 def start_worker(model_dir: Path, port: int = 0, kv_cache_gb: float = 0.05,
-                 extra: list[str] = ()) -> Proc:
-    return Proc("worker", ["worker_service", "--model", str(model_dir), "--device", "cpu",
-                           "--port", str(port), "--kv-cache-gb", str(kv_cache_gb),
-                           "--log-level", "WARNING", *extra]).start()
+                 extra: list[str] = (), **tp) -> Proc:
+    """One worker (world size 1 unless given rank/world_size/dist_init), started."""
+    return worker_proc(model_dir, port, kv_cache_gb, extra, **tp).start()
+
+
+def start_tp_workers(model_dir: Path, world_size: int, ports: list[int] | None = None,
+                     dist_port: int | None = None, kv_cache_gb: float | list[float] = 0.05,
+                     extra: list[str] = (), threads_per_rank: int = 1,
+                     timeout: float = 120.0) -> list[Proc]:
+    """All ranks of one TP group, launched together (each listens only once all have met).
+
+    kv_cache_gb may differ per rank (a list). One intra-op thread per rank by default: CI
+    machines have few cores, and oversubscribed ranks crawl at every collective."""
+    dist_init = f"tcp://127.0.0.1:{dist_port or free_port()}"
+    ports = ports or [0] * world_size
+    kv = kv_cache_gb if isinstance(kv_cache_gb, list) else [kv_cache_gb] * world_size
+    procs = [worker_proc(model_dir, ports[r], kv[r], extra, rank=r, world_size=world_size,
+                         dist_init=dist_init, env={"OMP_NUM_THREADS": str(threads_per_rank)}).launch()
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.wait_listening(timeout)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs
 
 
 def start_scheduler(model_dir: Path, worker_ports: list[int], block_size: int = 8,

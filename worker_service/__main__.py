@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+
+EXIT_GROUP_BROKEN = 69   # == worker_service.distributed.EXIT_GROUP_BROKEN (not imported: no torch for --help)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,10 +39,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest prefill batch; the memory profiler plans for it")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0 = the model's max_position_embeddings)")
-    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
-    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size")
-    p.add_argument("--dist-init", default="tcp://127.0.0.1:29500",
-                   help="torch.distributed rendezvous address for world size > 1")
+    tp = p.add_argument_group(
+        "tensor parallelism",
+        "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "
+        "same --world-size, --dist-init and model; they join over NCCL (CUDA) or gloo (CPU). "
+        "Heads, KV heads, MLP and vocabulary are sharded, so num_attention_heads, "
+        "num_key_value_heads and intermediate_size must divide by N (N > num_key_value_heads "
+        "is not supported). A rank whose group breaks (a step fails, a peer dies or is "
+        f"restarted, rank 0 goes away) exits with status {EXIT_GROUP_BROKEN}: run workers "
+        "under a supervisor that restarts them; the scheduler reconnects and re-prefills.")
+    tp.add_argument("--rank", type=int, default=0, help="tensor-parallel rank of this worker")
+    tp.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size")
+    tp.add_argument("--dist-init", default="tcp://127.0.0.1:29500",
+                    help="rendezvous tcp://host:port for world size > 1 (rank 0 listens there)")
+    tp.add_argument("--dist-timeout", type=float, default=60.0,
+                    help="seconds to wait for the other ranks at startup and inside each "
+                         "collective before giving up (then the worker exits)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -47,18 +62,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 0 <= args.rank < args.world_size:
+        raise SystemExit(f"nanoserve worker: --rank {args.rank} is not in [0, --world-size "
+                         f"{args.world_size})")
     import torch  # after --help, which should not pay for importing torch
 
     from models.parallel import TPGroup
+    from worker_service import distributed
     from worker_service.model_runner import ModelRunner, RunnerConfig
     from worker_service.server import serve
 
     device = args.device or (f"cuda:{args.rank % max(torch.cuda.device_count(), 1)}"
                              if torch.cuda.is_available() else "cpu")
+    assert distributed.EXIT_GROUP_BROKEN == EXIT_GROUP_BROKEN
+    group = None
+    tp, runner_class = TPGroup(), ModelRunner
     if args.world_size > 1:
-        raise SystemExit("tensor parallelism (--world-size > 1) is not wired yet")
-    tp = TPGroup(rank=args.rank, size=args.world_size)
-    runner = ModelRunner(RunnerConfig(
+        try:
+            with open(os.path.join(args.model, "config.json")) as f:
+                distributed.check_tp_config(json.load(f), args.world_size)
+            group = distributed.DistGroup(distributed.DistConfig(
+                rank=args.rank, world_size=args.world_size, init_method=args.dist_init,
+                timeout_s=args.dist_timeout, backend=distributed.backend_for(torch.device(device))),
+                torch.device(device), distributed.model_fingerprint(args.model))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise SystemExit(f"nanoserve worker rank {args.rank}: {e}") from e
+        tp, runner_class = group.tp, distributed.TPModelRunner
+    runner = runner_class(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
@@ -70,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    if group is not None:
+        group.stop_watching()   # peers shutting down too must not make this an error exit
     server.stop(grace=5).wait()
+    if group is not None:
+        group.close()
     return 0
 
 

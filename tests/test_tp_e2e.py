@@ -1,0 +1,206 @@
+"""Tensor parallelism end to end: TP=2 worker processes over gloo behind the real scheduler.
+
+Greedy output must be token-identical to TP=1 and to Hugging Face on the same weights,
+including GQA with num_key_value_heads == TP size (one KV head per rank) and a tied,
+odd-sized vocabulary (the last vocab shard is padded). The failure tests pin down the
+contract of worker_service/distributed.py: a rank whose group breaks exits with
+EXIT_GROUP_BROKEN, the scheduler reports unhealthy instead of hanging, and restarting
+the group lets in-flight requests finish.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+
+import grpc
+import pytest
+import torch
+import transformers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from services import free_port, start_scheduler, start_tp_workers, start_worker, wait_until, worker_proc
+from test_e2e import generate, hf_greedy, hf_greedy_ignore_eos
+from tiny_checkpoint import tiny_qwen3_dir
+from worker_service.distributed import EXIT_GROUP_BROKEN, TPConfigError, check_tp_config
+
+pytestmark = pytest.mark.slow
+BLOCK = 8
+VOCAB = 389
+CHECKPOINTS = {
+    "gqa_kv_eq_tp": dict(num_heads=4, num_kv_heads=2, vocab_size=VOCAB, seed=11),
+    "mha_tied": dict(num_heads=4, num_kv_heads=4, vocab_size=VOCAB, seed=12,
+                     tie_word_embeddings=True),
+}
+
+
+def _stop_all(*procs) -> None:
+    for p in procs:
+        if p is not None:
+            p.stop()
+
+
+class Stack:
+    """A scheduler in front of its workers; stub() talks to the scheduler."""
+
+    def __init__(self, workers, scheduler):
+        self.workers, self.scheduler = workers, scheduler
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{scheduler.port}")
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        _stop_all(self.scheduler, *self.workers)
+
+
+def start_stack(model_dir, world_size: int, **tp) -> Stack:
+    workers = (start_tp_workers(model_dir, world_size, **tp) if world_size > 1
+               else [start_worker(model_dir)])
+    try:
+        sched = start_scheduler(model_dir, [w.port for w in workers], block_size=BLOCK,
+                                extra=["--max-num-batched-tokens", "64"])
+    except BaseException:
+        _stop_all(*workers)
+        raise
+    return Stack(workers, sched)
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def stacks(request, tmp_path_factory):
+    """(model_dir, TP=2 stack, TP=1 stack) on one checkpoint; ranks get different KV budgets."""
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS[request.param])
+    with cf.ThreadPoolExecutor(2) as pool:   # both stacks boot at once
+        tp2 = pool.submit(start_stack, model_dir, 2, kv_cache_gb=[0.05, 0.04])
+        tp1 = pool.submit(start_stack, model_dir, 1)
+        stacks = [f.result() for f in (tp2, tp1)]   # (a failure leaks the other; rare)
+    yield model_dir, CHECKPOINTS[request.param], *stacks
+    for s in stacks:
+        s.close()
+
+
+def test_tp2_greedy_matches_tp1_and_hf(stacks):
+    model_dir, _, tp2, tp1 = stacks
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 8, 9, 23, 70)]
+    jobs = [(p, 16, {}) for p in prompts] + [(prompts[2], 40, {"ignore_eos": True})]
+    with cf.ThreadPoolExecutor(2 * len(jobs)) as pool:   # concurrent: batched decode steps
+        runs = {name: [pool.submit(generate, stack.stub, p, n, **kw) for p, n, kw in jobs]
+                for name, stack in (("tp2", tp2), ("tp1", tp1))}
+        out = {name: [f.result()[0] for f in futures] for name, futures in runs.items()}
+    for i, (prompt, n, kw) in enumerate(jobs):
+        ref = (hf_greedy_ignore_eos(hf, prompt, n) if kw else hf_greedy(hf, prompt, n))
+        assert out["tp2"][i] == ref, f"TP=2 vs HF, prompt of {len(prompt)} tokens"
+        assert out["tp1"][i] == ref, f"TP=1 vs HF, prompt of {len(prompt)} tokens"
+
+
+def test_tp2_kv_capacity_is_per_rank_minimum(stacks):
+    """Each rank holds half the KV heads, so a block costs half: twice the blocks of TP=1
+    for the same budget; the group takes the smaller rank's (0.04 GiB) count."""
+    _, ckpt, tp2, tp1 = stacks
+    # K and V, 2 layers, head_dim 16, float32
+    block_bytes = lambda kv_heads: 2 * 2 * BLOCK * kv_heads * 16 * 4
+    blocks1 = tp1.stub.GetStats(generate_pb2.StatsRequest()).num_kv_blocks
+    blocks2 = tp2.stub.GetStats(generate_pb2.StatsRequest()).num_kv_blocks
+    assert blocks1 == int(0.05 * (1 << 30) // block_bytes(ckpt["num_kv_heads"]))
+    assert blocks2 == int(0.04 * (1 << 30) // block_bytes(ckpt["num_kv_heads"] // 2))
+    assert "TP=2" in tp2.scheduler.output()
+
+
+def test_rank_killed_mid_generation_group_restart_finishes_request(tmp_path_factory):
+    """SIGKILL rank 1 while a request decodes: rank 0's collective fails at once (gloo sees
+    the closed socket), rank 0 exits EXIT_GROUP_BROKEN, the scheduler reports unhealthy
+    (GetStats and grpc health) without hanging; restarting both ranks finishes the request."""
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS["gqa_kv_eq_tp"])
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ports, dist_port = [free_port(), free_port()], free_port()
+    stack = start_stack(model_dir, 2, ports=ports, dist_port=dist_port)
+    try:
+        stub = stack.stub
+        health = health_pb2_grpc.HealthStub(stack.channel)
+        check = lambda: health.Check(health_pb2.HealthCheckRequest(
+            service="nanoserve.v1.Generation"), timeout=5).status
+        prompt = list(range(10, 40))
+        stream = stub.Generate(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)),
+            timeout=120)
+        ids = list(next(stream).token_ids)
+        rank0, rank1 = stack.workers
+        rank1.stop(sig=9)
+        assert rank0.wait_exit(20) == EXIT_GROUP_BROKEN, rank0.output()
+        assert "tensor-parallel group broken" in rank0.output()
+        assert wait_until(lambda: check() == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        assert not stub.GetStats(generate_pb2.StatsRequest(), timeout=5).workers_healthy
+        stack.workers = start_tp_workers(model_dir, 2, ports=ports, dist_port=dist_port)
+        for chunk in stream:
+            ids.extend(chunk.token_ids)
+        assert ids == hf_greedy_ignore_eos(hf, prompt, 300)
+        assert wait_until(lambda: check() == health_pb2.HealthCheckResponse.SERVING, 10)
+        assert stub.GetStats(generate_pb2.StatsRequest(), timeout=5).workers_healthy
+    finally:
+        stack.close()
+
+
+def test_idle_group_exits_as_a_whole_when_a_rank_is_replaced(tmp_path_factory):
+    """No step in flight, so no collective can fail: a replacement rank 1 finds its rank
+    taken at the rendezvous and tells the stale rank 0 to exit; with a new rank 0 the group
+    re-forms. When rank 0 (the rendezvous store) goes, rank 1 follows on its own."""
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS["gqa_kv_eq_tp"])
+    dist_port = free_port()
+    old0, old1 = start_tp_workers(model_dir, 2, dist_port=dist_port)
+    new = []
+    try:
+        old1.stop(sig=9)
+        new1 = worker_proc(model_dir, rank=1, world_size=2,
+                           dist_init=f"tcp://127.0.0.1:{dist_port}").launch()
+        new.append(new1)
+        assert old0.wait_exit(20) == EXIT_GROUP_BROKEN, old0.output()
+        assert "this group is stale" in old0.output()
+        new0 = worker_proc(model_dir, rank=0, world_size=2,
+                           dist_init=f"tcp://127.0.0.1:{dist_port}").launch()
+        new.append(new0)
+        new0.wait_listening(60)
+        new1.wait_listening(60)
+        new0.stop(sig=9)
+        assert new1.wait_exit(20) == EXIT_GROUP_BROKEN, new1.output()
+        assert "rank 0 is gone" in new1.output()
+    finally:
+        _stop_all(old0, old1, *new)
+
+
+@pytest.mark.parametrize("config, world_size, fits, fragment", [
+    (dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128), 4, 2,
+     "exceeds num_key_value_heads=2: replicating KV heads across ranks is not supported"),
+    (dict(num_attention_heads=4, intermediate_size=128), 8, 4, "exceeds num_key_value_heads=4"),
+    (dict(num_attention_heads=6, num_key_value_heads=6, intermediate_size=96), 4, 2,
+     "num_attention_heads=6 is not divisible by --world-size 4"),
+    (dict(num_attention_heads=8, num_key_value_heads=6, intermediate_size=96), 4, 2,
+     "num_key_value_heads=6 is not divisible"),
+    (dict(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8, 4,
+     "intermediate_size=100 is not divisible"),
+])
+def test_tp_preconditions(config, world_size, fits, fragment):
+    with pytest.raises(TPConfigError, match=fragment):
+        check_tp_config(config, world_size)
+    check_tp_config(config, fits)
+
+
+def test_worker_rejects_world_size_above_kv_heads(tmp_path_factory):
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS["gqa_kv_eq_tp"])
+    with pytest.raises(RuntimeError, match="replicating KV heads across ranks is not supported"):
+        start_worker(model_dir, rank=0, world_size=4, dist_init=f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_ranks_with_different_world_sizes_refuse_to_start(tmp_path_factory):
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS["mha_tied"])
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [worker_proc(model_dir, rank=r, world_size=ws, dist_init=dist_init).launch()
+             for r, ws in ((0, 2), (1, 4))]
+    try:
+        for p in procs:
+            assert p.wait_exit(60) not in (None, 0), p.output()
+            assert "has world_size 4" in p.output() or "has world_size 2" in p.output()
+            assert "every rank must be started alike" in p.output()
+    finally:
+        _stop_all(*procs)
