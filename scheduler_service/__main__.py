@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="completion length when a request sets no max_tokens")
     p.add_argument("--max-message-mb", type=int, default=16,
                    help="largest request message accepted (bigger: RESOURCE_EXHAUSTED)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="keep one step in flight instead of two (by default step N+1 is "
+                        "scheduled and sent while the workers compute step N)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="INFO")
@@ -70,7 +73,7 @@ async def serve(args: argparse.Namespace) -> None:
                     max_kv_tokens=info.num_kv_blocks * args.block_size,
                     max_waiting=args.max_waiting, default_max_tokens=args.default_max_tokens)
     service = GenerationService(None, tokenizer, limits, info.model, engine_eos_id=info.eos_token_id)
-    engine = Engine(group, info, config, service.post_updates)
+    engine = Engine(group, info, config, service.post_updates, overlap=not args.no_overlap)
     service.engine = engine
     engine.start()
     server, port, health_servicer = await build_server(

@@ -119,9 +119,12 @@ class BlockManager:
             seq.block_table.append(self._take_fresh_block())
 
     def commit(self, seq: Sequence) -> None:
-        """Register the full blocks whose KV is now computed, so others can hit them."""
+        """Register the full blocks whose KV is now computed, so others can hit them.
+
+        A block holding an in-flight placeholder token waits: its ids are not known yet."""
         bs = self.block_size
-        while seq.num_hashed_blocks < seq.num_computed_tokens // bs:
+        known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        while seq.num_hashed_blocks < known // bs:
             i = seq.num_hashed_blocks
             parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
             block = self.blocks[seq.block_table[i]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -43,6 +44,15 @@ class SeqUpdate:
 class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
+    # Decode-step time breakdown (ms, summed): what the benchmark's idle analysis reads.
+    num_decode_steps: int = 0
+    num_decode_seqs: int = 0
+    decode_wall_ms: float = 0.0
+    decode_schedule_ms: float = 0.0
+    decode_rpc_ms: float = 0.0
+    decode_worker_ms: float = 0.0
+    decode_gpu_ms: float = 0.0
+    decode_postprocess_ms: float = 0.0
 
 
 def _i32(values) -> bytes:
@@ -51,12 +61,13 @@ def _i32(values) -> bytes:
 
 class Engine:
     def __init__(self, group: WorkerGroup, info: GroupInfo, config: SchedulerConfig,
-                 on_updates: Callable[[list[SeqUpdate]], None]):
+                 on_updates: Callable[[list[SeqUpdate]], None], overlap: bool = True):
         self.group = group
         self.info = info
         self.config = config
         self.scheduler = Scheduler(config)
         self.on_updates = on_updates
+        self.max_in_flight = 2 if overlap else 1
         self.stats = EngineStats()
         self.healthy = True
         self._inbox: deque[tuple[str, object]] = deque()
@@ -94,22 +105,52 @@ class Engine:
     # ---- the loop -------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Keep up to `max_in_flight` steps on the workers: with 2, step N+1 is scheduled
+        and sent while the workers compute step N, so the GPU does not wait for us."""
+        in_flight: deque[tuple[Batch, int, float]] = deque()   # (batch, step id, schedule ms)
+        last_done = time.perf_counter()
         while not self._stop.is_set():
             self._drain_inbox()
-            if not self.scheduler.has_work():
+            if not in_flight and not self.scheduler.has_work():
                 with self._wake:
                     if not self._inbox and not self._stop.is_set():
                         self._wake.wait(timeout=0.5)
                 continue
-            batch = self.scheduler.schedule()
-            if batch is None:
+            t0 = time.perf_counter()
+            if not in_flight:
+                last_done = t0          # idle time between bursts is not step time
+            batch = self.scheduler.schedule() if len(in_flight) < self.max_in_flight else None
+            if batch is not None:
+                request = self._build_step(batch)
+                self.group.send(request)
+                self.scheduler.advance(batch)
+                in_flight.append((batch, request.step_id, (time.perf_counter() - t0) * 1e3))
+            if not in_flight or (batch is not None and len(in_flight) < self.max_in_flight):
                 continue
+            oldest, step_id, schedule_ms = in_flight.popleft()
+            t1 = time.perf_counter()
             try:
-                resp = self.group.step(self._build_step(batch))
+                resp = self.group.receive(step_id)
             except WorkerGroupError as e:
-                self._recover(batch, e)
+                self._recover([oldest] + [b for b, _, _ in in_flight], e)
+                in_flight.clear()
                 continue
-            self._finish_step(batch, resp)
+            t2 = time.perf_counter()
+            updates = self._finish_step(oldest, resp)
+            t3 = time.perf_counter()
+            if not oldest.is_prefill:   # counted before clients hear of the step
+                s = self.stats
+                s.num_decode_steps += 1
+                s.num_decode_seqs += len(oldest.seqs)
+                s.decode_wall_ms += (t3 - last_done) * 1e3
+                s.decode_schedule_ms += schedule_ms
+                s.decode_rpc_ms += (t2 - t1) * 1e3
+                s.decode_worker_ms += resp.step_ms
+                s.decode_gpu_ms += resp.gpu_ms
+                s.decode_postprocess_ms += (t3 - t2) * 1e3
+            if updates:
+                self.on_updates(updates)
+            last_done = t3
 
     def _drain_inbox(self) -> None:
         with self._wake:
@@ -155,7 +196,8 @@ class Engine:
         req.slot_mapping_i32 = _i32(slots)
         return req
 
-    def _finish_step(self, batch: Batch, resp: worker_pb2.StepResponse) -> None:
+    def _finish_step(self, batch: Batch, resp: worker_pb2.StepResponse) -> list[SeqUpdate]:
+        """Fold the step's ids in; the updates for clients (posted by the caller)."""
         sampled = array("i")
         sampled.frombytes(resp.sampled_token_ids_i32)
         logprobs = None
@@ -163,23 +205,23 @@ class Engine:
             lp = array("f")
             lp.frombytes(resp.logprobs_f32)
             logprobs = lp.tolist()
-        done = self.scheduler.postprocess(batch, sampled.tolist(), logprobs)
+        done = self.scheduler.resolve(batch, sampled.tolist(), logprobs)
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(done)
         updates = [SeqUpdate(
-            seq_id=s.seq_id, token_ids=[s.last_token],
+            seq_id=s.seq_id, token_ids=[s.last_resolved_token],
             logprobs=[s.logprobs[-1]] if s.sampling.logprobs and s.logprobs else [],
             finish_reason=s.finish_reason if s.status == SequenceStatus.FINISHED else None,
             num_prompt_tokens=s.num_prompt_tokens, num_cached_tokens=s.usage_cached_tokens or 0)
             for s in done]
-        if updates:
-            self.on_updates(updates)
+        return updates
 
-    def _recover(self, batch: Batch, err: WorkerGroupError) -> None:
+    def _recover(self, batches: list[Batch], err: WorkerGroupError) -> None:
         """Put every sequence back to waiting and reconnect; fail only on a step error."""
         log.error("worker group failed: %s", err)
         self.healthy = False
-        failed = [] if err.lost else [s for s in batch.seqs if s.status != SequenceStatus.FINISHED]
+        failed = [] if err.lost else list({id(s): s for b in batches for s in b.seqs
+                                           if s.status != SequenceStatus.FINISHED}.values())
         for seq in failed:
             self.scheduler.abort(seq.seq_id)
         if failed:
@@ -203,6 +245,9 @@ class Engine:
         sched.waiting.clear()
         sched.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
         for seq in live:
+            if seq.num_pending_tokens:   # ids of lost steps: they are computed again
+                del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]
+                seq.num_pending_tokens = 0
             seq.status = SequenceStatus.WAITING
             seq.block_table = []
             seq.num_cached_tokens = seq.num_computed_tokens = 0

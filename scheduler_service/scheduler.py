@@ -6,6 +6,14 @@ requests join the running batch quickly. When the KV cache runs out during decod
 newest running sequence is preempted by recompute: its blocks are released and it is
 re-prefilled later over all its tokens (prefix-cache hits make that cheap when its old
 blocks have not been reused yet).
+
+Overlap: a step's results are folded in two halves. `advance` runs as soon as the step is
+sent (its KV will exist; each sampling seq gets a PENDING_TOKEN placeholder), so the next
+step can be scheduled while the worker computes; `resolve` fills the placeholders when
+the sampled ids arrive and applies eos/stop checks one step late. `postprocess` is both
+at once. Only seqs whose placeholder comes from the step just sent are decoded (the
+worker feeds them the id it sampled on the GPU); a preempted seq with a placeholder
+waits for it before re-prefill.
 """
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_service.block_manager import BlockManager
-from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 
 @dataclass
@@ -111,6 +119,8 @@ class Scheduler:
         # counts them; a chunked seq ends the loop (it used the whole budget).
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted with a token in flight: re-prefill once it is known
             if not seq.block_table:  # not mid chunked prefill: needs its blocks first
                 if not bm.can_allocate(seq):
                     break
@@ -134,8 +144,12 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         limit = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         seqs: list[Sequence] = []
+        done: list[Sequence] = []   # every token sampled (pending): nothing left to compute
         while self.running and len(seqs) < limit:
             seq = self.running.popleft()
+            if seq.num_pending_tokens and self._finish_reason(seq, None) is not None:
+                done.append(seq)
+                continue
             while not bm.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())  # the newest loses its KV
@@ -146,7 +160,7 @@ class Scheduler:
                 bm.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 seqs.append(seq)
-        self.running.extendleft(reversed(seqs))  # scheduled ones first, in their order
+        self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
         return Batch(seqs, is_prefill=False, sample=[True] * len(seqs)) if seqs else None
 
     def _preempt(self, seq: Sequence) -> None:
@@ -165,39 +179,64 @@ class Scheduler:
         `sampled` (and `logprobs`, if given) hold one entry per seq with batch.sample set,
         in batch order.
         """
-        if len(sampled) != sum(batch.sample):
-            raise ValueError(f"{len(sampled)} sampled ids for {sum(batch.sample)} sampling seqs")
+        self.advance(batch)
+        return self.resolve(batch, sampled, logprobs)
+
+    def advance(self, batch: Batch) -> None:
+        """The step was sent: count its KV as computed, add a placeholder per sampled token."""
         bm = self.block_manager
-        out: list[Sequence] = []
-        k = 0
         for seq, samples in zip(batch.seqs, batch.sample):
-            if samples:
-                token = sampled[k]
-                logprob = logprobs[k] if logprobs is not None and seq.sampling.logprobs else None
-                k += 1
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted after schedule(): its result is dropped
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             bm.commit(seq)
-            if not samples:
-                continue
-            seq.append_token(token, logprob)
+            if samples:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.num_pending_tokens += 1
+
+    def resolve(self, batch: Batch, sampled: list[int],
+                logprobs: list[float] | None = None) -> list[Sequence]:
+        """The step's ids arrived: fill the oldest placeholder of each sampling seq and
+        finish seqs; returns the seqs that got a token (`last_resolved_token`)."""
+        if len(sampled) != sum(batch.sample):
+            raise ValueError(f"{len(sampled)} sampled ids for {sum(batch.sample)} sampling seqs")
+        out: list[Sequence] = []
+        rows = (i for i, s in enumerate(batch.sample) if s)
+        for k, i in enumerate(rows):
+            seq = batch.seqs[i]
+            if seq.status is SequenceStatus.FINISHED or not seq.num_pending_tokens:
+                continue  # aborted (or finished) after schedule(): its result is dropped
+            token = sampled[k]
+            pos = seq.num_tokens - seq.num_pending_tokens
+            seq.token_ids[pos] = token
+            seq.num_pending_tokens -= 1
+            if logprobs is not None and seq.sampling.logprobs:
+                seq.logprobs.append(logprobs[k])
             reason = self._finish_reason(seq, token)
             if reason is not None:
+                del seq.token_ids[pos + 1:]   # placeholders of steps it should not have run
+                seq.num_pending_tokens = 0
                 del self._live[seq.seq_id]
                 self._release(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason
+            elif seq.block_table:
+                self.block_manager.commit(seq)   # blocks that waited for this id
             out.append(seq)
         if any(seq.status is SequenceStatus.FINISHED for seq in out):
             self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
+            self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
         return out
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int | None) -> str | None:
+        """Why seq ends after `token` (None: only the length limits, counting placeholders)."""
         cfg, opts = self.config, seq.sampling
-        if (not opts.ignore_eos and token == cfg.eos_token_id) or token in opts.stop_token_ids:
+        if token is not None and (
+                (not opts.ignore_eos and token == cfg.eos_token_id) or token in opts.stop_token_ids):
             return "stop"
+        if token is not None and seq.num_pending_tokens:
+            return None   # a later placeholder decides the length limits
         if (seq.num_completion_tokens >= opts.max_tokens
                 or seq.num_tokens >= cfg.max_model_len
                 # the next step would need more blocks than the cache has: it could never run

@@ -10,6 +10,11 @@ import enum
 from dataclasses import dataclass, field
 
 
+# Placeholder for a token sampled by a step still in flight (overlap scheduling): the
+# worker substitutes the id it sampled for this sequence in the previous step.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()   # in Scheduler.waiting: not started, mid chunked prefill, or preempted
     RUNNING = enum.auto()   # in Scheduler.running: prompt computed, decoding one token a step
@@ -44,6 +49,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached + computed)
     num_scheduled_tokens: int = 0  # tokens to compute in the current step
     num_hashed_blocks: int = 0    # leading full blocks registered in the hash table (BlockManager's)
+    num_pending_tokens: int = 0   # trailing PENDING_TOKEN placeholders (steps in flight)
     # Prompt tokens served from the prefix cache at first admission: what usage reports
     # (a re-prefill after preemption hitting its own old blocks is not the client's saving).
     usage_cached_tokens: int | None = None
@@ -69,6 +75,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def last_resolved_token(self) -> int:
+        """The newest token whose id is known (skipping in-flight placeholders)."""
+        return self.token_ids[-1 - self.num_pending_tokens]
 
     @property
     def is_finished(self) -> bool:

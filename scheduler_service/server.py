@@ -8,6 +8,7 @@ cancelled, deadline, error) makes sure the engine forgets its sequence.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -20,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.engine import Engine, SeqUpdate
+from scheduler_service.engine import Engine, EngineStats, SeqUpdate
 from scheduler_service.sequence import SamplingOptions, Sequence
 from scheduler_service.tokenizer import Tokenizer
 
@@ -231,7 +232,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             num_free_kv_blocks=sched.block_manager.num_free_blocks,
             num_steps=self.engine.stats.num_steps,
             num_generated_tokens=self.engine.stats.num_generated_tokens,
-            num_preemptions=sched.num_preemptions, workers_healthy=self.engine.healthy)
+            num_preemptions=sched.num_preemptions, workers_healthy=self.engine.healthy,
+            **{f.name: getattr(self.engine.stats, f.name) for f in dataclasses.fields(EngineStats)
+               if f.name.startswith(("decode_", "num_decode_"))})
 
 
 async def build_server(service: GenerationService, host: str, port: int,

@@ -19,6 +19,7 @@ from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("nanoserve.scheduler")
 
 MAX_MESSAGE_BYTES = 256 << 20
+INIT_TIMEOUT_S = 600.0
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
@@ -98,8 +99,9 @@ class WorkerGroup:
         if blocks == 0 or blocks > capacity:
             raise WorkerGroupError(f"KV cache: {blocks} blocks needed, workers fit {capacity}",
                                    lost=False)
-        for stub in self.stubs:
-            self._call(stub.Init, worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size), wait)
+        for stub in self.stubs:   # Init allocates the KV cache and captures CUDA graphs: slow
+            self._call(stub.Init, worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size),
+                       wait, timeout=INIT_TIMEOUT_S)
         self.streams = [_StepStream(c) for c in self.channels]
         self.info = GroupInfo(model=first.model, fingerprint=first.model_fingerprint,
                               world_size=len(infos), num_kv_blocks=blocks, block_size=block_size,
@@ -108,18 +110,26 @@ class WorkerGroup:
                               eos_token_id=first.eos_token_id)
         return self.info
 
-    def _call(self, method, request, wait: bool):
+    def _call(self, method, request, wait: bool, timeout: float | None = None):
         try:
-            return method(request, timeout=self.connect_timeout, wait_for_ready=wait)
+            return method(request, timeout=timeout or self.connect_timeout, wait_for_ready=wait)
         except grpc.RpcError as e:
             raise WorkerGroupError(f"worker call failed: {e.code().name}: {e.details()}",
                                    lost=e.code() in (grpc.StatusCode.UNAVAILABLE,
                                                      grpc.StatusCode.DEADLINE_EXCEEDED)) from e
 
     def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        self.send(request)
+        return self.receive(request.step_id)
+
+    def send(self, request: worker_pb2.StepRequest) -> None:
+        """Queue a step on every rank (serialized once) without waiting for it."""
         payload = request.SerializeToString()
         for s in self.streams:
             s.send(payload)
+
+    def receive(self, step_id: int) -> worker_pb2.StepResponse:
+        """The answer to the oldest step in flight (rank 0's); every rank must answer."""
         result = None
         for rank, s in enumerate(self.streams):
             try:
@@ -129,9 +139,13 @@ class WorkerGroup:
                 details = e.details() if isinstance(e, grpc.RpcError) else "stream closed"
                 self.close_streams()
                 raise WorkerGroupError(
-                    f"rank {rank} ({self.addresses[rank]}) failed step {request.step_id}: "
+                    f"rank {rank} ({self.addresses[rank]}) failed step {step_id}: "
                     f"{code.name}: {details}",
                     lost=code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)) from e
+            if resp.step_id != step_id:
+                self.close_streams()
+                raise WorkerGroupError(f"rank {rank} answered step {resp.step_id}, expected "
+                                       f"{step_id}", lost=False)
             if rank == 0:
                 result = resp
         return result

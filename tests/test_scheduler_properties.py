@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from scheduler_service import block_manager as bm_module
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
-from scheduler_service.sequence import SamplingOptions, Sequence, SequenceStatus
+from scheduler_service.sequence import PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus
 
 VOCAB = 3  # tiny, so prompts, generated tails and hashes collide often
 EOS = 3    # sampled now and then, outside the prompt vocabulary
@@ -66,8 +66,9 @@ def sample_token(rng: random.Random) -> int:
 class KVModel:
     """What the workers' KV cache would hold, slot by slot."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, tokens_of=lambda seq: seq.token_ids):
         self.sched = sched
+        self.tokens_of = tokens_of   # the ids the worker sees (placeholders filled in)
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def run(self, batch: Batch) -> None:
@@ -79,15 +80,16 @@ class KVModel:
             if seq.num_cached_tokens:
                 event("prefix-cache hit")
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            tokens = self.tokens_of(seq)
             assert n >= 1 and start + n <= seq.num_tokens
             assert len(seq.block_table) >= math.ceil((start + n) / bs)
             for p in range(start):  # attention reads every earlier position
-                assert self.slots.get((seq.block_table[p // bs], p % bs)) == tuple(seq.token_ids[:p + 1])
+                assert self.slots.get((seq.block_table[p // bs], p % bs)) == tuple(tokens[:p + 1])
             for p in range(start, start + n):
                 block = bm.blocks[seq.block_table[p // bs]]
                 assert block.ref_count == 1, "writing into a shared block"
                 assert block.hash is None, "writing into a registered block"
-                self.slots[(block.block_id, p % bs)] = tuple(seq.token_ids[:p + 1])
+                self.slots[(block.block_id, p % bs)] = tuple(tokens[:p + 1])
 
 
 def check_batch(sched: Scheduler, batch: Batch) -> None:
@@ -294,3 +296,54 @@ def test_runs_to_the_reference_completion(collide, workload, base):
             assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == reason
             assert seq.token_ids == tokens
             assert streamed[seq_id] == seq.completion_token_ids  # each token streamed once
+
+
+@pytest.mark.parametrize("collide", [False, True])
+@settings(max_examples=100, deadline=None)
+@given(workload=workloads(), base=base_prompts)
+def test_overlapped_steps_reach_the_reference_completion(collide, workload, base):
+    """Engine-style overlap: step N+1 is scheduled (and `advance`d) before step N's ids
+    are `resolve`d; decode inputs are placeholders the worker fills. Same outputs."""
+    cfg, reqs = workload
+    with colliding(collide):
+        sched = Scheduler(cfg)
+        # model_token depends only on (seq, position), so the "worker" knows every
+        # placeholder's value: position p holds model_token(seq, p).
+        kv = KVModel(sched, lambda seq: [model_token(seq.seq_id, p) if t == PENDING_TOKEN else t
+                                         for p, t in enumerate(seq.token_ids)])
+        pending = []
+        for i, (k, tail, max_tokens, ignore_eos, arrival) in enumerate(reqs):
+            seq = Sequence(i, base[:k] + tail, SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                                               stop_token_ids=(STOP,)))
+            if 1 <= seq.num_tokens <= cfg.max_model_len and seq.num_blocks(cfg.block_size) <= cfg.num_kv_blocks:
+                pending.append((arrival, seq))
+        seqs = {seq.seq_id: seq for _, seq in pending}
+        expected = {seq.seq_id: reference_completion(seq, cfg) for _, seq in pending}
+        streamed = {seq.seq_id: [] for _, seq in pending}
+        in_flight = None
+        steps = 0
+        while pending or sched.has_work() or in_flight:
+            for arrival, seq in [p for p in pending if p[0] <= steps]:
+                sched.add(seq)
+                pending.remove((arrival, seq))
+            steps += 1
+            assert steps < 5000, "no progress"
+            batch = sched.schedule()
+            if batch is not None:
+                check_batch(sched, batch)
+                kv.run(batch)
+                sampled = [model_token(s.seq_id, s.num_tokens)
+                           for s, smp in zip(batch.seqs, batch.sample) if smp]
+                sched.advance(batch)
+            if in_flight is not None:
+                for s in sched.resolve(*in_flight):
+                    streamed[s.seq_id].append(s.last_resolved_token)
+            in_flight = (batch, sampled) if batch is not None else None
+            sched.drain_released()
+            check_invariants(sched, kv)
+        assert sched.block_manager.num_free_blocks == cfg.num_kv_blocks
+        for seq_id, (tokens, reason) in expected.items():
+            seq = seqs[seq_id]
+            assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == reason
+            assert seq.token_ids == tokens
+            assert streamed[seq_id] == seq.completion_token_ids

@@ -3,10 +3,18 @@
 The scheduler decides placement (block tables, slots); this class only turns a
 StepRequest into tensors, runs the model, and samples. Per-sequence state kept between
 steps is just the block table and the sampling params, so steps carry diffs.
+
+A step is `launch`ed (inputs copied, kernels queued, sampled ids copied to pinned host
+memory asynchronously) and later `finish`ed (wait, answer). The server launches step N+1
+before finishing step N when it has already arrived, so the GPU never waits for the
+answer round trip. A decode input token of -1 means "the id you sampled for this
+sequence in the previous step": it is taken from the GPU tensor of that step's samples,
+which lets the scheduler send step N+1 before it has read step N's ids.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +44,21 @@ class RunnerConfig:
     kv_cache_gb: float = 1.0              # CPU: KV cache size
     max_num_batched_tokens: int = 8192    # largest prefill the profiler plans for
     max_model_len: int = 0                # 0 = from the model config
+    max_num_seqs: int = 256               # largest decode batch (CUDA graph buckets)
+    enforce_eager: bool = False           # True: no CUDA graphs
+
+
+PLACEHOLDER = -1
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its sampled ids are on their way to pinned host memory."""
+    step_id: int
+    t0: float
+    tokens: torch.Tensor | None = None       # host (pinned on CUDA), int32
+    logprobs: torch.Tensor | None = None     # host, float32
+    events: tuple | None = None              # CUDA (start, end) events
 
 
 @dataclass
@@ -43,6 +66,8 @@ class SeqState:
     block_table: list[int] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
+
+log = logging.getLogger("nanoserve.worker")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +82,8 @@ class ModelRunner:
         self.tp = tp
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.backend = select_backend(config.attention_backend, self.device)
@@ -76,7 +103,13 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.seqs: dict[int, SeqState] = {}
+        self.graphs = None                  # DecodeGraphs, captured at init_kv on CUDA
+        # Samples of the last launched step (on device), for placeholder inputs.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_rows: dict[int, int] = {}
+        self._profiling = True
         self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
+        self._profiling = False
 
     # ---- sizing ---------------------------------------------------------------------
 
@@ -112,8 +145,8 @@ class ModelRunner:
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             works.append((i, n, 0, table, True))
             slots.append(np.arange(n) + table[0] * block_size)
-        input_ids = torch.zeros(n_tokens, dtype=torch.long)
-        self._forward_and_sample(input_ids, works, np.concatenate(slots).astype(np.int32))
+        self._forward_and_sample(np.zeros(n_tokens, dtype=np.int32), works,
+                                 np.concatenate(slots).astype(np.int32))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
         self.kv_cache = None
@@ -125,6 +158,7 @@ class ModelRunner:
 
     def init_kv(self, num_blocks: int, block_size: int) -> None:
         """(Re)allocate the KV cache; forgets every sequence."""
+        self._bind_device()
         self.kv_cache = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -138,6 +172,24 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
         self.block_size = block_size
         self.seqs.clear()
+        self.last_sampled, self.last_rows = None, {}
+        self.graphs = None
+        if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
+            from worker_service.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs,
+                                       self.max_model_len, block_size, self.num_kv_heads,
+                                       self.device)
+            t0 = time.perf_counter()
+            self.graphs.capture()
+            log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
+                     time.perf_counter() - t0)
+
+    def _bind_device(self) -> None:
+        """Make this runner's GPU the calling thread's current device. gRPC calls arrive on
+        pool threads, whose current device is cuda:0: Triton kernels, CUDA events and
+        empty_cache() follow the current device, so rank 1 (cuda:1) would break there."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     @property
     def num_blocks(self) -> int:
@@ -145,11 +197,16 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        return self.finish(self.launch(req))
+
+    @torch.inference_mode()
+    def launch(self, req: worker_pb2.StepRequest) -> PendingStep:
+        """Validate, queue the step's GPU work and the copy of its samples; no host sync."""
         if self.kv_cache is None:
             raise StepError("Step before Init: no KV cache allocated")
-        t0 = time.perf_counter()
+        self._bind_device()
+        pending = PendingStep(req.step_id, time.perf_counter())
         for seq_id in req.drop_seq_ids:
             self.seqs.pop(seq_id, None)
         token_ids = _i32(req.token_ids_i32)
@@ -158,16 +215,58 @@ class ModelRunner:
         for w in req.seqs:
             state = self._update_state(w)
             works.append((w.seq_id, w.num_tokens, w.start_pos, state.block_table, w.sample))
-        self._validate(token_ids, slot_mapping, works)
-        input_ids = torch.from_numpy(token_ids.astype(np.int64))
-        tokens, logprobs = self._forward_and_sample(input_ids, works, slot_mapping)
-        resp = worker_pb2.StepResponse(step_id=req.step_id)
-        if tokens is not None:
-            resp.sampled_token_ids_i32 = tokens.to(torch.int32).cpu().numpy().astype("<i4").tobytes()
+        fill = self._placeholders(token_ids, works)
+        self._validate(token_ids, slot_mapping, works, fill)
+        if self.device.type == "cuda":
+            pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            pending.events[0].record()
+        tokens, logprobs = self._forward_and_sample(token_ids, works, slot_mapping, fill)
+        rows = [w[0] for w in works if w[4]]
+        if self.tp.size > 1:   # every rank needs the samples for the next step's placeholders
+            if tokens is None:
+                tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            self.tp.broadcast(tokens)
+        if rows:
+            self.last_sampled, self.last_rows = tokens, {seq_id: i for i, seq_id in enumerate(rows)}
+        if tokens is not None and self.tp.rank == 0:
+            pending.tokens = _to_host(tokens.to(torch.int32))
             if logprobs is not None:
-                resp.logprobs_f32 = logprobs.float().cpu().numpy().astype("<f4").tobytes()
-        resp.forward_ms = (time.perf_counter() - t0) * 1e3
+                pending.logprobs = _to_host(logprobs.float())
+        if pending.events:
+            pending.events[1].record()
+        return pending
+
+    def is_done(self, pending: PendingStep) -> bool:
+        return pending.events is None or pending.events[1].query()
+
+    def finish(self, pending: PendingStep) -> worker_pb2.StepResponse:
+        """Wait for a launched step and answer it."""
+        resp = worker_pb2.StepResponse(step_id=pending.step_id)
+        if pending.events:
+            pending.events[1].synchronize()
+            resp.gpu_ms = pending.events[0].elapsed_time(pending.events[1])
+        if pending.tokens is not None:
+            resp.sampled_token_ids_i32 = pending.tokens.numpy().astype("<i4", copy=False).tobytes()
+            if pending.logprobs is not None:
+                resp.logprobs_f32 = pending.logprobs.numpy().astype("<f4", copy=False).tobytes()
+        resp.step_ms = (time.perf_counter() - pending.t0) * 1e3
         return resp
+
+    def _placeholders(self, token_ids: np.ndarray, works: list) -> tuple[np.ndarray, np.ndarray] | None:
+        """(positions in the step, rows of last_sampled) for -1 input tokens, or None."""
+        where = np.flatnonzero(token_ids == PLACEHOLDER)
+        if not len(where):
+            return None
+        ends = np.cumsum([w[1] for w in works]) - 1
+        owner = np.searchsorted(ends, where)
+        rows = []
+        for pos, i in zip(where.tolist(), owner.tolist()):
+            seq_id = works[i][0]
+            if pos != ends[i] or seq_id not in self.last_rows:
+                raise StepError(f"sequence {seq_id}: a placeholder input (-1) must be its last "
+                                "token and follow a step that sampled for it")
+            rows.append(self.last_rows[seq_id])
+        return where, np.array(rows, dtype=np.int64)
 
     def _update_state(self, w: worker_pb2.SeqWork) -> SeqState:
         blocks = _i32(w.block_table_i32).tolist()
@@ -184,12 +283,14 @@ class ModelRunner:
         state.block_table.extend(blocks)
         return state
 
-    def _validate(self, token_ids: np.ndarray, slot_mapping: np.ndarray, works: list) -> None:
+    def _validate(self, token_ids: np.ndarray, slot_mapping: np.ndarray, works: list,
+                  fill=None) -> None:
         total = sum(w[1] for w in works)
         if len(token_ids) != total or len(slot_mapping) != total:
             raise StepError(f"step has {len(token_ids)} token ids and {len(slot_mapping)} slots "
                             f"for {total} scheduled tokens")
-        if total and (token_ids.min() < 0 or token_ids.max() >= self.vocab_size):
+        real = token_ids if fill is None else np.delete(token_ids, fill[0])
+        if len(real) and (real.min() < 0 or real.max() >= self.vocab_size):
             raise StepError(f"token id out of range [0, {self.vocab_size})")
         if total and slot_mapping.max() >= self.num_blocks * self.block_size:
             raise StepError("slot out of range of the KV cache")
@@ -202,48 +303,67 @@ class ModelRunner:
             if table and (min(table) < 0 or max(table) >= self.num_blocks):
                 raise StepError(f"sequence {seq_id}: block id out of range")
 
-    def _forward_and_sample(self, input_ids: torch.Tensor, works: list,
-                            slot_mapping: np.ndarray):
-        """works: (seq_id, num_tokens, start_pos, block_table, sample) per sequence."""
+    def _forward_and_sample(self, token_ids: np.ndarray, works: list, slot_mapping: np.ndarray,
+                            fill: tuple[np.ndarray, np.ndarray] | None = None):
+        """works: (seq_id, num_tokens, start_pos, block_table, sample) per sequence; fill:
+        placeholder positions and the rows of last_sampled that replace them."""
         n_tok = np.array([w[1] for w in works], dtype=np.int64)
         starts = np.array([w[2] for w in works], dtype=np.int64)
         ctx = starts + n_tok
-        cu_q = np.zeros(len(works) + 1, dtype=np.int32)
-        np.cumsum(n_tok, out=cu_q[1:])
-        cu_k = np.zeros(len(works) + 1, dtype=np.int32)
-        np.cumsum(ctx, out=cu_k[1:])
         is_decode = bool((n_tok == 1).all())
-        if is_decode:
-            positions = starts
-        else:
-            positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, n_tok)])
         max_blocks = max(len(w[3]) for w in works)
         tables = np.zeros((len(works), max_blocks), dtype=np.int32)
         for i, w in enumerate(works):
             tables[i, :len(w[3])] = w[3]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=_to(slot_mapping.astype(np.int32), dev),
-            block_tables=_to(tables, dev),
-            context_lens=_to(ctx.astype(np.int32), dev),
-            cu_seqlens_q=_to(cu_q, dev),
-            cu_seqlens_k=_to(cu_k, dev),
-            max_seqlen_q=int(n_tok.max()),
-            max_seqlen_k=int(ctx.max()),
-            is_decode=is_decode,
-        )
-        hidden = self.model(_to(input_ids.numpy(), dev), _to(positions.astype(np.int64), dev), meta)
+        ids = np.where(token_ids == PLACEHOLDER, 0, token_ids) if fill is not None else token_ids
+        fill_dev = None
+        if fill is not None:
+            fill_dev = (_to(fill[0], dev), self.last_sampled.index_select(0, _to(fill[1], dev)))
         rows = [i for i, w in enumerate(works) if w[4]]
-        if not rows:
-            return None, None
-        last = torch.from_numpy(cu_q[1:][rows].astype(np.int64) - 1).to(dev, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        if self.tp.rank != 0:
+        if is_decode and self.graphs is not None and len(works) <= self.graphs.max_batch \
+                and max_blocks <= self.graphs.max_blocks:
+            logits = self.graphs.run(ids, starts, slot_mapping, tables, fill_dev)
+            logits = logits if len(rows) == len(works) else logits[rows]
+        else:
+            cu_q = np.zeros(len(works) + 1, dtype=np.int32)
+            np.cumsum(n_tok, out=cu_q[1:])
+            cu_k = np.zeros(len(works) + 1, dtype=np.int32)
+            np.cumsum(ctx, out=cu_k[1:])
+            positions = starts if is_decode else np.concatenate(
+                [np.arange(s, s + n) for s, n in zip(starts, n_tok)])
+            meta = AttentionMetadata(
+                slot_mapping=_to(slot_mapping.astype(np.int32), dev),
+                block_tables=_to(tables, dev),
+                context_lens=_to(ctx.astype(np.int32), dev),
+                cu_seqlens_q=_to(cu_q, dev),
+                cu_seqlens_k=_to(cu_k, dev),
+                max_seqlen_q=int(n_tok.max()),
+                max_seqlen_k=int(ctx.max()),
+                is_decode=is_decode,
+            )
+            input_ids = _to(ids.astype(np.int64), dev)
+            if fill_dev is not None:
+                input_ids[fill_dev[0]] = fill_dev[1]
+            hidden = self.model(input_ids, _to(positions.astype(np.int64), dev), meta)
+            if not rows:
+                return None, None
+            last = _to(cu_q[1:][rows].astype(np.int64) - 1, dev)
+            logits = self.model.compute_logits(hidden.index_select(0, last))
+        if not rows or self.tp.rank != 0:
             return None, None
         params = [self.seqs[works[i][0]].sampling if works[i][0] in self.seqs else SamplingParams(0.0)
                   for i in rows]
         batch = SamplingBatch.build(params, [int(ctx[i]) for i in rows], self.vocab_size, dev)
         return sample(logits, batch)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to host memory (pinned on CUDA: asynchronous)."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 def _to(arr: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,7 @@ thread that serves it, so the ModelRunner needs no locking beyond Init vs Step.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from concurrent import futures
 
@@ -17,6 +18,8 @@ from worker_service.model_runner import ModelRunner, StepError
 log = logging.getLogger("nanoserve.worker")
 
 MAX_MESSAGE_BYTES = 256 << 20
+_POLL_S = 0.0002     # how often a waiting step loop checks whether the GPU finished
+_DONE = object()     # "the pending step completed before the next request arrived"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -49,16 +52,64 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
     def Step(self, request_iterator, context):
-        for req in request_iterator:
+        """Launch step N+1 before finishing step N whenever N+1 has already arrived, so the
+        GPU goes from one step to the next without waiting for our answer's round trip."""
+        requests: queue.Queue = queue.Queue()
+
+        def read() -> None:
             try:
-                with self.lock:
-                    resp = self.runner.step(req)
-            except StepError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}")
-            except Exception as e:  # noqa: BLE001 - report, don't hang the scheduler
-                log.exception("step %d failed", req.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"step {req.step_id}: {type(e).__name__}: {e}")
-            yield resp
+                for req in request_iterator:
+                    requests.put(req)
+            except Exception:  # noqa: BLE001 - the stream was cancelled; end as if closed
+                pass
+            requests.put(None)
+
+        threading.Thread(target=read, name="step-reader", daemon=True).start()
+        pending = None
+        while True:
+            req = requests.get() if pending is None else self._next_unless_done(requests, pending)
+            if req is _DONE:
+                yield self._finish(pending, context)
+                pending = None
+                continue
+            if req is None:
+                if pending is not None:
+                    yield self._finish(pending, context)
+                return
+            launched, error = self._launch(req)
+            if pending is not None:   # owed its answer even when the next step is bad
+                yield self._finish(pending, context)
+            if error:
+                context.abort(*error)
+            pending = launched
+
+    def _next_unless_done(self, requests: queue.Queue, pending):
+        """The next request if it arrives before the pending step completes, else _DONE."""
+        while True:
+            try:
+                return requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.runner.is_done(pending):
+                    return _DONE
+
+    def _launch(self, req):
+        """(pending step, None) or (None, (status code, message))."""
+        try:
+            with self.lock:
+                return self.runner.launch(req), None
+        except StepError as e:
+            return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}")
+        except Exception as e:  # noqa: BLE001 - report, don't hang the scheduler
+            log.exception("step %d failed", req.step_id)
+            return None, (grpc.StatusCode.INTERNAL, f"step {req.step_id}: {type(e).__name__}: {e}")
+
+    def _finish(self, pending, context):
+        try:
+            with self.lock:
+                return self.runner.finish(pending)
+        except Exception as e:  # noqa: BLE001
+            log.exception("step %d failed", pending.step_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"step {pending.step_id}: {type(e).__name__}: {e}")
 
     def Health(self, request, context):
         ready = self.runner.kv_cache is not None

@@ -1,0 +1,648 @@
+"""Benchmark client: nano-vllm's reference workload through gRPC, or in-process.
+
+    # a running server (gRPC path: client -> scheduler -> worker)
+    python -m client.bench --target 127.0.0.1:50051 --json grpc.json
+    # the same workload with the Engine driving a local ModelRunner (no gRPC at all)
+    python -m client.bench --in-process --model ~/qwen3-0.6b --json local.json
+    # online: Poisson arrivals at 20 requests/s
+    python -m client.bench --target 127.0.0.1:50051 --request-rate 20
+    # what CI runs: a tiny workload
+    python -m client.bench --target ... --num-seqs 6 --min-input-len 5 --max-input-len 20 \\
+        --min-output-len 5 --max-output-len 15 --warmup 1
+
+The workload is nano-vllm's bench.py, draw for draw (256 sequences, prompt lengths and
+max_tokens uniform in [100, 1024], token ids randint(0, 10000), ignore_eos, temperature
+0.6): seed 0 gives its 133,966 output tokens. Running it both ways prices the service
+boundary; the decode breakdown (the engine's per-step timers) says where a decode step's
+wall time goes and how long the GPU sits idle in each (idle = step wall - GPU busy).
+
+Offline mode submits every request at once and times first submit -> last finish;
+a small warm-up batch runs first and is excluded, from the timing and from the decode
+breakdown (the engine counters are diffed around the measured run). TTFT is submit ->
+first token; inter-token latency is the gap between streamed chunks, spread over the
+chunk's tokens. Both are measured where the tokens arrive: at the gRPC client, or in the
+Engine's on_updates callback in-process.
+
+The gRPC mode imports no torch; --in-process imports worker_service lazily.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import shlex
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+# nano-vllm draws prompt token ids as randint(0, 10000); kept so seed 0 reproduces its workload.
+PROMPT_ID_HIGH = 10000
+PERCENTILES = (50, 90, 99)
+# Engine counters (Stats RPC / EngineStats) that the decode breakdown diffs.
+DECODE_FIELDS = ("num_decode_steps", "num_decode_seqs", "decode_wall_ms", "decode_schedule_ms",
+                 "decode_rpc_ms", "decode_worker_ms", "decode_gpu_ms", "decode_postprocess_ms")
+
+
+# ---------------------------------------------------------------------------- workload
+@dataclass
+class WorkloadConfig:
+    num_seqs: int = 256
+    min_input_len: int = 100
+    max_input_len: int = 1024
+    min_output_len: int = 100
+    max_output_len: int = 1024
+    temperature: float = 0.6
+    seed: int = 0
+    request_rate: float = 0.0   # requests/s with Poisson arrivals; 0 = offline (all at once)
+
+
+@dataclass
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int             # already capped by the context left (what the server would do)
+
+
+def make_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int) -> list[BenchRequest]:
+    """nano-vllm's draws in nano-vllm's order: all prompts (length, then ids), then all
+    max_tokens. Ids >= vocab_size (tiny test models only) wrap around instead of clamping,
+    so a tiny vocabulary still sees varied ids and the random stream stays the same."""
+    rng = random.Random(cfg.seed)
+    prompts = [[rng.randint(0, PROMPT_ID_HIGH) for _ in range(rng.randint(cfg.min_input_len,
+                                                                           cfg.max_input_len))]
+               for _ in range(cfg.num_seqs)]
+    max_tokens = [rng.randint(cfg.min_output_len, cfg.max_output_len) for _ in range(cfg.num_seqs)]
+    out = []
+    for ids, n in zip(prompts, max_tokens):
+        if len(ids) >= max_model_len:
+            raise SystemExit(f"error: a {len(ids)}-token prompt leaves no room in the "
+                             f"{max_model_len}-token context")
+        ids = [t if t < vocab_size else t % vocab_size for t in ids]
+        out.append(BenchRequest(ids, min(n, max_model_len - len(ids))))
+    return out
+
+
+def warmup_workload(n: int, cfg: WorkloadConfig, vocab_size: int) -> list[BenchRequest]:
+    """n requests with prompts as long as the workload's but short outputs: the prefill
+    batches then reach the measured run's sizes, so kernels JIT-compiled (Triton) or
+    autotuned per shape are ready before the clock starts. Short prompts were not enough:
+    on a fresh H100 the first measured prefill still paid ~1 s of compilation."""
+    rng = random.Random(cfg.seed + 1)
+    high = min(vocab_size, PROMPT_ID_HIGH)
+    return [BenchRequest([rng.randrange(high)
+                          for _ in range(rng.randint(cfg.min_input_len, cfg.max_input_len))],
+                         rng.randint(1, min(16, cfg.max_output_len))) for _ in range(n)]
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: all at 0 offline, else a
+    Poisson process (exponential gaps) with its own seeded stream."""
+    if rate <= 0:
+        return [0.0] * n
+    rng = random.Random(seed + 2)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---------------------------------------------------------------------------- measurements
+@dataclass
+class Trace:
+    """Where one request's tokens arrived (perf_counter seconds)."""
+    submit: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
+    finish: float | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    def ttft(self) -> float | None:
+        return self.chunks[0][0] - self.submit if self.chunks else None
+
+    def itls(self) -> list[float]:
+        """One gap per token after the first: a chunk of k tokens that came g seconds after
+        the previous chunk counts as k gaps of g/k."""
+        out: list[float] = []
+        for (prev, _), (t, n) in zip(self.chunks, self.chunks[1:]):
+            out.extend([(t - prev) / n] * n)
+        return out
+
+
+def percentiles(values: Sequence[float], qs: Sequence[int] = PERCENTILES
+                ) -> dict[str, float | None]:
+    """Linear-interpolated percentiles (numpy's default), plus the mean; None when empty
+    (e.g. no inter-token gaps when every request asks for one token)."""
+    if not values:
+        return {**{f"p{q}": None for q in qs}, "mean": None}
+    xs = sorted(values)
+    out = {}
+    for q in qs:
+        pos = (len(xs) - 1) * q / 100
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{q}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    out["mean"] = sum(xs) / len(xs)
+    return out
+
+
+@dataclass
+class DecodeBreakdown:
+    """Engine decode-step timers summed over the measured run (ms), diffed from two
+    snapshots so the warm-up and anything before it do not count."""
+    steps: int = 0
+    seqs: int = 0
+    wall_ms: float = 0.0
+    schedule_ms: float = 0.0
+    rpc_ms: float = 0.0
+    worker_ms: float = 0.0
+    gpu_ms: float = 0.0
+    postprocess_ms: float = 0.0
+
+    @classmethod
+    def diff(cls, before: Mapping[str, float], after: Mapping[str, float]) -> "DecodeBreakdown":
+        d = {k: after[k] - before[k] for k in DECODE_FIELDS}
+        return cls(steps=int(d["num_decode_steps"]), seqs=int(d["num_decode_seqs"]),
+                   **{k.removeprefix("decode_"): v for k, v in d.items() if k.startswith("decode_")})
+
+    @property
+    def gpu_timed(self) -> bool:
+        """The worker reports GPU time only on CUDA (0 on CPU)."""
+        return self.gpu_ms > 0
+
+    def per_step(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        parts = {k: getattr(self, f"{k}_ms") / n
+                 for k in ("wall", "schedule", "rpc", "worker", "gpu", "postprocess")}
+        parts["idle"] = max(parts["wall"] - parts["gpu"], 0.0)
+        return parts
+
+    def summary(self) -> dict[str, Any]:
+        per = self.per_step()
+        return {
+            "steps": self.steps,
+            "mean_batch": self.seqs / self.steps if self.steps else 0.0,
+            "gpu_timed": self.gpu_timed,
+            "idle_ms_per_step": per["idle"],
+            "idle_pct": 100 * per["idle"] / per["wall"] if per["wall"] > 0 else 0.0,
+            "per_step_ms": per,
+            "totals_ms": {k: getattr(self, f"{k}_ms")
+                          for k in ("wall", "schedule", "rpc", "worker", "gpu", "postprocess")},
+        }
+
+
+class Progress:
+    """One-line `\\r` bar on stderr: tokens done / expected, throughput so far.
+
+    `add` is a bare counter bump (called per chunk, possibly from the engine thread);
+    drawing happens on a timer, off the measured path's hot loop."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30):
+        self.total, self.enabled, self.width = total, enabled, width
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.done += n
+
+    def draw(self) -> None:
+        if not self.enabled:
+            return
+        frac = min(self.done / self.total, 1.0) if self.total else 1.0
+        bar = "#" * int(frac * self.width)
+        elapsed = time.perf_counter() - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        sys.stderr.write(f"\r[{bar:<{self.width}}] {self.done}/{self.total} tok "
+                         f"{rate:,.0f} tok/s {elapsed:.1f}s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.draw()
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+@dataclass
+class RunOutcome:
+    """What a mode hands back to be summarized."""
+    mode: str
+    model: str
+    device: str | None
+    max_model_len: int
+    traces: list[Trace]
+    wall_s: float
+    breakdown: DecodeBreakdown
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, Any]:
+    traces = outcome.traces
+    output_tokens = sum(t.num_tokens for t in traces)
+    prompt_tokens = sum(len(r.prompt_ids) for r in workload)
+    wall = outcome.wall_s
+    ttft = [t.ttft() for t in traces if t.ttft() is not None]
+    itl = [g for t in traces for g in t.itls()]
+    return {
+        "num_requests": len(traces),
+        "failed": sum(t.error is not None for t in traces),
+        "errors": sorted({t.error for t in traces if t.error})[:5],
+        "output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.max_tokens for r in workload),
+        "prompt_tokens": prompt_tokens,
+        "wall_s": wall,
+        "output_tok_per_s": output_tokens / wall if wall > 0 else 0.0,
+        "total_tok_per_s": (output_tokens + prompt_tokens) / wall if wall > 0 else 0.0,
+        "ttft_ms": _ms(percentiles(ttft)),
+        "itl_ms": _ms(percentiles(itl)),
+        "decode": outcome.breakdown.summary(),
+    }
+
+
+def _ms(p: dict[str, float | None]) -> dict[str, float | None]:
+    return {k: None if v is None else v * 1e3 for k, v in p.items()}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    r, d = report["results"], report["results"]["decode"]
+    def pct(p: dict[str, float | None]) -> str:
+        return "  ".join(f"p{q} " + ("     n/a" if p[f"p{q}"] is None else f"{p[f'p{q}']:8.2f}")
+                         for q in PERCENTILES)
+
+    mode = report["mode"] + (f" @ {report['workload']['request_rate']:g} req/s"
+                             if report["workload"]["request_rate"] > 0 else " (offline)")
+    lines = [
+        f"mode           {mode}",
+        f"model          {report['model']}   device {report['device'] or 'unknown'}",
+        f"requests       {r['num_requests']}   failed {r['failed']}",
+        f"output tokens  {r['output_tokens']}   (expected {r['expected_output_tokens']}; "
+        f"prompt tokens {r['prompt_tokens']})",
+        f"wall           {r['wall_s']:.3f} s",
+        f"output tok/s   {r['output_tok_per_s']:,.1f}",
+        f"total tok/s    {r['total_tok_per_s']:,.1f}",
+        f"TTFT ms        {pct(r['ttft_ms'])}",
+        f"ITL ms         {pct(r['itl_ms'])}",
+        f"decode steps   {d['steps']}   mean batch {d['mean_batch']:.1f}",
+    ]
+    if d["gpu_timed"]:
+        lines.append(f"GPU idle       {d['idle_pct']:.1f}% of decode wall, "
+                     f"{d['idle_ms_per_step']:.3f} ms/step (step wall - GPU busy)")
+    else:
+        lines.append("GPU idle       n/a: the worker reports no GPU time (CPU device)")
+    per = d["per_step_ms"]
+    cols = ("wall", "schedule", "rpc", "worker", "gpu", "postprocess", "idle")
+    lines.append("per decode step (ms):")
+    lines.append("  " + " ".join(f"{c:>11}" for c in cols))
+    lines.append("  " + " ".join(f"{per[c]:11.3f}" for c in cols))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- gRPC mode
+async def _settled_stats(stub: Any, timeout: float = 5.0) -> dict[str, float]:
+    """A Stats snapshot once the engine is idle and its counters stopped moving: the
+    engine posts a step's tokens before it adds the step to its decode timers, so the
+    last token can reach us a moment before the last step is counted."""
+    from nanoserve.v1 import generate_pb2
+    prev = None
+    deadline = time.monotonic() + timeout
+    while True:
+        s = await stub.GetStats(generate_pb2.StatsRequest())
+        snap = {k: getattr(s, k) for k in DECODE_FIELDS}
+        idle = s.num_running == 0 and s.num_waiting == 0
+        if (idle and snap == prev) or time.monotonic() > deadline:
+            return snap
+        prev = snap if idle else None
+        await asyncio.sleep(0.02)
+
+
+async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trace: Trace,
+                        progress: Progress | None, start_at: float = 0.0) -> None:
+    from client.client import NanoserveError, SamplingParams
+    delay = start_at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    params = SamplingParams(temperature=temperature, max_tokens=req.max_tokens, ignore_eos=True)
+    trace.submit = time.perf_counter()
+    try:
+        async for chunk in client.generate(req.prompt_ids, params):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                trace.chunks.append((now, len(chunk.token_ids)))
+                if progress is not None:
+                    progress.add(len(chunk.token_ids))
+    except NanoserveError as e:
+        trace.error = f"{e.code.name}: {e.message}"
+    trace.finish = time.perf_counter()
+
+
+async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
+                          ) -> tuple[RunOutcome, list[BenchRequest]]:
+    import grpc.aio
+
+    from client.client import CHANNEL_OPTIONS, AsyncClient
+    from nanoserve.v1 import generate_pb2_grpc
+
+    async with AsyncClient(args.target, timeout=args.timeout) as client:
+        # client.Stats does not carry the decode_* fields: read the raw message.
+        stats_channel = grpc.aio.insecure_channel(args.target, options=CHANNEL_OPTIONS)
+        stats = generate_pb2_grpc.GenerationStub(stats_channel)
+        try:
+            info = await client.model_info()
+            workload = make_workload(wcfg, info.vocab_size, info.max_model_len)
+            if args.warmup > 0:
+                warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
+                traces = [Trace() for _ in warm]
+                await asyncio.gather(*(_grpc_request(client, r, wcfg.temperature, t, None)
+                                       for r, t in zip(warm, traces)))
+                _raise_if_failed(traces, "warm-up")
+            before = await _settled_stats(stats)
+
+            progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
+            offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
+            traces = [Trace() for _ in workload]
+            start = time.perf_counter()
+            tasks = [asyncio.create_task(_grpc_request(client, r, wcfg.temperature, t, progress,
+                                                       start + off))
+                     for r, t, off in zip(workload, traces, offsets)]
+            waiter = asyncio.gather(*tasks)
+            while not waiter.done():
+                progress.draw()
+                await asyncio.wait([waiter], timeout=0.2)
+            await waiter
+            progress.close()
+            after = await _settled_stats(stats)
+        finally:
+            await stats_channel.close()
+    wall = max(t.finish for t in traces) - min(t.submit for t in traces)
+    return RunOutcome(mode="grpc", model=info.model, device=args.device_name,
+                      max_model_len=info.max_model_len, traces=traces, wall_s=wall,
+                      breakdown=DecodeBreakdown.diff(before, after),
+                      extra={"target": args.target, "model_info": asdict(info)}), workload
+
+
+def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig) -> tuple[RunOutcome, list[BenchRequest]]:
+    return asyncio.run(_run_grpc_async(args, wcfg))
+
+
+# ---------------------------------------------------------------------------- in-process mode
+class _Collector:
+    """The Engine's on_updates callback: stamps token arrivals on the engine thread (the
+    same point where the gRPC server would hand them to its event loop)."""
+
+    def __init__(self) -> None:
+        self.traces: dict[int, Trace] = {}
+        self.progress: Progress | None = None
+        self.remaining = 0
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+
+    def expect(self, traces: dict[int, Trace], progress: Progress | None) -> None:
+        with self._lock:
+            self.traces, self.progress = traces, progress
+            self.remaining = len(traces)
+            self.done.clear()
+
+    def on_updates(self, updates: list[Any]) -> None:
+        now = time.perf_counter()
+        for u in updates:
+            trace = self.traces.get(u.seq_id)
+            if trace is None:
+                continue
+            if u.token_ids:
+                trace.chunks.append((now, len(u.token_ids)))
+                if self.progress is not None:
+                    self.progress.add(len(u.token_ids))
+            if u.error:
+                trace.error = u.error
+            if u.finish_reason is not None or u.error:
+                trace.finish = now
+                with self._lock:
+                    self.remaining -= 1
+                    if self.remaining == 0:
+                        self.done.set()
+
+
+def _engine_stats(engine: Any) -> dict[str, float]:
+    return {k: getattr(engine.stats, k) for k in DECODE_FIELDS}
+
+
+def _settled_engine_stats(engine: Any, timeout: float = 5.0) -> dict[str, float]:
+    """engine.stats once the loop is idle and its counters stopped moving (see _settled_stats)."""
+    prev = None
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = _engine_stats(engine)
+        idle = engine.num_pending() == 0
+        if (idle and snap == prev) or time.monotonic() > deadline:
+            return snap
+        prev = snap if idle else None
+        time.sleep(0.02)
+
+
+def _device_name(device: Any) -> str:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
+                   ) -> tuple[RunOutcome, list[BenchRequest]]:
+    # Imported here: the gRPC mode must not pay for (or need) torch.
+    from scheduler_service.engine import Engine
+    from scheduler_service.scheduler import SchedulerConfig
+    from scheduler_service.sequence import SamplingOptions
+    from scheduler_service.sequence import Sequence as EngineSequence
+    from worker_service.local_group import LocalWorkerGroup
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        device = "cuda:0"   # ModelRunner's torch.cuda.set_device wants an index
+    runner = ModelRunner(RunnerConfig(
+        model_dir=args.model, device=device, dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager))
+    group = LocalWorkerGroup(runner)
+    info = group.connect(args.block_size, args.num_kv_blocks)
+    max_model_len = min(args.max_model_len or info.max_model_len, info.max_model_len)
+    config = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=args.block_size,
+                             max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=max_model_len, eos_token_id=info.eos_token_id)
+    collector = _Collector()
+    engine = Engine(group, info, config, collector.on_updates, overlap=not args.no_overlap)
+    seq_ids = itertools.count(1)
+
+    def engine_alive() -> bool:
+        thread = getattr(engine, "_thread", None)   # an uncaught error ends it silently
+        return thread is None or thread.is_alive()
+
+    def submit_all(reqs: list[BenchRequest], offsets: list[float],
+                   progress: Progress | None) -> list[Trace]:
+        """Submit at the given offsets (redrawing the bar meanwhile), wait for all."""
+        seqs = [EngineSequence(next(seq_ids), r.prompt_ids, SamplingOptions(
+            temperature=wcfg.temperature, max_tokens=r.max_tokens, ignore_eos=True)) for r in reqs]
+        traces = {s.seq_id: Trace() for s in seqs}
+        collector.expect(traces, progress)
+        draw = progress.draw if progress is not None else (lambda: None)
+        start = time.perf_counter()
+        for seq, off in zip(seqs, offsets):
+            while (delay := start + off - time.perf_counter()) > 0:
+                draw()
+                time.sleep(min(delay, 0.1))
+            traces[seq.seq_id].submit = time.perf_counter()
+            engine.submit(seq)
+        while not collector.done.wait(0.2):
+            draw()
+            if not engine_alive():
+                raise SystemExit("error: the engine loop died (see the traceback above)")
+        return list(traces.values())
+
+    engine.start()
+    try:
+        if args.warmup > 0:
+            warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
+            _raise_if_failed(submit_all(warm, [0.0] * len(warm), None), "warm-up")
+        workload = make_workload(wcfg, info.vocab_size, max_model_len)
+        before = _settled_engine_stats(engine)
+        progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
+        traces = submit_all(workload, arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed),
+                            progress)
+        progress.close()
+    finally:
+        engine.stop()      # joins the loop thread: the counters below are final
+        group.close()
+    after = _engine_stats(engine)
+    wall = max(t.finish for t in traces) - min(t.submit for t in traces)
+    return RunOutcome(mode="in-process", model=info.model, device=_device_name(runner.device),
+                      max_model_len=max_model_len, traces=traces, wall_s=wall,
+                      breakdown=DecodeBreakdown.diff(before, after),
+                      extra={"dtype": str(runner.dtype).removeprefix("torch."),
+                             "attention_backend": runner.backend.name,
+                             "num_kv_blocks": info.num_kv_blocks}), workload
+
+
+def _raise_if_failed(traces: list[Trace], what: str) -> None:
+    errors = [t.error for t in traces if t.error]
+    if errors:
+        raise SystemExit(f"error: {what}: {len(errors)} request(s) failed, e.g. {errors[0]}")
+
+
+# ---------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m client.bench", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_argument_group("where to run (one of)")
+    where.add_argument("--target", metavar="HOST:PORT",
+                       help="a running nanoserve scheduler (the full gRPC path)")
+    where.add_argument("--in-process", action="store_true",
+                       help="build a ModelRunner here and drive the Engine with it (no gRPC)")
+
+    w = p.add_argument_group("workload (defaults: nano-vllm's bench.py)")
+    w.add_argument("--num-seqs", type=int, default=256)
+    w.add_argument("--min-input-len", type=int, default=100)
+    w.add_argument("--max-input-len", type=int, default=1024)
+    w.add_argument("--min-output-len", type=int, default=100)
+    w.add_argument("--max-output-len", type=int, default=1024)
+    w.add_argument("--temperature", type=float, default=0.6)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--request-rate", type=float, default=0.0, metavar="R",
+                   help="online mode: Poisson arrivals at R requests/s (0 = offline: all at once)")
+    w.add_argument("--warmup", type=int, default=8, metavar="N",
+                   help="requests run first and excluded from every number (the workload's "
+                        "prompt lengths, <= 16 output tokens: compiles kernels at real shapes)")
+
+    ip = p.add_argument_group("in-process engine (mirrors the worker/scheduler flags)")
+    ip.add_argument("--model", help="model directory (required with --in-process)")
+    ip.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    ip.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ip.add_argument("--attention-backend", default="auto",
+                    choices=["auto", "flash_attn", "triton", "torch"])
+    ip.add_argument("--block-size", type=int, default=256)
+    ip.add_argument("--num-kv-blocks", type=int, default=0, help="0 = all that fit")
+    ip.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ip.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size on CPU")
+    ip.add_argument("--max-num-seqs", type=int, default=256)
+    ip.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ip.add_argument("--no-overlap", action="store_true",
+                    help="one step in flight (the engine waits for each step's ids)")
+    ip.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ip.add_argument("--max-model-len", type=int, default=4096,
+                    help="context length (capped by the model's)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the full report (and the command) here")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o.add_argument("--timeout", type=float, default=None, help="gRPC deadline per request (s)")
+    o.add_argument("--device-name", default=None,
+                   help="gRPC mode: the server's device, for the report (the API does not say)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.target) == bool(args.in_process):
+        parser.error("give exactly one of --target HOST:PORT or --in-process")
+    if args.in_process and not args.model:
+        parser.error("--in-process needs --model DIR")
+    if not (1 <= args.min_input_len <= args.max_input_len and
+            1 <= args.min_output_len <= args.max_output_len and args.num_seqs >= 1):
+        parser.error("need 1 <= min <= max for input and output lengths, and --num-seqs >= 1")
+    wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
+                          max_input_len=args.max_input_len, min_output_len=args.min_output_len,
+                          max_output_len=args.max_output_len, temperature=args.temperature,
+                          seed=args.seed, request_rate=args.request_rate)
+    run: Callable = run_in_process if args.in_process else run_grpc
+    outcome, workload = run(args, wcfg)
+    report = {
+        "command": shlex.join([sys.executable, "-m", "client.bench",
+                               *(sys.argv[1:] if argv is None else argv)]),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "mode": outcome.mode,
+        "model": outcome.model,
+        "device": outcome.device,
+        "max_model_len": outcome.max_model_len,
+        "config": vars(args),
+        "workload": asdict(wcfg),
+        "results": summarize(outcome, workload),
+        **outcome.extra,
+    }
+    print(format_report(report))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, allow_nan=False, default=_json_default)
+            f.write("\n")
+    r = report["results"]
+    if r["failed"]:
+        print(f"error: {r['failed']} request(s) failed, e.g. {r['errors'][0]}", file=sys.stderr)
+        return 1
+    if r["output_tokens"] != r["expected_output_tokens"]:
+        print(f"error: {r['output_tokens']} output tokens, expected {r['expected_output_tokens']} "
+              "(ignore_eos: every request should run to max_tokens)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _json_default(obj: Any) -> Any:
+    return str(obj)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

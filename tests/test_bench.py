@@ -1,0 +1,154 @@
+"""The benchmark client, for real on a tiny checkpoint: through gRPC and in-process.
+
+Each mode runs `python -m client.bench` as its own process (the command users run) on
+a tiny workload. With ignore_eos every request must produce exactly its max_tokens, so
+the output token count is an exact check that nothing was lost or double counted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.bench import (DecodeBreakdown, Trace, WorkloadConfig, arrival_offsets, make_workload,
+                          percentiles)
+from services import ROOT, start_scheduler, start_worker
+from tiny_checkpoint import tiny_qwen3_dir
+
+TINY = ["--num-seqs", "6", "--min-input-len", "5", "--max-input-len", "20",
+        "--min-output-len", "5", "--max-output-len", "15", "--warmup", "2", "--seed", "7"]
+TINY_WORKLOAD = WorkloadConfig(num_seqs=6, min_input_len=5, max_input_len=20,
+                               min_output_len=5, max_output_len=15, seed=7)
+VOCAB = 389
+MAX_POS = 256
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=5,
+                          max_position_embeddings=MAX_POS)
+
+
+@pytest.fixture(scope="module")
+def scheduler_port(model_dir):
+    worker = start_worker(model_dir)
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=8)
+        yield sched.port
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+def run_bench(args: list[str], json_path: Path, env: dict | None = None,
+              check_no_torch: bool = False) -> dict:
+    """python -m client.bench ARGS --json PATH; returns the JSON report.
+
+    check_no_torch: run main() under `python -c` and fail if torch got imported."""
+    full = [*args, "--json", str(json_path)]
+    if check_no_torch:
+        code = ("import sys, client.bench as b; rc = b.main(sys.argv[1:]); "
+                "sys.exit(rc or (7 if 'torch' in sys.modules else 0))")
+        cmd = [sys.executable, "-c", code, *full]
+    else:
+        cmd = [sys.executable, "-m", "client.bench", *full]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **(env or {})))
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    assert "output tok/s" in proc.stdout and "per decode step" in proc.stdout
+    assert "tok" in proc.stderr   # the progress bar
+    return json.loads(json_path.read_text())
+
+
+def check_report(report: dict, mode: str) -> None:
+    expected = make_workload(TINY_WORKLOAD, VOCAB, MAX_POS)
+    r = report["results"]
+    assert report["mode"] == mode
+    assert {"command", "config", "workload", "model", "device", "results"} <= report.keys()
+    assert "client.bench" in report["command"]
+    assert r["failed"] == 0
+    assert r["output_tokens"] == r["expected_output_tokens"] == sum(q.max_tokens for q in expected)
+    assert r["prompt_tokens"] == sum(len(q.prompt_ids) for q in expected)
+    assert r["num_requests"] == 6
+    assert r["wall_s"] > 0 and r["output_tok_per_s"] > 0
+    assert r["total_tok_per_s"] > r["output_tok_per_s"]
+    for key in ("ttft_ms", "itl_ms"):
+        p = r[key]
+        assert 0 <= p["p50"] <= p["p90"] <= p["p99"], (key, p)
+    d = r["decode"]
+    assert d["steps"] > 0 and d["mean_batch"] >= 1
+    assert d["idle_ms_per_step"] >= 0 and 0 <= d["idle_pct"] <= 100
+    assert set(d["per_step_ms"]) == {"wall", "schedule", "rpc", "worker", "gpu", "postprocess",
+                                     "idle"}
+    assert all(v >= 0 for v in d["per_step_ms"].values())
+    assert all(v >= 0 for v in d["totals_ms"].values())
+    # Every measured decode step gives a measured request a token (the first one comes
+    # from prefill), so warm-up steps leaking into the diff would likely break this.
+    assert d["steps"] <= r["output_tokens"] - r["num_requests"]
+
+
+@pytest.mark.slow
+def test_bench_grpc(scheduler_port, tmp_path):
+    report = run_bench(["--target", f"127.0.0.1:{scheduler_port}", *TINY], tmp_path / "g.json",
+                       check_no_torch=True)
+    check_report(report, "grpc")
+    assert report["model_info"]["vocab_size"] == VOCAB
+
+
+@pytest.mark.slow
+def test_bench_in_process(model_dir, tmp_path):
+    # One OpenMP thread: on a small CI box, spinning OpenMP threads fight the engine
+    # thread for cores and make a tiny model's steps 10x slower and erratic.
+    report = run_bench(["--in-process", "--model", str(model_dir), "--device", "cpu",
+                        "--block-size", "8", "--kv-cache-gb", "0.05", "--request-rate", "200",
+                        *TINY], tmp_path / "ip.json", env={"OMP_NUM_THREADS": "1"})
+    check_report(report, "in-process")
+    assert report["workload"]["request_rate"] == 200
+    assert report["device"].startswith("cpu")
+    assert report["results"]["decode"]["gpu_timed"] is False
+
+
+# ---- pure helpers -----------------------------------------------------------------
+
+def test_reference_workload_matches_nano_vllm():
+    """Seed 0 at the default sizes is nano-vllm's bench.py workload: 133,966 output tokens."""
+    reqs = make_workload(WorkloadConfig(), vocab_size=151936, max_model_len=4096)
+    assert len(reqs) == 256
+    assert sum(r.max_tokens for r in reqs) == 133966
+    assert all(100 <= len(r.prompt_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in reqs)
+    assert max(t for r in reqs for t in r.prompt_ids) <= 10000
+
+
+def test_tiny_vocab_and_context_caps():
+    reqs = make_workload(WorkloadConfig(num_seqs=20, min_input_len=30, max_input_len=40,
+                                        min_output_len=50, max_output_len=60), 100, 64)
+    assert all(0 <= t < 100 for r in reqs for t in r.prompt_ids)
+    assert all(len(r.prompt_ids) + r.max_tokens <= 64 for r in reqs)
+
+
+def test_percentiles_and_itl():
+    p = percentiles([1.0, 2.0, 3.0, 4.0])
+    assert p["p50"] == 2.5 and p["p90"] == pytest.approx(3.7) and p["mean"] == 2.5
+    assert percentiles([])["p50"] is None
+    t = Trace(submit=0.0, chunks=[(1.0, 1), (1.5, 1), (2.5, 2)])
+    assert t.ttft() == 1.0 and t.itls() == [0.5, 0.5, 0.5] and t.num_tokens == 4
+
+
+def test_arrivals_and_breakdown():
+    assert arrival_offsets(3, 0, 0) == [0.0, 0.0, 0.0]
+    offs = arrival_offsets(2000, 100.0, 0)
+    assert offs == sorted(offs) and 15 < offs[-1] < 25        # ~2000 / 100 req/s
+    before = dict.fromkeys(["num_decode_steps", "num_decode_seqs", "decode_wall_ms",
+                            "decode_schedule_ms", "decode_rpc_ms", "decode_worker_ms",
+                            "decode_gpu_ms", "decode_postprocess_ms"], 0)
+    after = dict(before, num_decode_steps=10, num_decode_seqs=40, decode_wall_ms=100.0,
+                 decode_gpu_ms=80.0, decode_rpc_ms=90.0)
+    s = DecodeBreakdown.diff(before, after).summary()
+    assert s["mean_batch"] == 4 and s["gpu_timed"]
+    assert s["idle_ms_per_step"] == pytest.approx(2.0) and s["idle_pct"] == pytest.approx(20.0)
