@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest prefill batch; the memory profiler plans for it")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0 = the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="largest decode batch: CUDA graphs are captured for batch sizes up to it")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (decode launches every kernel from Python)")
     tp = p.add_argument_group(
         "tensor parallelism",
         "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len), tp)
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host, args.port)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
 
