@@ -59,6 +59,9 @@ async def serve(args: argparse.Namespace) -> None:
     from scheduler_service.worker_client import WorkerGroup, wait_for_group
 
     log = logging.getLogger("nanoserve.scheduler")
+    # The engine thread and the event loop share the GIL; a short switch interval keeps
+    # the engine from waiting up to 5 ms (the default) behind a busy loop every step.
+    sys.setswitchinterval(0.0005)
     loop = asyncio.get_running_loop()
     tokenizer = Tokenizer.from_dir(args.model)
     group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()])

@@ -39,6 +39,13 @@ class SeqUpdate:
     num_cached_tokens: int
     error: str | None = None       # the request failed (INTERNAL)
 
+    def merged(self, later: "SeqUpdate") -> "SeqUpdate":
+        """This update followed by a later one of the same sequence, as one."""
+        return SeqUpdate(self.seq_id, self.token_ids + later.token_ids,
+                         self.logprobs + later.logprobs,
+                         later.finish_reason or self.finish_reason, later.num_prompt_tokens,
+                         later.num_cached_tokens, self.error or later.error)
+
 
 @dataclass
 class EngineStats:

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -85,17 +86,31 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queues: dict[int, asyncio.Queue[SeqUpdate]] = {}
         self.seq_ids = itertools.count(1)
+        self._posted: list[SeqUpdate] = []
+        self._posted_lock = threading.Lock()
+        self._dispatch_pending = False
         self.accepting = True
         # End-of-sequence ids beyond the model's own (generation_config may list several).
         self.extra_eos_ids = frozenset(
             t for t in tokenizer.eos_token_ids if t < limits.vocab_size) - {engine_eos_id}
 
-    # The engine thread calls this once per step.
+    # The engine thread calls this once per step. While a dispatch is still waiting for
+    # the event loop, later steps join it: a busy loop wakes once for several steps, and
+    # each stream then sends their tokens in one message.
     def post_updates(self, updates: list[SeqUpdate]) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._dispatch, updates)
+        if self.loop is None:
+            return
+        with self._posted_lock:
+            self._posted.extend(updates)
+            if self._dispatch_pending:
+                return
+            self._dispatch_pending = True
+        self.loop.call_soon_threadsafe(self._dispatch)
 
-    def _dispatch(self, updates: list[SeqUpdate]) -> None:
+    def _dispatch(self) -> None:
+        with self._posted_lock:
+            updates, self._posted = self._posted, []
+            self._dispatch_pending = False
         for u in updates:
             q = self.queues.get(u.seq_id)
             if q is not None:
@@ -162,6 +177,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         try:
             while True:
                 u = await queue.get()
+                while not queue.empty():   # behind by several steps: one message for all
+                    u = u.merged(queue.get_nowait())
                 if u.error:
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, u.error)

@@ -67,3 +67,18 @@ def test_seed_reproducible_and_independent_of_batch():
         assert batch[2] == alone[0]
     draws = {int(_run(logits[2:3], [p], positions=[pos])[0]) for pos in range(40)}
     assert len(draws) > 1, "the seed must mix in the position, not repeat one draw"
+
+
+def test_fused_path_agrees_with_the_torch_path():
+    """The fused kernel (used on GPUs) and the torch path pick the same greedy tokens and
+    report the same logprobs; sampled rows draw from the same support."""
+    logits = torch.randn(5, V) * 2
+    params = [SamplingParams(temperature=0.0, logprobs=True)] * 3 + [SamplingParams(temperature=0.8, logprobs=True)] * 2
+    batch = SamplingBatch.build(params, list(range(5)), V, torch.device("cpu"))
+    assert not batch.fused                       # CPU default: the torch path
+    ref_tokens, ref_logprobs = sample(logits, batch)
+    batch.fused = True
+    tokens, logprobs = sample(logits, batch)
+    assert torch.equal(tokens[:3], ref_tokens[:3])
+    expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)

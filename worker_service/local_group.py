@@ -72,9 +72,10 @@ class LocalWorkerGroup:
         return self.receive(request.step_id)
 
     def send(self, request: worker_pb2.StepRequest) -> None:
-        """Queue a step on the step thread without waiting for it (the object itself:
-        nothing is serialized)."""
-        self._in_flight.append((request.step_id, self._executor.submit(self.runner.step, request)))
+        """Launch a step on the step thread without waiting for it (the object itself:
+        nothing is serialized). Launching does not wait for the GPU, so step N+1 is queued
+        behind step N as on a worker service."""
+        self._in_flight.append((request.step_id, self._executor.submit(self.runner.launch, request)))
 
     def receive(self, step_id: int) -> worker_pb2.StepResponse:
         """The answer to the oldest step in flight; a failure fails the step ('lost' is
@@ -83,7 +84,7 @@ class LocalWorkerGroup:
             raise WorkerGroupError(f"no step in flight (expected {step_id})", lost=False)
         sent_id, future = self._in_flight.popleft()
         try:
-            resp = future.result()
+            resp = self.runner.finish(future.result())
         except StepError as e:
             self.close_streams()
             raise WorkerGroupError(f"step {sent_id}: {e}", lost=False) from e

@@ -219,8 +219,8 @@ class ModelRunner:
         self._validate(token_ids, slot_mapping, works, fill)
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            pending.events[0].record()
-        tokens, logprobs = self._forward_and_sample(token_ids, works, slot_mapping, fill)
+        tokens, logprobs = self._forward_and_sample(token_ids, works, slot_mapping, fill,
+                                                    pending.events)
         rows = [w[0] for w in works if w[4]]
         if self.tp.size > 1:   # every rank needs the samples for the next step's placeholders
             if tokens is None:
@@ -304,9 +304,10 @@ class ModelRunner:
                 raise StepError(f"sequence {seq_id}: block id out of range")
 
     def _forward_and_sample(self, token_ids: np.ndarray, works: list, slot_mapping: np.ndarray,
-                            fill: tuple[np.ndarray, np.ndarray] | None = None):
+                            fill: tuple[np.ndarray, np.ndarray] | None = None, events=None):
         """works: (seq_id, num_tokens, start_pos, block_table, sample) per sequence; fill:
-        placeholder positions and the rows of last_sampled that replace them."""
+        placeholder positions and the rows of last_sampled that replace them; events[0]
+        is recorded just before the first device work (GPU time excludes host prep)."""
         n_tok = np.array([w[1] for w in works], dtype=np.int64)
         starts = np.array([w[2] for w in works], dtype=np.int64)
         ctx = starts + n_tok
@@ -317,6 +318,8 @@ class ModelRunner:
             tables[i, :len(w[3])] = w[3]
         dev = self.device
         ids = np.where(token_ids == PLACEHOLDER, 0, token_ids) if fill is not None else token_ids
+        if events is not None:
+            events[0].record()
         fill_dev = None
         if fill is not None:
             fill_dev = (_to(fill[0], dev), self.last_sampled.index_select(0, _to(fill[1], dev)))

@@ -1,13 +1,16 @@
 """On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Everything stays on the logits' device; the only host sync is the caller reading the
-sampled ids. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which
-draws from p exactly and needs no cumulative-sum search. A seeded request draws its noise
-from a generator seeded with (seed, position), so its tokens do not depend on which other
-requests share the batch.
+sampled ids. On a GPU, a batch without top-k / top-p / min-p rows (the common case) is
+sampled by one fused Triton pass over the logits (kernels/sampling.py: Gumbel-max with
+Philox noise keyed by a per-row seed). Otherwise sampling uses the exponential race
+(argmax of p / E with E ~ Exp(1)) over the filtered distribution. Either way both draw
+exactly from the distribution, and a seeded request's noise comes from (seed, position),
+so its tokens do not depend on which other requests share the batch.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,8 @@ class SamplingBatch:
     top_p: torch.Tensor         # [N] float32
     min_p: torch.Tensor         # [N] float32
     seeded_rows: list[tuple[int, int]]   # (row, seed ^ position mix) for seeded rows
+    seeds: torch.Tensor         # [N] int32 per-row Philox seeds (the fused path)
+    fused: bool                 # one fused kernel pass (CUDA, no filtering rows)
     all_greedy: bool
     need_top_k_or_p: bool
     need_min_p: bool
@@ -46,15 +51,21 @@ class SamplingBatch:
         seeded = [(i, _mix(p.seed, pos)) for i, (p, pos) in enumerate(zip(params, positions))
                   if p.seed is not None and p.temperature > 0]
         sampled_rows = [i for i, t in enumerate(temps) if t > 0]
+        need_top_k_or_p = any(top_k[i] < vocab_size or top_p[i] < 1.0 for i in sampled_rows)
+        need_min_p = any(min_p[i] > 0.0 for i in sampled_rows)
+        row_seeds = [_mix(p.seed, pos) & 0x7FFFFFFF if p.seed is not None else random.getrandbits(31)
+                     for p, pos in zip(params, positions)]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
             top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
             top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
             min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
             seeded_rows=seeded,
+            seeds=torch.tensor(row_seeds, dtype=torch.int32).to(device, non_blocking=True),
+            fused=torch.device(device).type == "cuda" and not (need_top_k_or_p or need_min_p),
             all_greedy=not sampled_rows,
-            need_top_k_or_p=any(top_k[i] < vocab_size or top_p[i] < 1.0 for i in sampled_rows),
-            need_min_p=any(min_p[i] > 0.0 for i in sampled_rows),
+            need_top_k_or_p=need_top_k_or_p,
+            need_min_p=need_min_p,
             want_logprobs=any(p.logprobs for p in params),
         )
 
@@ -68,6 +79,10 @@ def _mix(seed: int, position: int) -> int:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [N, V] -> (token ids [N] int64, logprobs of those ids [N] or None)."""
+    if batch.fused:
+        from kernels.sampling import gumbel_sample
+        tokens, logprobs = gumbel_sample(logits, batch.temperature, batch.seeds)
+        return tokens, logprobs if batch.want_logprobs else None
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
