@@ -32,6 +32,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool              # every sequence has exactly one query token
+    prefix_free: bool = False    # every sequence starts at position 0 (no cached prefix)
 
     @property
     def num_seqs(self) -> int:
@@ -87,7 +88,8 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Own Triton kernels: store_kvcache + paged decode / paged prefill. Default on CUDA
+    """Own Triton kernels: store_kvcache + paged decode / paged prefill (a prefill without
+    cached prefixes goes to torch's varlen FlashAttention where available). Default on CUDA
     without flash-attn; also runs on CPU under TRITON_INTERPRET=1 (tests only: slow).
 
     decode_splits: flash-decoding splits for decode; None = heuristic from the batch shape
@@ -100,7 +102,9 @@ class TritonBackend:
         # Imported here, not at module import, so TRITON_INTERPRET can still be set first.
         from kernels.paged_attention import default_num_splits, paged_decode, paged_prefill
         from kernels.store_kvcache import store_kvcache
+        from kernels import torch_varlen
         self._store, self._decode, self._prefill = store_kvcache, paged_decode, paged_prefill
+        self._varlen = torch_varlen
         self._default_splits = default_num_splits
         self.decode_splits = decode_splits
 
@@ -115,6 +119,8 @@ class TritonBackend:
                                               meta.max_seqlen_k, q.device)
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                 scale, num_splits=splits)
+        if meta.prefix_free and self._varlen.usable(q, k, scale):
+            return self._varlen.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                              meta.cu_seqlens_q, meta.max_seqlen_q, scale)
 

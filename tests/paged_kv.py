@@ -52,5 +52,6 @@ class PagedKV:
             cu_seqlens_k=torch.tensor([0] + torch.tensor(ctx).cumsum(0).tolist(), **i32),
             max_seqlen_q=max(e - s for _, s, e in chunks),
             max_seqlen_k=max(ctx),
-            is_decode=is_decode)
+            is_decode=is_decode,
+            prefix_free=all(start == 0 for _, start, _ in chunks))
         return torch.tensor(positions, dtype=torch.long, device=self.device), meta

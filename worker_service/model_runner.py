@@ -344,6 +344,7 @@ class ModelRunner:
                 max_seqlen_q=int(n_tok.max()),
                 max_seqlen_k=int(ctx.max()),
                 is_decode=is_decode,
+                prefix_free=not starts.any(),
             )
             input_ids = _to(ids.astype(np.int64), dev)
             if fill_dev is not None:

@@ -84,6 +84,7 @@ def decode_seqs(batch: int, max_ctx: int, seed: int = 0) -> list[tuple[int, int]
 
 
 PREFILL_SEQS = [(1024, 1024), (1024 + 300, 300), (2048, 1), (777, 777), (513, 257)]
+PREFIX_FREE_SEQS = [(1024, 1024), (777, 777), (300, 300), (1, 1), (2000, 2000)]
 
 
 def attention_cases() -> list[Case]:
@@ -118,6 +119,18 @@ def attention_cases() -> list[Case]:
     cases.append(decode_case("paged_decode", decode_seqs(8, 4096), None))      # split-K path
     cases.append(decode_case("paged_decode", decode_seqs(8, 4096), 1))
     cases.append(prefill_case("paged_prefill", PREFILL_SEQS))
+    cases.append(prefill_case("paged_prefill", PREFIX_FREE_SEQS))
+    from kernels import torch_varlen
+    b = make_batch(PREFIX_FREE_SEQS, group=1)
+    if torch_varlen.usable(b["q"], b["k"], b["scale"]):   # where the Triton backend uses it
+        m = b["meta"]
+        store_kvcache_ref(b["k"], b["v"], b["k_cache"], b["v_cache"], m.slot_mapping)
+        cases.append(Case("torch varlen_attn prefill", f"T={b['q'].shape[0]} seqs={m.num_seqs} "
+                          + _shape_tag(b),
+                          lambda: torch_varlen.varlen_prefill(b["q"], b["k"], b["v"], m.cu_seqlens_q,
+                                                              m.max_seqlen_q, b["scale"]),
+                          lambda: paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], m,
+                                                      b["scale"])))
     # Off-model shapes: small pages, other GQA ratios and head dims, fp16.
     for bs, hd, group, dtype in [(16, 128, 2, torch.bfloat16), (16, 64, 4, torch.float16),
                                  (256, 64, 1, torch.float16), (32, 128, 4, torch.bfloat16)]:
