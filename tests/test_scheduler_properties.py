@@ -241,6 +241,21 @@ def reference_completion(seq: Sequence, cfg: SchedulerConfig) -> tuple[list[int]
             return tokens, "length"
 
 
+def admissible_requests(cfg: SchedulerConfig, reqs, base):
+    """(pending [(arrival step, seq)], seqs by id, expected completions, empty streams) for
+    the requests whose prompts fit the config."""
+    pending = []
+    for i, (k, tail, max_tokens, ignore_eos, arrival) in enumerate(reqs):
+        seq = Sequence(i, base[:k] + tail, SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                                           stop_token_ids=(STOP,)))
+        if 1 <= seq.num_tokens <= cfg.max_model_len and seq.num_blocks(cfg.block_size) <= cfg.num_kv_blocks:
+            pending.append((arrival, seq))
+    seqs = {seq.seq_id: seq for _, seq in pending}
+    expected = {seq.seq_id: reference_completion(seq, cfg) for _, seq in pending}
+    streamed = {seq.seq_id: [] for _, seq in pending}
+    return pending, seqs, expected, streamed
+
+
 @st.composite
 def workloads(draw):
     """A config and requests whose prompts fit its cache (k: shared-prefix length)."""
@@ -261,15 +276,7 @@ def test_runs_to_the_reference_completion(collide, workload, base):
     with colliding(collide):
         sched = Scheduler(cfg)
         kv = KVModel(sched)
-        pending = []  # (arrival step, seq)
-        for i, (k, tail, max_tokens, ignore_eos, arrival) in enumerate(reqs):
-            seq = Sequence(i, base[:k] + tail, SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                               stop_token_ids=(STOP,)))
-            if 1 <= seq.num_tokens <= cfg.max_model_len and seq.num_blocks(cfg.block_size) <= cfg.num_kv_blocks:
-                pending.append((arrival, seq))
-        seqs = {seq.seq_id: seq for _, seq in pending}
-        expected = {seq.seq_id: reference_completion(seq, cfg) for _, seq in pending}
-        streamed = {seq.seq_id: [] for _, seq in pending}
+        pending, seqs, expected, streamed = admissible_requests(cfg, reqs, base)
         steps = 0
         while pending or sched.has_work():
             for arrival, seq in [p for p in pending if p[0] <= steps]:
@@ -311,15 +318,7 @@ def test_overlapped_steps_reach_the_reference_completion(collide, workload, base
         # placeholder's value: position p holds model_token(seq, p).
         kv = KVModel(sched, lambda seq: [model_token(seq.seq_id, p) if t == PENDING_TOKEN else t
                                          for p, t in enumerate(seq.token_ids)])
-        pending = []
-        for i, (k, tail, max_tokens, ignore_eos, arrival) in enumerate(reqs):
-            seq = Sequence(i, base[:k] + tail, SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                               stop_token_ids=(STOP,)))
-            if 1 <= seq.num_tokens <= cfg.max_model_len and seq.num_blocks(cfg.block_size) <= cfg.num_kv_blocks:
-                pending.append((arrival, seq))
-        seqs = {seq.seq_id: seq for _, seq in pending}
-        expected = {seq.seq_id: reference_completion(seq, cfg) for _, seq in pending}
-        streamed = {seq.seq_id: [] for _, seq in pending}
+        pending, seqs, expected, streamed = admissible_requests(cfg, reqs, base)
         in_flight = None
         steps = 0
         while pending or sched.has_work() or in_flight:
