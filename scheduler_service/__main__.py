@@ -103,7 +103,12 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("shutting down: no new requests, %.0fs for in-flight ones", args.shutdown_grace)
     service.accepting = False
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(args.shutdown_grace)
+    try:   # in-flight generations finish; health watches and the like do not hold us up
+        await asyncio.wait_for(service.idle.wait(), timeout=args.shutdown_grace)
+    except asyncio.TimeoutError:
+        log.warning("%d requests still running after %.0fs: cancelling them",
+                    service.in_flight, args.shutdown_grace)
+    await server.stop(0)
     engine.stop()
     group.close()
 

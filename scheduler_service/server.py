@@ -90,6 +90,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self._posted_lock = threading.Lock()
         self._dispatch_pending = False
         self.accepting = True
+        # Generate/Complete calls being served: shutdown waits for these, not for
+        # long-lived streams such as health Watch (which never end by themselves).
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
         # End-of-sequence ids beyond the model's own (generation_config may list several).
         self.extra_eos_ids = frozenset(
             t for t in tokenizer.eos_token_ids if t < limits.vocab_size) - {engine_eos_id}
@@ -167,6 +172,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                        skip_special_tokens=request.skip_special_tokens,
                                        stop=list(request.sampling.stop))
         self.engine.submit(seq)
+        self.in_flight += 1
+        self.idle.clear()
         return seq, queue, detok, request.request_id or uuid.uuid4().hex
 
     async def _stream(self, request, context):
@@ -200,6 +207,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.queues.pop(seq.seq_id, None)
             if not finished:
                 self.engine.abort(seq.seq_id)
+            self.in_flight -= 1
+            if not self.in_flight:
+                self.idle.set()
 
     # ---- RPCs -----------------------------------------------------------------------
 
