@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -44,16 +45,41 @@ class GroupInfo:
     eos_token_id: int
 
 
-class _StepStream:
-    """One rank's long-lived bidirectional Step stream, fed pre-serialized bytes."""
+class _RankFailed(Exception):
+    """A rank's stream broke (raised inside WorkerGroup, turned into WorkerGroupError)."""
 
-    def __init__(self, channel: grpc.Channel):
+    def __init__(self, rank: int, error: BaseException):
+        self.rank, self.error = rank, error
+
+
+class _StepStream:
+    """One rank's long-lived bidirectional Step stream, fed pre-serialized bytes.
+
+    With several ranks, a reader thread per rank forwards answers and failures to one
+    queue shared by the group, so a rank that fails is noticed at once even while
+    another rank is blocked in a collective that will never finish (NCCL only gives up
+    after its own timeout)."""
+
+    def __init__(self, channel: grpc.Channel, rank: int, events: queue.Queue | None = None):
+        self.rank = rank
         self.requests: queue.Queue[bytes | None] = queue.Queue()
         call = channel.stream_stream(
             "/nanoserve.v1.Worker/Step",
             request_serializer=None,   # we pass bytes serialized once for all ranks
             response_deserializer=worker_pb2.StepResponse.FromString)
         self.responses = call(iter(self.requests.get, None), wait_for_ready=False)
+        self.answers: deque = deque()   # this rank's answers not yet matched to a step
+        if events is not None:
+            threading.Thread(target=self._read, args=(events,), name=f"step-rank{rank}",
+                             daemon=True).start()
+
+    def _read(self, events: queue.Queue) -> None:
+        try:
+            for resp in self.responses:
+                events.put((self.rank, resp))
+            events.put((self.rank, StopIteration("stream closed")))
+        except grpc.RpcError as e:
+            events.put((self.rank, e))
 
     def send(self, payload: bytes) -> None:
         self.requests.put(payload)
@@ -102,7 +128,8 @@ class WorkerGroup:
         for stub in self.stubs:   # Init allocates the KV cache and captures CUDA graphs: slow
             self._call(stub.Init, worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size),
                        wait, timeout=INIT_TIMEOUT_S)
-        self.streams = [_StepStream(c) for c in self.channels]
+        self._events = queue.Queue() if len(self.channels) > 1 else None
+        self.streams = [_StepStream(c, r, self._events) for r, c in enumerate(self.channels)]
         self.info = GroupInfo(model=first.model, fingerprint=first.model_fingerprint,
                               world_size=len(infos), num_kv_blocks=blocks, block_size=block_size,
                               vocab_size=first.vocab_size,
@@ -129,19 +156,11 @@ class WorkerGroup:
             s.send(payload)
 
     def receive(self, step_id: int) -> worker_pb2.StepResponse:
-        """The answer to the oldest step in flight (rank 0's); every rank must answer."""
+        """The answer to the oldest step in flight (rank 0's); every rank must answer, and
+        the first rank to fail fails the step."""
+        answers = [self._next_answer(rank, step_id) for rank in range(len(self.streams))]
         result = None
-        for rank, s in enumerate(self.streams):
-            try:
-                resp = s.receive()
-            except (grpc.RpcError, StopIteration) as e:
-                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                details = e.details() if isinstance(e, grpc.RpcError) else "stream closed"
-                self.close_streams()
-                raise WorkerGroupError(
-                    f"rank {rank} ({self.addresses[rank]}) failed step {step_id}: "
-                    f"{code.name}: {details}",
-                    lost=code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)) from e
+        for rank, resp in enumerate(answers):
             if resp.step_id != step_id:
                 self.close_streams()
                 raise WorkerGroupError(f"rank {rank} answered step {resp.step_id}, expected "
@@ -149,6 +168,29 @@ class WorkerGroup:
             if rank == 0:
                 result = resp
         return result
+
+    def _next_answer(self, rank: int, step_id: int) -> worker_pb2.StepResponse:
+        stream = self.streams[rank]
+        try:
+            if self._events is None:
+                return stream.receive()
+            while not stream.answers:   # take whatever any rank says next, failures first
+                who, item = self._events.get()
+                if isinstance(item, BaseException):
+                    raise _RankFailed(who, item)
+                self.streams[who].answers.append(item)
+            return stream.answers.popleft()
+        except _RankFailed as failed:
+            rank, e = failed.rank, failed.error
+        except (grpc.RpcError, StopIteration) as err:
+            e = err
+        code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+        details = e.details() if isinstance(e, grpc.RpcError) else "stream closed"
+        self.close_streams()
+        raise WorkerGroupError(
+            f"rank {rank} ({self.addresses[rank]}) failed step {step_id}: {code.name}: {details}",
+            lost=code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL))
+
 
     def healthy(self) -> bool:
         try:

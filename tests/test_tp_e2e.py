@@ -10,7 +10,10 @@ the group lets in-flight requests finish.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
+import signal
+import time
 
 import grpc
 import pytest
@@ -138,6 +141,43 @@ def test_rank_killed_mid_generation_group_restart_finishes_request(tmp_path_fact
         assert ids == hf_greedy_ignore_eos(hf, prompt, 300)
         assert wait_until(lambda: check() == health_pb2.HealthCheckResponse.SERVING, 10)
         assert stub.GetStats(generate_pb2.StatsRequest(), timeout=5).workers_healthy
+    finally:
+        stack.close()
+
+
+def test_failed_rank_is_noticed_while_another_rank_is_stuck(tmp_path_factory):
+    """Rank 0 frozen mid-generation (as if blocked in a collective that NCCL only abandons
+    after its timeout) and rank 1 killed: the scheduler must learn of the failure from
+    rank 1's broken stream at once, not wait on rank 0; after a group restart the
+    request finishes as if nothing happened."""
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS["gqa_kv_eq_tp"])
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ports, dist_port = [free_port(), free_port()], free_port()
+    stack = start_stack(model_dir, 2, ports=ports, dist_port=dist_port)
+    try:
+        stub = stack.stub
+        prompt = list(range(50, 70))
+        stream = stub.Generate(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)),
+            timeout=120)
+        ids = list(next(stream).token_ids)
+        rank0, rank1 = stack.workers
+        os.kill(rank0.popen.pid, signal.SIGSTOP)
+        try:
+            rank1.stop(sig=9)
+            started = time.monotonic()
+            assert wait_until(lambda: not stub.GetStats(generate_pb2.StatsRequest(),
+                                                        timeout=5).workers_healthy, 10)
+            assert time.monotonic() - started < 10
+        finally:
+            rank0.popen.kill()
+            os.kill(rank0.popen.pid, signal.SIGCONT)
+        rank0.wait_exit(20)
+        stack.workers = start_tp_workers(model_dir, 2, ports=ports, dist_port=dist_port)
+        for chunk in stream:
+            ids.extend(chunk.token_ids)
+        assert ids == hf_greedy_ignore_eos(hf, prompt, 200)
     finally:
         stack.close()
 
