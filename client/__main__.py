@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_args(tok, top_level=False)
     tok.add_argument("prompt", metavar="PROMPT", help='text ("-" reads stdin)')
     tok.add_argument("--chat", action="store_true", help="tokenize PROMPT as a user message")
+    sub.add_parser("bench", add_help=False,
+                   help="the benchmark client (python -m client bench --help)")
     return parser
 
 
@@ -171,6 +173,10 @@ COMMANDS = {"generate": cmd_generate, "health": cmd_health, "info": cmd_info,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:   # its own flags (client/bench.py)
+        from client.bench import main as bench_main
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         with Client(args.target, timeout=args.timeout) as client:

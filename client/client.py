@@ -128,6 +128,15 @@ class Stats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     workers_healthy: bool = False
+    # Decode time breakdown, summed over decode steps (diff two snapshots; see generate.proto)
+    num_decode_steps: int = 0
+    num_decode_seqs: int = 0
+    decode_wall_ms: float = 0.0
+    decode_schedule_ms: float = 0.0
+    decode_rpc_ms: float = 0.0
+    decode_worker_ms: float = 0.0
+    decode_gpu_ms: float = 0.0
+    decode_postprocess_ms: float = 0.0
 
 
 # ---------------------------------------------------------------------------- conversions

@@ -31,6 +31,12 @@ def test_demo_streams_an_answer_and_shuts_down(tmp_path_factory, tp):
     assert f"scheduler + {tp} worker(s)" in proc.stderr
 
 
+def test_client_cli_dispatches_bench():
+    out = subprocess.run([sys.executable, "-m", "client", "bench", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--in-process" in out.stdout and "--request-rate" in out.stdout
+
+
 def test_launch_help_and_bad_tp():
     out = subprocess.run([sys.executable, "-m", "scheduler_service.launch", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)

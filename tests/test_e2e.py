@@ -193,6 +193,11 @@ def test_health_info_and_chat(services, stub):
     tokenized = stub.Tokenize(generate_pb2.TokenizeRequest(chat=chat)).token_ids
     assert out.usage.prompt_tokens == len(tokenized) > 3
     channel.close()
+    from client import Client
+    with Client(f"127.0.0.1:{services[1].port}") as c:
+        stats = c.stats()
+    assert stats.num_decode_steps > 0 and stats.num_decode_seqs >= stats.num_decode_steps
+    assert stats.decode_wall_ms >= stats.decode_rpc_ms > 0 and stats.decode_gpu_ms == 0  # CPU
 
 
 def test_seeded_sampling_is_reproducible(stub):
