@@ -31,6 +31,33 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi, kv_head,
+                 stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_N tile of keys [start, start + BLOCK_N) ∩ [0, hi) gathered through the
+    block table, folded into the online softmax of the query rows (row r sees keys up to
+    q_pos[r]). Returns the new (m_i, l_i, acc)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi
+    page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [rows, N]
+    visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    # Every tile a caller walks holds a key visible to every row (decode: all of them;
+    # prefill: key 0 in the first tile), so m_new is finite from the first tile on.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     Q, KCache, VCache, Out, BlockTables, ContextLens, PartOut, PartLse,
     num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -63,22 +90,11 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)   # the one query sees all keys
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))    # finite: every tile has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi,
+                                     kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                                     qk_scale_log2, PAGE_SIZE, BLOCK_N, PRECISION)
 
     # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -155,23 +171,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     for start in range(0, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [M, N]
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        # The first tile holds key 0, visible to every row, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi,
+                                     kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                                     qk_scale_log2, PAGE_SIZE, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
     dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
