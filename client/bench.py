@@ -39,15 +39,16 @@ import random
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
+
+from client.client import Stats
 
 # nano-vllm draws prompt token ids as randint(0, 10000); kept so seed 0 reproduces its workload.
 PROMPT_ID_HIGH = 10000
 PERCENTILES = (50, 90, 99)
 # Engine counters (Stats RPC / EngineStats) that the decode breakdown diffs.
-DECODE_FIELDS = ("num_decode_steps", "num_decode_seqs", "decode_wall_ms", "decode_schedule_ms",
-                 "decode_rpc_ms", "decode_worker_ms", "decode_gpu_ms", "decode_postprocess_ms")
+DECODE_FIELDS = tuple(f.name for f in fields(Stats) if f.name.startswith(("num_decode_", "decode_")))
 
 
 # ---------------------------------------------------------------------------- workload
@@ -307,15 +308,14 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------- gRPC mode
-async def _settled_stats(stub: Any, timeout: float = 5.0) -> dict[str, float]:
-    """A Stats snapshot once the engine is idle and its counters stopped moving: the
-    engine posts a step's tokens before it adds the step to its decode timers, so the
-    last token can reach us a moment before the last step is counted."""
-    from nanoserve.v1 import generate_pb2
+async def _settled_stats(client: Any, timeout: float = 5.0) -> dict[str, float]:
+    """A Stats snapshot once the engine is idle and its counters stopped moving: with two
+    steps in flight, the step after a sequence's last one may still be running (and not
+    yet counted) when the last token reaches us."""
     prev = None
     deadline = time.monotonic() + timeout
     while True:
-        s = await stub.GetStats(generate_pb2.StatsRequest())
+        s = await client.stats()
         snap = {k: getattr(s, k) for k in DECODE_FIELDS}
         idle = s.num_running == 0 and s.num_waiting == 0
         if (idle and snap == prev) or time.monotonic() > deadline:
@@ -346,42 +346,33 @@ async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trac
 
 async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
                           ) -> tuple[RunOutcome, list[BenchRequest]]:
-    import grpc.aio
-
-    from client.client import CHANNEL_OPTIONS, AsyncClient
-    from nanoserve.v1 import generate_pb2_grpc
+    from client.client import AsyncClient
 
     async with AsyncClient(args.target, timeout=args.timeout) as client:
-        # client.Stats does not carry the decode_* fields: read the raw message.
-        stats_channel = grpc.aio.insecure_channel(args.target, options=CHANNEL_OPTIONS)
-        stats = generate_pb2_grpc.GenerationStub(stats_channel)
-        try:
-            info = await client.model_info()
-            workload = make_workload(wcfg, info.vocab_size, info.max_model_len)
-            if args.warmup > 0:
-                warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
-                traces = [Trace() for _ in warm]
-                await asyncio.gather(*(_grpc_request(client, r, wcfg.temperature, t, None)
-                                       for r, t in zip(warm, traces)))
-                _raise_if_failed(traces, "warm-up")
-            before = await _settled_stats(stats)
+        info = await client.model_info()
+        workload = make_workload(wcfg, info.vocab_size, info.max_model_len)
+        if args.warmup > 0:
+            warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
+            traces = [Trace() for _ in warm]
+            await asyncio.gather(*(_grpc_request(client, r, wcfg.temperature, t, None)
+                                   for r, t in zip(warm, traces)))
+            _raise_if_failed(traces, "warm-up")
+        before = await _settled_stats(client)
 
-            progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
-            offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
-            traces = [Trace() for _ in workload]
-            start = time.perf_counter()
-            tasks = [asyncio.create_task(_grpc_request(client, r, wcfg.temperature, t, progress,
-                                                       start + off))
-                     for r, t, off in zip(workload, traces, offsets)]
-            waiter = asyncio.gather(*tasks)
-            while not waiter.done():
-                progress.draw()
-                await asyncio.wait([waiter], timeout=0.2)
-            await waiter
-            progress.close()
-            after = await _settled_stats(stats)
-        finally:
-            await stats_channel.close()
+        progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
+        offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
+        traces = [Trace() for _ in workload]
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(_grpc_request(client, r, wcfg.temperature, t, progress,
+                                                   start + off))
+                 for r, t, off in zip(workload, traces, offsets)]
+        waiter = asyncio.gather(*tasks)
+        while not waiter.done():
+            progress.draw()
+            await asyncio.wait([waiter], timeout=0.2)
+        await waiter
+        progress.close()
+        after = await _settled_stats(client)
     wall = max(t.finish for t in traces) - min(t.submit for t in traces)
     return RunOutcome(mode="grpc", model=info.model, device=args.device_name,
                       max_model_len=info.max_model_len, traces=traces, wall_s=wall,
