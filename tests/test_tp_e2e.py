@@ -110,6 +110,16 @@ def test_tp2_kv_capacity_is_per_rank_minimum(stacks):
     assert "TP=2" in tp2.scheduler.output()
 
 
+def start_greedy_stream(stub, prompt: list[int], max_tokens: int):
+    """A greedy ignore-eos Generate stream that has produced its first tokens:
+    (the stream, the ids received so far)."""
+    stream = stub.Generate(generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)),
+        timeout=120)
+    return stream, list(next(stream).token_ids)
+
+
 def test_rank_killed_mid_generation_group_restart_finishes_request(tmp_path_factory):
     """SIGKILL rank 1 while a request decodes: rank 0's collective fails at once (gloo sees
     the closed socket), rank 0 exits EXIT_GROUP_BROKEN, the scheduler reports unhealthy
@@ -124,11 +134,7 @@ def test_rank_killed_mid_generation_group_restart_finishes_request(tmp_path_fact
         check = lambda: health.Check(health_pb2.HealthCheckRequest(
             service="nanoserve.v1.Generation"), timeout=5).status
         prompt = list(range(10, 40))
-        stream = stub.Generate(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=prompt),
-            sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)),
-            timeout=120)
-        ids = list(next(stream).token_ids)
+        stream, ids = start_greedy_stream(stub, prompt, 300)
         rank0, rank1 = stack.workers
         rank1.stop(sig=9)
         assert rank0.wait_exit(20) == EXIT_GROUP_BROKEN, rank0.output()
@@ -157,11 +163,7 @@ def test_failed_rank_is_noticed_while_another_rank_is_stuck(tmp_path_factory):
     try:
         stub = stack.stub
         prompt = list(range(50, 70))
-        stream = stub.Generate(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=prompt),
-            sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)),
-            timeout=120)
-        ids = list(next(stream).token_ids)
+        stream, ids = start_greedy_stream(stub, prompt, 200)
         rank0, rank1 = stack.workers
         os.kill(rank0.popen.pid, signal.SIGSTOP)
         try:
