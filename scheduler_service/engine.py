@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nanoserve.v1 import worker_pb2
-from scheduler_service.block_manager import BlockManager
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
 from scheduler_service.sequence import Sequence, SequenceStatus
 from scheduler_service.worker_client import GroupInfo, WorkerGroup, WorkerGroupError, wait_for_group
@@ -234,7 +233,8 @@ class Engine:
         if failed:
             self.on_updates([SeqUpdate(s.seq_id, [], [], None, s.num_prompt_tokens,
                                        s.usage_cached_tokens or 0, error=str(err)) for s in failed])
-        self._reset_sequences()
+        self.scheduler.recompute_all()   # the workers' KV is gone
+        self._sent_blocks.clear()
         try:
             self.info = wait_for_group(self.group, self.config.block_size,
                                        self.config.num_kv_blocks, stop=self._stop)
@@ -243,22 +243,3 @@ class Engine:
             return
         self.healthy = True
         log.info("worker group back; re-prefilling %d sequences", len(self.scheduler.waiting))
-
-    def _reset_sequences(self) -> None:
-        """The workers' KV is gone: every sequence recomputes from its token ids."""
-        sched = self.scheduler
-        live = list(sched.running) + list(sched.waiting)
-        sched.running.clear()
-        sched.waiting.clear()
-        sched.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
-        for seq in live:
-            if seq.num_pending_tokens:   # ids of lost steps: they are computed again
-                del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]
-                seq.num_pending_tokens = 0
-            seq.status = SequenceStatus.WAITING
-            seq.block_table = []
-            seq.num_cached_tokens = seq.num_computed_tokens = 0
-            seq.num_scheduled_tokens = seq.num_hashed_blocks = 0
-            sched.waiting.append(seq)
-        sched.drain_released()
-        self._sent_blocks.clear()

@@ -93,6 +93,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def recompute_all(self) -> None:
+        """The KV cache was lost (a worker restarted): every live sequence goes back to
+        waiting, in order, to be re-prefilled from its token ids; placeholders of steps
+        that never answered are dropped, and the prefix cache starts empty."""
+        live = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        for seq in live:
+            if seq.num_pending_tokens:
+                del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]
+                seq.num_pending_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            seq.block_table = []
+            seq.num_cached_tokens = seq.num_computed_tokens = 0
+            seq.num_scheduled_tokens = seq.num_hashed_blocks = 0
+            self.waiting.append(seq)
+        self._released.clear()
+
     def drain_released(self) -> list[int]:
         """Seq ids whose blocks were released since the last call (workers drop their state)."""
         released, self._released = self._released, []

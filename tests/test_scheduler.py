@@ -363,3 +363,27 @@ def test_abort_between_schedule_and_postprocess():
     assert b.num_computed_tokens == 0 and b.status is F
     assert list(s.running) == [a, c]
     assert s.block_manager.num_used_blocks == 2
+
+
+def test_recompute_all_requeues_everything_for_re_prefill():
+    """Workers lost their KV: running and waiting seqs go back to waiting in order, steps
+    in flight are forgotten (placeholders dropped), nothing holds a block or a hash."""
+    s = make(num_kv_blocks=16, block_size=4, max_num_batched_tokens=64)
+    a, b, c = (Sequence(i, list(range(1, 10)), SamplingOptions(max_tokens=8)) for i in range(3))
+    for seq in (a, b):
+        s.add(seq)
+    s.postprocess(s.schedule(), [5, 6])          # a, b prefilled: running, blocks hashed
+    s.advance(s.schedule())                        # a decode step in flight: placeholders
+    s.add(c)
+    assert a.num_pending_tokens == b.num_pending_tokens == 1
+    s.recompute_all()
+    assert list(s.waiting) == [a, b, c] and not s.running
+    assert s.block_manager.num_free_blocks == 16 and not s.block_manager.hash_to_block
+    assert s.drain_released() == []
+    for seq in (a, b):
+        assert seq.token_ids == list(range(1, 10)) + [5 if seq is a else 6]
+        assert seq.num_pending_tokens == seq.num_computed_tokens == seq.num_cached_tokens == 0
+        assert not seq.block_table and seq.status is SequenceStatus.WAITING
+    batch = s.schedule()                          # re-prefill of every token, no stale hits
+    assert batch.is_prefill and [x.seq_id for x in batch.seqs] == [0, 1, 2]
+    assert [x.num_scheduled_tokens for x in batch.seqs] == [10, 10, 9]

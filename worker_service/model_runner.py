@@ -140,7 +140,7 @@ class ModelRunner:
         blocks_per_seq = -(-seq_len // block_size)
         self.init_kv(blocks_per_seq * len(lens), block_size)
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        works, slots, start = [], [], 0
+        works, slots = [], []
         for i, n in enumerate(lens):
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             works.append((i, n, 0, table, True))
