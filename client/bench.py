@@ -194,7 +194,8 @@ class DecodeBreakdown:
             "mean_batch": self.seqs / self.steps if self.steps else 0.0,
             "gpu_timed": self.gpu_timed,
             "idle_ms_per_step": per["idle"],
-            "idle_pct": 100 * per["idle"] / per["wall"] if per["wall"] > 0 else 0.0,
+            # idle <= wall by construction; dividing first keeps idle == wall at exactly 100
+            "idle_pct": 100 * (per["idle"] / per["wall"]) if per["wall"] > 0 else 0.0,
             "per_step_ms": per,
             "totals_ms": {k: getattr(self, f"{k}_ms")
                           for k in ("wall", "schedule", "rpc", "worker", "gpu", "postprocess")},

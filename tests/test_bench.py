@@ -152,3 +152,13 @@ def test_arrivals_and_breakdown():
     s = DecodeBreakdown.diff(before, after).summary()
     assert s["mean_batch"] == 4 and s["gpu_timed"]
     assert s["idle_ms_per_step"] == pytest.approx(2.0) and s["idle_pct"] == pytest.approx(20.0)
+
+
+def test_idle_share_never_exceeds_100_percent_when_nothing_is_gpu_timed():
+    """On CPU the GPU time is 0, so idle == wall: the share must be exactly 100, whatever
+    rounding the per-step division does (100 * x / x can land above 100)."""
+    from client.bench import DecodeBreakdown
+    for wall, steps in [(4632.61, 214), (4611.02, 52), (4548.87, 338), (1.0, 3)]:   # 100*x/x > 100
+        d = DecodeBreakdown(steps=steps, seqs=steps, wall_ms=wall, schedule_ms=0, rpc_ms=0,
+                            worker_ms=0, gpu_ms=0, postprocess_ms=0).summary()
+        assert d["idle_pct"] == 100.0
