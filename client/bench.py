@@ -387,8 +387,8 @@ def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig) -> tuple[RunOutcome
 
 # ---------------------------------------------------------------------------- in-process mode
 class _Collector:
-    """The Engine's on_updates callback: stamps token arrivals on the engine thread (the
-    same point where the gRPC server would hand them to its event loop)."""
+    """The Engine's on_output callback: stamps token arrivals on the engine's thread (the
+    same point where the engine core would hand them to a frontend)."""
 
     def __init__(self) -> None:
         self.traces: dict[int, Trace] = {}
@@ -403,24 +403,60 @@ class _Collector:
             self.remaining = len(traces)
             self.done.clear()
 
-    def on_updates(self, updates: list[Any]) -> None:
+    def on_output(self, out: Any) -> None:
         now = time.perf_counter()
-        for u in updates:
-            trace = self.traces.get(u.seq_id)
+        for seq_id in out.seq_ids:
+            trace = self.traces.get(seq_id)
+            if trace is not None:
+                trace.chunks.append((now, 1))
+        if self.progress is not None:
+            self.progress.add(len(out.seq_ids))
+        ended = [(seq_id, None) for seq_id, _, _ in out.finished]
+        ended += [(seq_id, f"{code}: {message}") for seq_id, code, message in out.errors]
+        for seq_id, error in ended:
+            trace = self.traces.get(seq_id)
             if trace is None:
                 continue
-            if u.token_ids:
-                trace.chunks.append((now, len(u.token_ids)))
-                if self.progress is not None:
-                    self.progress.add(len(u.token_ids))
-            if u.error:
-                trace.error = u.error
-            if u.finish_reason is not None or u.error:
-                trace.finish = now
-                with self._lock:
-                    self.remaining -= 1
-                    if self.remaining == 0:
-                        self.done.set()
+            trace.error = error
+            trace.finish = now
+            with self._lock:
+                self.remaining -= 1
+                if self.remaining == 0:
+                    self.done.set()
+
+
+class _EngineThread:
+    """The Engine on an event loop of its own thread; submit from any thread."""
+
+    def __init__(self, group: Any, block_size: int, num_kv_blocks: int, make_engine: Callable):
+        self.loop = asyncio.new_event_loop()
+        self.engine = None
+        started = threading.Event()
+
+        async def main() -> None:
+            info = await group.connect(block_size, num_kv_blocks)
+            self.engine = make_engine(info)
+            started.set()
+            await self.engine.run()
+
+        def target() -> None:
+            try:
+                self.loop.run_until_complete(main())
+            finally:
+                started.set()
+
+        self.thread = threading.Thread(target=target, name="engine", daemon=True)
+        self.thread.start()
+        started.wait()
+        if self.engine is None:
+            raise SystemExit("error: the engine did not start (see the traceback above)")
+
+    def submit(self, seq: Any) -> None:
+        self.loop.call_soon_threadsafe(self.engine.add, seq)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.engine.stop)
+        self.thread.join()
 
 
 def _engine_stats(engine: Any) -> dict[str, float]:
@@ -468,19 +504,23 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager))
     group = LocalWorkerGroup(runner)
-    info = group.connect(args.block_size, args.num_kv_blocks)
-    max_model_len = min(args.max_model_len or info.max_model_len, info.max_model_len)
-    config = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=args.block_size,
-                             max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=max_model_len, eos_token_id=info.eos_token_id)
     collector = _Collector()
-    engine = Engine(group, info, config, collector.on_updates, overlap=not args.no_overlap)
+
+    def make_engine(info: Any) -> Any:
+        config = SchedulerConfig(
+            num_kv_blocks=info.num_kv_blocks, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=min(args.max_model_len or info.max_model_len, info.max_model_len),
+            eos_token_id=info.eos_token_id)
+        return Engine(group, info, config, collector.on_output, overlap=not args.no_overlap)
+
+    runner_thread = _EngineThread(group, args.block_size, args.num_kv_blocks, make_engine)
+    engine, info = runner_thread.engine, runner_thread.engine.info
+    max_model_len = engine.config.max_model_len
     seq_ids = itertools.count(1)
 
     def engine_alive() -> bool:
-        thread = getattr(engine, "_thread", None)   # an uncaught error ends it silently
-        return thread is None or thread.is_alive()
+        return runner_thread.thread.is_alive()   # an uncaught error ends it silently
 
     def submit_all(reqs: list[BenchRequest], offsets: list[float],
                    progress: Progress | None) -> list[Trace]:
@@ -496,14 +536,13 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
                 draw()
                 time.sleep(min(delay, 0.1))
             traces[seq.seq_id].submit = time.perf_counter()
-            engine.submit(seq)
+            runner_thread.submit(seq)
         while not collector.done.wait(0.2):
             draw()
             if not engine_alive():
                 raise SystemExit("error: the engine loop died (see the traceback above)")
         return list(traces.values())
 
-    engine.start()
     try:
         if args.warmup > 0:
             warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
@@ -515,8 +554,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
                             progress)
         progress.close()
     finally:
-        engine.stop()      # joins the loop thread: the counters below are final
-        group.close()
+        runner_thread.stop()      # joins the loop thread: the counters below are final
     after = _engine_stats(engine)
     wall = max(t.finish for t in traces) - min(t.submit for t in traces)
     return RunOutcome(mode="in-process", model=info.model, device=_device_name(runner.device),

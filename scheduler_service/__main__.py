@@ -1,19 +1,33 @@
-"""python -m scheduler_service: the public gRPC server + engine loop (CPU only, no torch)."""
+"""python -m scheduler_service: the whole control plane (CPU only, no torch).
+
+This process is a supervisor. It starts the engine core (queues, BlockManager, the
+workers' Step streams) and, once that has reached the workers, N frontend processes
+serving the public gRPC API on one port; it restarts either if it dies, and on
+SIGTERM/SIGINT drains the frontends, then stops the core.
+"""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
 import signal
 import sys
+import tempfile
+import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m scheduler_service",
-        description="nanoserve scheduler: serves the public Generation API, batches requests "
-                    "(continuous batching, paged KV with prefix caching, preemption) and drives "
-                    "one group of worker services (one per tensor-parallel rank) over gRPC.",
+        description="nanoserve scheduler (the control plane): serves the public Generation "
+                    "API, batches requests (continuous batching, paged KV with prefix caching, "
+                    "preemption) and drives one group of worker services (one per "
+                    "tensor-parallel rank) over gRPC. Runs as a supervisor process, an engine "
+                    "core process (the batching loop) and --frontends processes (gRPC API, "
+                    "tokenizer, detokenizer), restarting any that dies.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True,
                    help="model directory; the scheduler reads its tokenizer and chat template")
@@ -42,83 +56,187 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "scheduled and sent while the workers compute step N)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--frontends", type=int, default=1,
+                   help="frontend processes sharing the port (SO_REUSEPORT); more help when "
+                        "many clients stream at once and the host has cores to spare")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
+    if args.frontends < 1:
+        p.error("--frontends must be >= 1")
     return args
 
 
-async def serve(args: argparse.Namespace) -> None:
-    from grpc_health.v1 import health_pb2
+log = logging.getLogger("nanoserve.scheduler")
 
-    from scheduler_service.engine import Engine
-    from scheduler_service.scheduler import SchedulerConfig
-    from scheduler_service.server import SERVICE_NAME, GenerationService, Limits, build_server
-    from scheduler_service.tokenizer import Tokenizer
-    from scheduler_service.worker_client import WorkerGroup, wait_for_group
 
-    log = logging.getLogger("nanoserve.scheduler")
-    # The engine thread and the event loop share the GIL; a short switch interval keeps
-    # the engine from waiting up to 5 ms (the default) behind a busy loop every step.
-    sys.setswitchinterval(0.0005)
-    loop = asyncio.get_running_loop()
-    tokenizer = Tokenizer.from_dir(args.model)
-    group = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()])
-    log.info("connecting to %d worker(s): %s", len(group.addresses), ", ".join(group.addresses))
-    info = await loop.run_in_executor(None, wait_for_group, group, args.block_size, args.num_kv_blocks)
-    max_model_len = min(args.max_model_len or info.max_model_len, info.max_model_len)
-    config = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=args.block_size,
-                             max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=max_model_len, eos_token_id=info.eos_token_id)
-    limits = Limits(max_model_len=max_model_len, vocab_size=info.vocab_size,
-                    max_kv_tokens=info.num_kv_blocks * args.block_size,
-                    max_waiting=args.max_waiting, default_max_tokens=args.default_max_tokens)
-    service = GenerationService(None, tokenizer, limits, info.model, engine_eos_id=info.eos_token_id)
-    engine = Engine(group, info, config, service.post_updates, overlap=not args.no_overlap)
-    service.engine = engine
-    engine.start()
-    server, port, health_servicer = await build_server(
-        service, args.host, args.port, args.max_message_mb << 20)
-    print(f"nanoserve scheduler listening on {args.host}:{port} (model {info.model}, "
-          f"{info.num_kv_blocks} KV blocks of {args.block_size}, TP={info.world_size})", flush=True)
+class ChildFailed(RuntimeError):
+    pass
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    serving = True
-    while not stop.is_set():
+
+class ControlPlane:
+    """Starts, watches, restarts and stops the engine core and the frontends."""
+
+    def __init__(self, args: argparse.Namespace):
+        from scheduler_service.engine_core import EngineCoreConfig
+        from scheduler_service.frontend import FrontendConfig
+        from scheduler_service.supervision import RestartPolicy
+        self.args = args
+        self.mp = multiprocessing.get_context("spawn")
+        self.ipc_dir = tempfile.mkdtemp(prefix="nanoserve-")   # 0700: ours alone
+        self.core_config = EngineCoreConfig(
+            workers=[a.strip() for a in args.workers.split(",") if a.strip()],
+            ipc_dir=self.ipc_dir, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+            overlap=not args.no_overlap, log_level=args.log_level)
+        self.frontend_configs = [FrontendConfig(
+            index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
+            reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,
+            default_max_tokens=args.default_max_tokens, shutdown_grace=args.shutdown_grace,
+            log_level=args.log_level) for i in range(args.frontends)]
+        self.policies = {name: RestartPolicy() for name in
+                         ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}
+        self.core: multiprocessing.Process | None = None
+        self.frontends: list[multiprocessing.Process | None] = [None] * args.frontends
+        self.stopping = False
+
+    # ---- children ---------------------------------------------------------------------
+
+    def _spawn(self, name: str, target, config):
+        """Start a child and wait until it says it is ready: (process, what it sent)."""
+        parent, child = self.mp.Pipe(duplex=False)
+        proc = self.mp.Process(target=target, args=(config, child), name=name)
+        proc.start()
+        child.close()
+        while True:
+            ready = multiprocessing.connection.wait([parent, proc.sentinel], timeout=0.5)
+            if parent in ready:
+                try:
+                    status, payload = parent.recv()
+                except EOFError:
+                    status, payload = "error", "exited before it was ready"
+                if status == "ready":
+                    return proc, payload
+                proc.join(5)
+                raise ChildFailed(f"{name}: {payload}")
+            if proc.sentinel in ready:
+                proc.join()
+                raise ChildFailed(f"{name} exited with status {proc.exitcode} before it was ready")
+            if self.stopping:
+                proc.terminate()
+                proc.join(5)
+                raise ChildFailed(f"{name}: stopped while starting")
+
+    def start_core(self) -> dict:
+        from scheduler_service import engine_core
+        self.core, info = self._spawn("engine core", engine_core.run, self.core_config)
+        return info
+
+    def start_frontend(self, i: int) -> int:
+        from scheduler_service import frontend
+        self.frontends[i], port = self._spawn(f"frontend {i}", frontend.run,
+                                              self.frontend_configs[i])
+        for cfg in self.frontend_configs:   # every restart and sibling binds this port
+            cfg.port = port
+        return port
+
+    def _restart(self, name: str, start) -> bool:
+        """Restart a dead child after its backoff; False when it is crash-looping."""
+        delay = self.policies[name].next_delay()
+        if delay is None:
+            log.critical("%s keeps dying (crash loop): stopping the control plane", name)
+            return False
+        log.error("%s died; restarting in %.1fs", name, delay)
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and not self.stopping:
+            time.sleep(0.05)
+        if self.stopping:
+            return True
         try:
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
-            pass
-        if engine.healthy != serving:   # mirror the worker group in grpc.health.v1
-            serving = engine.healthy
-            status = (health_pb2.HealthCheckResponse.SERVING if serving
-                      else health_pb2.HealthCheckResponse.NOT_SERVING)
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
+            start()
+        except ChildFailed as e:
+            log.error("restart failed: %s", e)   # the next round of watch() retries
+        return True
 
-    log.info("shutting down: no new requests, %.0fs for in-flight ones", args.shutdown_grace)
-    service.accepting = False
-    await health_servicer.enter_graceful_shutdown()
-    try:   # in-flight generations finish; health watches and the like do not hold us up
-        await asyncio.wait_for(service.idle.wait(), timeout=args.shutdown_grace)
-    except asyncio.TimeoutError:
-        log.warning("%d requests still running after %.0fs: cancelling them",
-                    service.in_flight, args.shutdown_grace)
-    await server.stop(0)
-    engine.stop()
-    group.close()
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        code = 0
+        try:
+            info = self.start_core()
+            port = 0
+            for i in range(len(self.frontends)):
+                port = self.start_frontend(i)
+            print(f"nanoserve scheduler listening on {self.args.host}:{port} (model "
+                  f"{info['model']}, {info['num_kv_blocks']} KV blocks of {info['block_size']}, "
+                  f"TP={info['world_size']}, {len(self.frontends)} frontend(s))", flush=True)
+            code = self.watch()
+        except ChildFailed as e:
+            if not self.stopping:
+                log.error("%s", e)
+                code = 1
+        finally:
+            self.shutdown()
+        return code
+
+    def _on_signal(self, *_) -> None:
+        self.stopping = True
+
+    def watch(self) -> int:
+        """Until a signal: restart whatever dies. 1 on a crash loop."""
+        while not self.stopping:
+            procs = [p for p in (self.core, *self.frontends) if p is not None]
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)
+            if self.stopping:
+                break
+            if self.core is None or not self.core.is_alive():
+                if self.core is not None:
+                    log.error("engine core exited with status %s", self.core.exitcode)
+                    self.core = None
+                if not self._restart("engine core", self.start_core):
+                    return 1
+            for i, p in enumerate(self.frontends):
+                if p is None or not p.is_alive():
+                    if p is not None:
+                        log.error("frontend %d exited with status %s", i, p.exitcode)
+                        self.frontends[i] = None
+                    if not self._restart(f"frontend {i}", lambda i=i: self.start_frontend(i)):
+                        return 1
+        return 0
+
+    def shutdown(self) -> None:
+        """Frontends first (they drain their requests), then the core."""
+        log.info("shutting down the control plane")
+        grace = self.args.shutdown_grace + 5
+        for p in self.frontends:
+            if p is not None and p.is_alive():
+                p.terminate()
+        for p in self.frontends:
+            if p is not None:
+                p.join(grace)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if self.core is not None and self.core.is_alive():
+            self.core.terminate()
+            self.core.join(10)
+            if self.core.is_alive():
+                self.core.kill()
+                self.core.join()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(args))
-    return 0
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(name)s[supervisor] %(levelname)s %(message)s")
+    return ControlPlane(args).run()
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -111,12 +111,16 @@ class BlockManager:
         seq.num_hashed_blocks = num_hits
 
     def can_append(self, seq: Sequence) -> bool:
-        return len(seq.block_table) >= seq.num_blocks(self.block_size) or bool(self.free_block_ids)
+        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or bool(self.free_block_ids)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Give the last token (about to be computed by a decode step) a block if it has none."""
-        if len(seq.block_table) < seq.num_blocks(self.block_size):
-            seq.block_table.append(self._take_fresh_block())
+    def may_append(self, seq: Sequence) -> int | None:
+        """Give the last token (about to be computed by a decode step) a block if it has
+        none; returns the block appended, if any."""
+        if len(seq.block_table) * self.block_size < len(seq.token_ids):
+            block_id = self._take_fresh_block()
+            seq.block_table.append(block_id)
+            return block_id
+        return None
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks whose KV is now computed, so others can hit them.

@@ -42,6 +42,9 @@ class Batch:
     # Fixed at schedule time so postprocess can match `sampled` even if a seq is aborted
     # in between (abort resets its counters).
     sample: list[bool] = field(default_factory=list)
+    # Decode: (index into seqs, block id) for each block appended this step, so the
+    # workers learn only those (a prefill sends whole tables of new sequences).
+    new_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -163,6 +166,7 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         limit = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         seqs: list[Sequence] = []
+        new_blocks: list[tuple[int, int]] = []
         done: list[Sequence] = []   # every token sampled (pending): nothing left to compute
         while self.running and len(seqs) < limit:
             seq = self.running.popleft()
@@ -176,11 +180,14 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                bm.may_append(seq)
+                block = bm.may_append(seq)
+                if block is not None:
+                    new_blocks.append((len(seqs), block))
                 seq.num_scheduled_tokens = 1
                 seqs.append(seq)
         self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
-        return Batch(seqs, is_prefill=False, sample=[True] * len(seqs)) if seqs else None
+        return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks)
+                if seqs else None)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -126,6 +126,35 @@ def start_tp_workers(model_dir: Path, world_size: int, ports: list[int] | None =
     return procs
 
 
+def start_null_worker(model_dir: Path | None = None, step_ms: float = 0.0, port: int = 0,
+                      extra: list[str] = ()) -> Proc:
+    """A worker that computes nothing (worker_service/null_worker.py), started."""
+    args = ["worker_service", "--null", "--step-ms", str(step_ms), "--port", str(port),
+            "--log-level", "WARNING"]
+    if model_dir is not None:
+        args += ["--model", str(model_dir)]
+    return Proc("null worker", [*args, *extra]).start()
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid (Linux /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    """pid exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def start_scheduler(model_dir: Path, worker_ports: list[int], block_size: int = 8,
                     extra: list[str] = ()) -> Proc:
     workers = ",".join(f"127.0.0.1:{p}" for p in worker_ports)

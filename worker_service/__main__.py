@@ -18,8 +18,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="nanoserve worker: owns the model weights and the KV cache of one "
                     "tensor-parallel rank and executes the Step batches a scheduler sends.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True,
-                   help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory (config.json + *.safetensors); required "
+                        "unless --null")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=50061,
                    help="port to listen on (0 = any free port; the bound port is printed)")
@@ -59,8 +60,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tp.add_argument("--dist-timeout", type=float, default=60.0,
                     help="seconds to wait for the other ranks at startup and inside each "
                          "collective before giving up (then the worker exits)")
+    null = p.add_argument_group(
+        "null worker (control-plane benchmarks and tests)",
+        "--null serves the same Worker API without a model or torch: every step takes "
+        "--step-ms of emulated device time and samples made-up, deterministic ids. The "
+        "limits (vocab size, context length, eos id) come from --model's config.json, or "
+        "Qwen3-0.6B's without --model.")
+    null.add_argument("--null", action="store_true", help="compute nothing (see above)")
+    null.add_argument("--step-ms", type=float, default=7.0,
+                      help="emulated device time per step")
+    null.add_argument("--null-kv-blocks", type=int, default=65536,
+                      help="KV capacity reported, in blocks of 16 tokens")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.model and not args.null:
+        p.error("--model is required (or --null)")
+    if args.null and args.world_size != 1:
+        p.error("--null serves a single rank (--world-size 1)")
+    return args
+
+
+def serve_null(args: argparse.Namespace) -> int:
+    from worker_service.null_worker import NullWorkerServicer, model_limits, serve
+    limits = model_limits(args.model)
+    if args.max_model_len:
+        limits["max_model_len"] = min(args.max_model_len, limits["max_model_len"])
+    servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
+                                  model=os.path.basename(os.path.normpath(args.model or "null")),
+                                  **limits)
+    server, port = serve(servicer, args.host, args.port)
+    print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.rank < args.world_size:
         raise SystemExit(f"nanoserve worker: --rank {args.rank} is not in [0, --world-size "
                          f"{args.world_size})")
+    if args.null:
+        return serve_null(args)
     import torch  # after --help, which should not pay for importing torch
 
     from models.parallel import TPGroup

@@ -3,8 +3,8 @@
 The scheduler's Engine drives `scheduler_service.worker_client.WorkerGroup`, which
 serializes each StepRequest and sends it over a bidirectional stream to every rank.
 `LocalWorkerGroup` offers the same surface (`connect`, `step`, `send`/`receive`,
-`healthy`, `close`) but hands the StepRequest object straight to `ModelRunner.step`: no
-serialization, no network. Benchmarking the same workload through both prices the
+`healthy`, `close`, coroutines like the real one's) but hands the StepRequest object
+straight to the ModelRunner: no serialization, no network. Benchmarking the same workload through both prices the
 service boundary.
 
 Steps run in order on one thread of their own, as a worker service runs its Step stream:
@@ -16,6 +16,7 @@ service itself never imports it.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +47,7 @@ class LocalWorkerGroup:
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
 
-    def connect(self, block_size: int, num_kv_blocks: int = 0, wait: bool = True) -> GroupInfo:
+    async def connect(self, block_size: int, num_kv_blocks: int = 0, wait: bool = True) -> GroupInfo:
         """Size and (re)allocate the KV cache, as Info + Init do on a worker service.
 
         num_kv_blocks > 0 pins the size; 0 takes everything the runner's budget fits. A
@@ -67,24 +68,20 @@ class LocalWorkerGroup:
                               eos_token_id=r.eos_token_id)
         return self.info
 
-    def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        self.send(request)
-        return self.receive(request.step_id)
-
-    def send(self, request: worker_pb2.StepRequest) -> None:
+    async def send(self, request: worker_pb2.StepRequest) -> None:
         """Launch a step on the step thread without waiting for it (the object itself:
         nothing is serialized). Launching does not wait for the GPU, so step N+1 is queued
         behind step N as on a worker service."""
         self._in_flight.append((request.step_id, self._executor.submit(self.runner.launch, request)))
 
-    def receive(self, step_id: int) -> worker_pb2.StepResponse:
+    async def receive(self, step_id: int) -> worker_pb2.StepResponse:
         """The answer to the oldest step in flight; a failure fails the step ('lost' is
         False: there is nothing to reach, the runner is right here)."""
         if not self._in_flight:
             raise WorkerGroupError(f"no step in flight (expected {step_id})", lost=False)
         sent_id, future = self._in_flight.popleft()
         try:
-            resp = self.runner.finish(future.result())
+            resp = self.runner.finish(await asyncio.wrap_future(future))
         except StepError as e:
             self.close_streams()
             raise WorkerGroupError(f"step {sent_id}: {e}", lost=False) from e
@@ -96,7 +93,7 @@ class LocalWorkerGroup:
             raise WorkerGroupError(f"answered step {resp.step_id}, expected {step_id}", lost=False)
         return resp
 
-    def healthy(self) -> bool:
+    async def healthy(self) -> bool:
         return self.runner.kv_cache is not None
 
     def close_streams(self) -> None:
@@ -109,7 +106,7 @@ class LocalWorkerGroup:
             except BaseException:  # noqa: BLE001 - it is being discarded
                 pass
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop the step thread; the runner (and its KV cache) stays with the caller."""
         self.close_streams()
         self._executor.shutdown(wait=True)

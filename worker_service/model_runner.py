@@ -2,7 +2,8 @@
 
 The scheduler decides placement (block tables, slots); this class only turns a
 StepRequest into tensors, runs the model, and samples. Per-sequence state kept between
-steps is just the block table and the sampling params, so steps carry diffs.
+steps (block tables, positions, sampling params) lives in a step_plan.SeqTable, so steps
+carry diffs.
 
 A step is `launch`ed (inputs copied, kernels queued, sampled ids copied to pinned host
 memory asynchronously) and later `finish`ed (wait, answer). The server launches step N+1
@@ -17,7 +18,7 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,11 +28,8 @@ from models.loader import load_model
 from models.parallel import TPGroup
 from models.qwen3 import kv_cache_layers
 from nanoserve.v1 import worker_pb2
-from worker_service.sampler import SamplingBatch, SamplingParams, sample
-
-
-class StepError(ValueError):
-    """A StepRequest that contradicts the worker's state (bad ids, unknown sequence)."""
+from worker_service.sampler import SamplingBatch, sample
+from worker_service.step_plan import SeqTable, StepError, StepPlan
 
 
 @dataclass
@@ -48,9 +46,6 @@ class RunnerConfig:
     enforce_eager: bool = False           # True: no CUDA graphs
 
 
-PLACEHOLDER = -1
-
-
 @dataclass
 class PendingStep:
     """A launched step: its sampled ids are on their way to pinned host memory."""
@@ -59,12 +54,6 @@ class PendingStep:
     tokens: torch.Tensor | None = None       # host (pinned on CUDA), int32
     logprobs: torch.Tensor | None = None     # host, float32
     events: tuple | None = None              # CUDA (start, end) events
-
-
-@dataclass
-class SeqState:
-    block_table: list[int] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 log = logging.getLogger("nanoserve.worker")
@@ -102,11 +91,10 @@ class ModelRunner:
         self.head_dim = self.attn_layers[0].head_dim
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
-        self.seqs: dict[int, SeqState] = {}
+        self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
         self.graphs = None                  # DecodeGraphs, captured at init_kv on CUDA
-        # Samples of the last launched step (on device), for placeholder inputs.
+        # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
-        self.last_rows: dict[int, int] = {}
         self._profiling = True
         self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
         self._profiling = False
@@ -140,19 +128,18 @@ class ModelRunner:
         blocks_per_seq = -(-seq_len // block_size)
         self.init_kv(blocks_per_seq * len(lens), block_size)
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        works, slots = [], []
+        req = worker_pb2.StepRequest(step_id=0)
         for i, n in enumerate(lens):
-            table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            works.append((i, n, 0, table, True))
-            slots.append(np.arange(n) + table[0] * block_size)
-        self._forward_and_sample(np.zeros(n_tokens, dtype=np.int32), works,
-                                 np.concatenate(slots).astype(np.int32))
+            req.seqs.add(seq_id=i, num_tokens=n, start_pos=0, reset_block_table=True, sample=True,
+                         block_table_i32=np.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq,
+                                                   dtype="<i4").tobytes())
+        req.token_ids_i32 = np.zeros(n_tokens, dtype="<i4").tobytes()
+        self._forward_and_sample(self.table.plan(req))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
-        self.kv_cache = None
+        self.kv_cache = self.table = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
-        self.seqs.clear()
         torch.cuda.empty_cache()
         return int(peak)
 
@@ -171,8 +158,8 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         self.block_size = block_size
-        self.seqs.clear()
-        self.last_sampled, self.last_rows = None, {}
+        self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
+        self.last_sampled = None
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
             from worker_service.cuda_graphs import DecodeGraphs
@@ -207,27 +194,17 @@ class ModelRunner:
             raise StepError("Step before Init: no KV cache allocated")
         self._bind_device()
         pending = PendingStep(req.step_id, time.perf_counter())
-        for seq_id in req.drop_seq_ids:
-            self.seqs.pop(seq_id, None)
-        token_ids = _i32(req.token_ids_i32)
-        slot_mapping = _i32(req.slot_mapping_i32)
-        works = []
-        for w in req.seqs:
-            state = self._update_state(w)
-            works.append((w.seq_id, w.num_tokens, w.start_pos, state.block_table, w.sample))
-        fill = self._placeholders(token_ids, works)
-        self._validate(token_ids, slot_mapping, works, fill)
+        plan = self.table.plan(req)
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        tokens, logprobs = self._forward_and_sample(token_ids, works, slot_mapping, fill,
-                                                    pending.events)
-        rows = [w[0] for w in works if w[4]]
-        if self.tp.size > 1:   # every rank needs the samples for the next step's placeholders
+        tokens, logprobs = self._forward_and_sample(plan, pending.events)
+        self.table.commit(plan)
+        if self.tp.size > 1 and plan.num_samples:   # every rank needs the samples (placeholders)
             if tokens is None:
-                tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+                tokens = torch.empty(plan.num_samples, dtype=torch.int64, device=self.device)
             self.tp.broadcast(tokens)
-        if rows:
-            self.last_sampled, self.last_rows = tokens, {seq_id: i for i, seq_id in enumerate(rows)}
+        if plan.num_samples:
+            self.last_sampled = tokens
         if tokens is not None and self.tp.rank == 0:
             pending.tokens = _to_host(tokens.to(torch.int32))
             if logprobs is not None:
@@ -252,113 +229,53 @@ class ModelRunner:
         resp.step_ms = (time.perf_counter() - pending.t0) * 1e3
         return resp
 
-    def _placeholders(self, token_ids: np.ndarray, works: list) -> tuple[np.ndarray, np.ndarray] | None:
-        """(positions in the step, rows of last_sampled) for -1 input tokens, or None."""
-        where = np.flatnonzero(token_ids == PLACEHOLDER)
-        if not len(where):
-            return None
-        ends = np.cumsum([w[1] for w in works]) - 1
-        owner = np.searchsorted(ends, where)
-        rows = []
-        for pos, i in zip(where.tolist(), owner.tolist()):
-            seq_id = works[i][0]
-            if pos != ends[i] or seq_id not in self.last_rows:
-                raise StepError(f"sequence {seq_id}: a placeholder input (-1) must be its last "
-                                "token and follow a step that sampled for it")
-            rows.append(self.last_rows[seq_id])
-        return where, np.array(rows, dtype=np.int64)
-
-    def _update_state(self, w: worker_pb2.SeqWork) -> SeqState:
-        blocks = _i32(w.block_table_i32).tolist()
-        if w.reset_block_table:
-            s = w.sampling
-            state = SeqState(blocks, SamplingParams(
-                temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
-                seed=s.seed if s.has_seed else None, logprobs=s.logprobs))
-            self.seqs[w.seq_id] = state
-            return state
-        state = self.seqs.get(w.seq_id)
-        if state is None:
-            raise StepError(f"sequence {w.seq_id} unknown to this worker: resend it in full")
-        state.block_table.extend(blocks)
-        return state
-
-    def _validate(self, token_ids: np.ndarray, slot_mapping: np.ndarray, works: list,
-                  fill=None) -> None:
-        total = sum(w[1] for w in works)
-        if len(token_ids) != total or len(slot_mapping) != total:
-            raise StepError(f"step has {len(token_ids)} token ids and {len(slot_mapping)} slots "
-                            f"for {total} scheduled tokens")
-        real = token_ids if fill is None else np.delete(token_ids, fill[0])
-        if len(real) and (real.min() < 0 or real.max() >= self.vocab_size):
-            raise StepError(f"token id out of range [0, {self.vocab_size})")
-        if total and slot_mapping.max() >= self.num_blocks * self.block_size:
-            raise StepError("slot out of range of the KV cache")
-        for seq_id, n, start, table, _ in works:
-            if n <= 0 or start + n > len(table) * self.block_size:
-                raise StepError(f"sequence {seq_id}: {start}+{n} tokens exceed its "
-                                f"{len(table)} blocks")
-            if start + n > self.max_model_len:
-                raise StepError(f"sequence {seq_id}: position {start + n} past max_model_len")
-            if table and (min(table) < 0 or max(table) >= self.num_blocks):
-                raise StepError(f"sequence {seq_id}: block id out of range")
-
-    def _forward_and_sample(self, token_ids: np.ndarray, works: list, slot_mapping: np.ndarray,
-                            fill: tuple[np.ndarray, np.ndarray] | None = None, events=None):
-        """works: (seq_id, num_tokens, start_pos, block_table, sample) per sequence; fill:
-        placeholder positions and the rows of last_sampled that replace them; events[0]
-        is recorded just before the first device work (GPU time excludes host prep)."""
-        n_tok = np.array([w[1] for w in works], dtype=np.int64)
-        starts = np.array([w[2] for w in works], dtype=np.int64)
-        ctx = starts + n_tok
-        is_decode = bool((n_tok == 1).all())
-        max_blocks = max(len(w[3]) for w in works)
-        tables = np.zeros((len(works), max_blocks), dtype=np.int32)
-        for i, w in enumerate(works):
-            tables[i, :len(w[3])] = w[3]
+    def _forward_and_sample(self, plan: StepPlan, events=None):
+        """Run the step's forward and sample its sampling rows; events[0] is recorded just
+        before the first device work (GPU time excludes host prep)."""
         dev = self.device
-        ids = np.where(token_ids == PLACEHOLDER, 0, token_ids) if fill is not None else token_ids
+        ids = plan.token_ids if plan.fill is None else np.where(plan.token_ids < 0, 0, plan.token_ids)
+        tables = plan.block_tables
         if events is not None:
             events[0].record()
         fill_dev = None
-        if fill is not None:
-            fill_dev = (_to(fill[0], dev), self.last_sampled.index_select(0, _to(fill[1], dev)))
-        rows = [i for i, w in enumerate(works) if w[4]]
-        if is_decode and self.graphs is not None and len(works) <= self.graphs.max_batch \
-                and max_blocks <= self.graphs.max_blocks:
-            logits = self.graphs.run(ids, starts, slot_mapping, tables, fill_dev)
-            logits = logits if len(rows) == len(works) else logits[rows]
+        if plan.fill is not None:
+            fill_dev = (_to(plan.fill[0], dev),
+                        self.last_sampled.index_select(0, _to(plan.fill[1], dev)))
+        sampling = plan.sample
+        if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
+                and tables.shape[1] <= self.graphs.max_blocks:
+            logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev)
+            logits = logits if sampling.all() else logits[np.flatnonzero(sampling)]
         else:
-            cu_q = np.zeros(len(works) + 1, dtype=np.int32)
+            n_tok = plan.num_tokens
+            ctx = plan.context_lens
+            cu_q = np.zeros(len(n_tok) + 1, dtype=np.int32)
             np.cumsum(n_tok, out=cu_q[1:])
-            cu_k = np.zeros(len(works) + 1, dtype=np.int32)
+            cu_k = np.zeros(len(n_tok) + 1, dtype=np.int32)
             np.cumsum(ctx, out=cu_k[1:])
-            positions = starts if is_decode else np.concatenate(
-                [np.arange(s, s + n) for s, n in zip(starts, n_tok)])
             meta = AttentionMetadata(
-                slot_mapping=_to(slot_mapping.astype(np.int32), dev),
+                slot_mapping=_to(plan.slot_mapping, dev),
                 block_tables=_to(tables, dev),
                 context_lens=_to(ctx.astype(np.int32), dev),
                 cu_seqlens_q=_to(cu_q, dev),
                 cu_seqlens_k=_to(cu_k, dev),
                 max_seqlen_q=int(n_tok.max()),
                 max_seqlen_k=int(ctx.max()),
-                is_decode=is_decode,
-                prefix_free=not starts.any(),
+                is_decode=plan.is_decode,
+                prefix_free=plan.prefix_free,
             )
-            input_ids = _to(ids.astype(np.int64), dev)
+            input_ids = _to(ids, dev)
             if fill_dev is not None:
                 input_ids[fill_dev[0]] = fill_dev[1]
-            hidden = self.model(input_ids, _to(positions.astype(np.int64), dev), meta)
-            if not rows:
+            hidden = self.model(input_ids, _to(plan.positions, dev), meta)
+            if not plan.num_samples:
                 return None, None
-            last = _to(cu_q[1:][rows].astype(np.int64) - 1, dev)
+            last = _to(plan.last_token_index(), dev)
             logits = self.model.compute_logits(hidden.index_select(0, last))
-        if not rows or self.tp.rank != 0:
+        if not plan.num_samples or self.tp.rank != 0:
             return None, None
-        params = [self.seqs[works[i][0]].sampling if works[i][0] in self.seqs else SamplingParams(0.0)
-                  for i in rows]
-        batch = SamplingBatch.build(params, [int(ctx[i]) for i in rows], self.vocab_size, dev)
+        batch = SamplingBatch.build(plan.sampling, plan.context_lens[sampling].tolist(),
+                                    self.vocab_size, dev)
         return sample(logits, batch)
 
 

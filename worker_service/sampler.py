@@ -15,15 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: bool = False
+from worker_service.step_plan import SamplingParams
 
 
 @dataclass

@@ -27,6 +27,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner = runner
         self.model_name = model_name
         self.lock = threading.Lock()   # Init and Step never overlap
+        self.steps = self.steps_overlapped = 0
 
     def Info(self, request, context):
         block_size = request.block_size or 16
@@ -48,6 +49,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{request.num_kv_blocks} blocks asked, {capacity} fit")
             self.runner.init_kv(request.num_kv_blocks, request.block_size)
+            self.steps = self.steps_overlapped = 0
         log.info("KV cache: %d blocks of %d tokens", request.num_kv_blocks, request.block_size)
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
@@ -76,6 +78,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if pending is not None:
                     yield self._finish(pending, context)
                 return
+            self.steps += 1
+            self.steps_overlapped += pending is not None
             launched, error = self._launch(req)
             if pending is not None:   # owed its answer even when the next step is bad
                 yield self._finish(pending, context)
@@ -113,7 +117,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Health(self, request, context):
         ready = self.runner.kv_cache is not None
-        return worker_pb2.HealthResponse(ready=ready, status="serving" if ready else "waiting for Init")
+        return worker_pb2.HealthResponse(ready=ready, status="serving" if ready else "waiting for Init",
+                                         steps=self.steps, steps_overlapped=self.steps_overlapped)
 
 
 def serve(runner: ModelRunner, model_name: str, host: str, port: int) -> tuple[grpc.Server, int]:

@@ -89,18 +89,20 @@ def decode_throughput(path, tp, device) -> float:
     rng = np.random.default_rng(0)
 
     def request(step_id: int, first: bool) -> worker_pb2.StepRequest:
+        """The first step sends every sequence in full at position CONTEXT; later ones are
+        packed decode steps (the worker tracks positions and tables)."""
         req = worker_pb2.StepRequest(step_id=step_id)
-        pos = CONTEXT + step_id - 1
-        for i in range(BATCH):
-            table = np.arange(i * per_seq, (i + 1) * per_seq, dtype="<i4")
-            w = req.seqs.add(seq_id=i, num_tokens=1, start_pos=pos, sample=True,
-                             reset_block_table=first)
-            if first:
-                w.block_table_i32 = table.tobytes()
+        tokens = rng.integers(0, 10000, BATCH, dtype="<i4").tobytes()
+        if first:
+            for i in range(BATCH):
+                w = req.seqs.add(seq_id=i, num_tokens=1, start_pos=CONTEXT, sample=True,
+                                 reset_block_table=True)
+                w.block_table_i32 = np.arange(i * per_seq, (i + 1) * per_seq, dtype="<i4").tobytes()
                 w.sampling.temperature = 0.6
-        req.token_ids_i32 = rng.integers(0, 10000, BATCH, dtype="<i4").tobytes()
-        tables = np.arange(BATCH) * per_seq + pos // BLOCK
-        req.slot_mapping_i32 = (tables * BLOCK + pos % BLOCK).astype("<i4").tobytes()
+            req.token_ids_i32 = tokens
+        else:
+            req.decode.seq_ids_u64 = np.arange(BATCH, dtype="<u8").tobytes()
+            req.decode.token_ids_i32 = tokens
         return req
 
     for s in range(3):

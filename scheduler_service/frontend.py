@@ -1,18 +1,16 @@
-"""Public gRPC API (protos/nanoserve/v1/generate.proto) on an asyncio server.
+"""A frontend process: the public gRPC API (protos/nanoserve/v1/generate.proto) on asyncio.
 
-Handlers validate and tokenize, hand a Sequence to the engine thread, then await the
-per-step updates the engine posts to this event loop, detokenizing incrementally here
-(off the engine's critical path). A handler that ends for any reason (finished,
-cancelled, deadline, error) makes sure the engine forgets its sequence.
+Handlers validate and tokenize, submit the request to the engine core (engine_client),
+then take its tokens as they arrive, detokenizing incrementally here, in a process of
+its own, so none of this competes with the engine loop. A handler that ends for any
+reason (finished, cancelled, deadline, error) makes sure the core forgets its sequence.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import itertools
 import logging
 import math
-import threading
+import signal
 import uuid
 from dataclasses import dataclass
 
@@ -22,11 +20,11 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.detokenizer import IncrementalDetokenizer
-from scheduler_service.engine import Engine, EngineStats, SeqUpdate
-from scheduler_service.sequence import SamplingOptions, Sequence
+from scheduler_service.engine_client import EngineClient, EngineUnavailable
+from scheduler_service.sequence import SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
 
-log = logging.getLogger("nanoserve.scheduler")
+log = logging.getLogger("nanoserve.frontend")
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
@@ -37,7 +35,6 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_kv_tokens: int           # a prompt must fit the whole KV cache
-    max_waiting: int = 1024      # queued + running requests before RESOURCE_EXHAUSTED
     default_max_tokens: int = 256
     max_stop_strings: int = 16
 
@@ -77,18 +74,11 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine | None, tokenizer: Tokenizer, limits: Limits, model_name: str,
-                 engine_eos_id: int | None = None):
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, limits: Limits, model_name: str):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.model_name = model_name
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.queues: dict[int, asyncio.Queue[SeqUpdate]] = {}
-        self.seq_ids = itertools.count(1)
-        self._posted: list[SeqUpdate] = []
-        self._posted_lock = threading.Lock()
-        self._dispatch_pending = False
         self.accepting = True
         # Generate/Complete calls being served: shutdown waits for these, not for
         # long-lived streams such as health Watch (which never end by themselves).
@@ -96,30 +86,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         # End-of-sequence ids beyond the model's own (generation_config may list several).
+        eos = engine.info["eos_token_id"]
         self.extra_eos_ids = frozenset(
-            t for t in tokenizer.eos_token_ids if t < limits.vocab_size) - {engine_eos_id}
-
-    # The engine thread calls this once per step. While a dispatch is still waiting for
-    # the event loop, later steps join it: a busy loop wakes once for several steps, and
-    # each stream then sends their tokens in one message.
-    def post_updates(self, updates: list[SeqUpdate]) -> None:
-        if self.loop is None:
-            return
-        with self._posted_lock:
-            self._posted.extend(updates)
-            if self._dispatch_pending:
-                return
-            self._dispatch_pending = True
-        self.loop.call_soon_threadsafe(self._dispatch)
-
-    def _dispatch(self) -> None:
-        with self._posted_lock:
-            updates, self._posted = self._posted, []
-            self._dispatch_pending = False
-        for u in updates:
-            q = self.queues.get(u.seq_id)
-            if q is not None:
-                q.put_nowait(u)
+            t for t in tokenizer.eos_token_ids if t < limits.vocab_size) - {eos}
 
     # ---- request preparation --------------------------------------------------------
 
@@ -150,14 +119,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                  f"(context length {self.limits.max_model_len})")
         return ids
 
-    async def _start(self, request, context) -> tuple[Sequence, asyncio.Queue, IncrementalDetokenizer, str]:
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
+    async def _start(self, request, context):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        if self.engine.num_pending() >= self.limits.max_waiting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many requests in flight (limit {self.limits.max_waiting})")
         try:
             ids = self._prompt_ids(request)
             sampling = sampling_from_proto(request.sampling, len(ids), self.limits)
@@ -165,48 +129,43 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 sampling.stop_token_ids = tuple(set(sampling.stop_token_ids) | self.extra_eos_ids)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        seq = Sequence(seq_id=next(self.seq_ids), token_ids=ids, sampling=sampling)
-        queue: asyncio.Queue[SeqUpdate] = asyncio.Queue()
-        self.queues[seq.seq_id] = queue
+        try:
+            stream = self.engine.submit(ids, sampling)
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
                                        skip_special_tokens=request.skip_special_tokens,
                                        stop=list(request.sampling.stop))
-        self.engine.submit(seq)
         self.in_flight += 1
         self.idle.clear()
-        return seq, queue, detok, request.request_id or uuid.uuid4().hex
+        return stream, detok, len(ids), request.request_id or uuid.uuid4().hex
 
     async def _stream(self, request, context):
-        """Yields (token_ids, text, logprobs, finish_reason, usage or None) deltas."""
-        seq, queue, detok, request_id = await self._start(request, context)
+        """Yields (request_id, token_ids, text, logprobs, finish_reason, usage or None) deltas."""
+        stream, detok, prompt_len, request_id = await self._start(request, context)
         finished = False
         completion = 0
         try:
             while True:
-                u = await queue.get()
-                while not queue.empty():   # behind by several steps: one message for all
-                    u = u.merged(queue.get_nowait())
-                if u.error:
-                    finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, u.error)
-                completion += len(u.token_ids)
-                text = detok.add(u.token_ids)
-                reason = u.finish_reason
+                token_ids, logprobs, finish, error = await stream.next()
+                if error is not None:
+                    finished = True   # the core has forgotten it already
+                    await context.abort(getattr(grpc.StatusCode, error[0]), error[1])
+                completion += len(token_ids)
+                text = detok.add(token_ids)
+                reason = finish[0] if finish is not None else None
                 if detok.stopped and reason is None:
                     reason = "stop"
                 if reason is not None:
-                    finished = u.finish_reason is not None
+                    finished = finish is not None
                     text += detok.finish()
-                    usage = generate_pb2.Usage(prompt_tokens=u.num_prompt_tokens,
-                                               completion_tokens=completion,
-                                               cached_tokens=u.num_cached_tokens)
-                    yield request_id, u.token_ids, text, u.logprobs, _FINISH[reason], usage
+                    usage = generate_pb2.Usage(prompt_tokens=prompt_len, completion_tokens=completion,
+                                               cached_tokens=finish[1] if finish else 0)
+                    yield request_id, token_ids, text, logprobs, _FINISH[reason], usage
                     return
-                yield request_id, u.token_ids, text, u.logprobs, None, None
+                yield request_id, token_ids, text, logprobs, None, None
         finally:
-            self.queues.pop(seq.seq_id, None)
-            if not finished:
-                self.engine.abort(seq.seq_id)
+            self.engine.release(stream, abort=not finished)
             self.in_flight -= 1
             if not self.in_flight:
                 self.idle.set()
@@ -247,28 +206,29 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         info = self.engine.info
         return generate_pb2.ModelInfo(
             model=self.model_name, vocab_size=self.limits.vocab_size,
-            max_model_len=self.limits.max_model_len, eos_token_id=info.eos_token_id,
-            tensor_parallel_size=info.world_size, block_size=info.block_size,
-            num_kv_blocks=info.num_kv_blocks)
+            max_model_len=self.limits.max_model_len, eos_token_id=info["eos_token_id"],
+            tensor_parallel_size=info["world_size"], block_size=info["block_size"],
+            num_kv_blocks=info["num_kv_blocks"])
 
     async def GetStats(self, request, context):
-        sched = self.engine.scheduler
-        return generate_pb2.Stats(
-            num_waiting=len(sched.waiting), num_running=len(sched.running),
-            num_kv_blocks=sched.block_manager.num_blocks,
-            num_free_kv_blocks=sched.block_manager.num_free_blocks,
-            num_steps=self.engine.stats.num_steps,
-            num_generated_tokens=self.engine.stats.num_generated_tokens,
-            num_preemptions=sched.num_preemptions, workers_healthy=self.engine.healthy,
-            **{f.name: getattr(self.engine.stats, f.name) for f in dataclasses.fields(EngineStats)
-               if f.name.startswith(("decode_", "num_decode_"))})
+        try:
+            stats = await self.engine.stats()
+        except EngineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return generate_pb2.Stats(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
 
 
-async def build_server(service: GenerationService, host: str, port: int,
-                       max_message_bytes: int) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+_STATS_FIELDS = frozenset(f.name for f in generate_pb2.Stats.DESCRIPTOR.fields)
+
+
+async def build_server(service: GenerationService, host: str, port: int, max_message_bytes: int,
+                       reuse_port: bool = False
+                       ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """The public server, serving; reuse_port lets several frontends share one port."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes)])
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", int(reuse_port))])
     generate_pb2_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -279,7 +239,72 @@ async def build_server(service: GenerationService, host: str, port: int,
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
-    service.loop = asyncio.get_running_loop()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, service.engine.serving)
     return server, bound, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
+
+
+# ---------------------------------------------------------------------------- the process
+@dataclass
+class FrontendConfig:
+    index: int                    # 0..n-1; frontend i's requests carry i in their ids
+    model: str                    # model directory: tokenizer and chat template
+    ipc_dir: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    reuse_port: bool = False
+    max_message_mb: int = 16
+    default_max_tokens: int = 256
+    shutdown_grace: float = 10.0
+    log_level: str = "INFO"
+
+
+async def serve(cfg: FrontendConfig, ready) -> None:
+    """Connect to the engine core, serve until SIGTERM/SIGINT, then drain: no new
+    requests, in-flight ones get `shutdown_grace` seconds to finish."""
+    import os
+    tokenizer = Tokenizer.from_dir(cfg.model)
+    health_servicer = None
+    loop = asyncio.get_running_loop()
+
+    def on_state(serving: bool) -> None:   # mirror the engine core in grpc.health.v1
+        if health_servicer is not None and service.accepting:
+            loop.create_task(set_serving(health_servicer, serving))
+
+    engine = EngineClient(cfg.ipc_dir, cfg.index, on_state=on_state)
+    info = await engine.start()
+    limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+                    max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
+                    default_max_tokens=cfg.default_max_tokens)
+    service = GenerationService(engine, tokenizer, limits,
+                                os.path.basename(os.path.normpath(info["model"] or cfg.model)))
+    server, port, health_servicer = await build_server(service, cfg.host, cfg.port,
+                                                       cfg.max_message_mb << 20, cfg.reuse_port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready.send(("ready", port))
+    await stop.wait()
+    log.info("shutting down: no new requests, %.0fs for in-flight ones", cfg.shutdown_grace)
+    service.accepting = False
+    await health_servicer.enter_graceful_shutdown()
+    try:   # in-flight generations finish; health watches and the like do not hold us up
+        await asyncio.wait_for(service.idle.wait(), timeout=cfg.shutdown_grace)
+    except asyncio.TimeoutError:
+        log.warning("%d requests still running after %.0fs: cancelling them",
+                    service.in_flight, cfg.shutdown_grace)
+    await server.stop(0)
+    await engine.close()
+
+
+def run(cfg: FrontendConfig, ready) -> None:
+    """Process entry point (multiprocessing, spawn)."""
+    from scheduler_service.supervision import child_setup
+    child_setup(cfg.log_level, f"frontend {cfg.index}")
+    asyncio.run(serve(cfg, ready))

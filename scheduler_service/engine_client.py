@@ -1,0 +1,202 @@
+"""A frontend's handle on the engine core: submit, abort, stats, and each request's results.
+
+One ZeroMQ DEALER socket to the core's ROUTER (ipc.py). A reader task takes each step's
+message and appends every sequence's token to its RequestStream; the gRPC handler that
+owns the stream wakes only if it is waiting, and takes everything that arrived since
+its last look (a busy frontend sends several steps' tokens in one message instead of
+falling behind).
+
+The socket's monitor tells when the core goes away (the connection drops the moment the
+process dies): every request in flight then fails with UNAVAILABLE, and new ones are
+refused until the restarted core answers our HELLO.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from array import array
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from scheduler_service import ipc
+from scheduler_service.sequence import SamplingOptions
+
+log = logging.getLogger("nanoserve.frontend")
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+class RequestStream:
+    """Results of one request not yet taken by its handler."""
+    __slots__ = ("seq_id", "token_ids", "logprobs", "finish", "error", "_waiter")
+
+    def __init__(self, seq_id: int):
+        self.seq_id = seq_id
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: tuple[str, int] | None = None   # (reason, cached prompt tokens)
+        self.error: tuple[str, str] | None = None    # (status code name, message)
+        self._waiter: asyncio.Future | None = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> tuple[list[int], list[float], tuple[str, int] | None,
+                                  tuple[str, str] | None]:
+        """Everything that arrived since the last call (waits for something)."""
+        while not (self.token_ids or self.finish or self.error):
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        ids, self.token_ids = self.token_ids, []
+        lps, self.logprobs = self.logprobs, []
+        return ids, lps, self.finish, self.error
+
+
+class EngineClient:
+    def __init__(self, ipc_dir: str, index: int,
+                 on_state: Callable[[bool], None] | None = None):
+        self.address = ipc.engine_address(ipc_dir)
+        self.index = index
+        self.on_state = on_state or (lambda serving: None)
+        self.info: dict = {}
+        self.connected = False     # the core answered our HELLO and has not gone away
+        self.workers_healthy = False
+        self.streams: dict[int, RequestStream] = {}
+        self._seq_ids = itertools.count(1)
+        self._stats_ids = itertools.count(1)
+        self._stats: dict[int, asyncio.Future] = {}
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def serving(self) -> bool:
+        return self.connected and self.workers_healthy
+
+    async def start(self, timeout: float = 60.0) -> dict:
+        """Connect and wait for the core's INFO."""
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, ipc.identity(self.index))
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._tasks = [asyncio.ensure_future(self._watch(monitor)),
+                       asyncio.ensure_future(self._read())]
+        self.sock.connect(self.address)
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        return self.info
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.ctx.destroy(linger=0)   # every socket, the monitor's too
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], sampling: SamplingOptions) -> RequestStream:
+        if not self.connected:
+            raise EngineUnavailable("the engine core is not available (restarting?)")
+        seq_id = self.index << ipc.OWNER_SHIFT | next(self._seq_ids)
+        stream = self.streams[seq_id] = RequestStream(seq_id)
+        self.sock.send(ipc.pack([ipc.ADD, seq_id, array("i", prompt_ids).tobytes(),
+                                 ipc.pack_sampling(sampling)]))
+        return stream
+
+    def release(self, stream: RequestStream, abort: bool) -> None:
+        """The handler is done with `stream`; abort=True also stops the sequence."""
+        self.streams.pop(stream.seq_id, None)
+        if abort and self.connected:
+            self.sock.send(ipc.pack([ipc.ABORT, stream.seq_id]))
+
+    async def stats(self, timeout: float = 5.0) -> dict:
+        if not self.connected:
+            raise EngineUnavailable("the engine core is not available")
+        req_id = next(self._stats_ids)
+        fut = self._stats[req_id] = asyncio.get_running_loop().create_future()
+        self.sock.send(ipc.pack([ipc.STATS, req_id]))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine core did not answer in {timeout:g}s") from None
+        finally:
+            self._stats.pop(req_id, None)
+
+    # ---- core -> us -------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        streams = self.streams
+        while True:
+            msg = ipc.unpack(await self.sock.recv())
+            kind = msg[0]
+            if kind == ipc.OUT:
+                _, seq_ids, token_ids, logprobs, finished, errors = msg
+                ids = array("Q")
+                ids.frombytes(seq_ids)
+                toks = array("i")
+                toks.frombytes(token_ids)
+                if logprobs:
+                    lps = array("f")
+                    lps.frombytes(logprobs)
+                    for seq_id, tok, lp in zip(ids, toks, lps):
+                        if (s := streams.get(seq_id)) is not None:
+                            s.token_ids.append(tok)
+                            s.logprobs.append(lp)
+                            s._wake()
+                else:
+                    for seq_id, tok in zip(ids, toks):
+                        if (s := streams.get(seq_id)) is not None:
+                            s.token_ids.append(tok)
+                            s._wake()
+                for seq_id, reason, cached in finished:
+                    if (s := streams.get(seq_id)) is not None:
+                        s.finish = (reason, cached)
+                        s._wake()
+                for seq_id, code, message in errors:
+                    if (s := streams.get(seq_id)) is not None:
+                        s.error = (code, message)
+                        s._wake()
+            elif kind == ipc.STATS:
+                fut = self._stats.get(msg[1])
+                if fut is not None and not fut.done():
+                    fut.set_result(msg[2])
+            elif kind == ipc.HEALTH:
+                self.workers_healthy = msg[1]
+                self.on_state(self.serving)
+            elif kind == ipc.INFO:
+                self.info, self.workers_healthy = msg[1], msg[2]
+                self.connected = True
+                self._ready.set()
+                log.info("engine core connected (workers %s)",
+                         "healthy" if self.workers_healthy else "not ready")
+                self.on_state(self.serving)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.sock.send(ipc.pack([ipc.HELLO]))
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self._lost()
+
+    def _lost(self) -> None:
+        """The core went away: whatever it held is gone."""
+        self.connected = False
+        log.error("engine core went away: failing %d requests in flight", len(self.streams))
+        for s in self.streams.values():
+            s.error = ("UNAVAILABLE", "the engine core went away; retry the request")
+            s._wake()
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable("the engine core went away"))
+        self.on_state(False)

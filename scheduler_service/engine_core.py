@@ -1,0 +1,186 @@
+"""The engine core process: the Engine loop, its worker group and the frontends' socket.
+
+It owns the queues, the BlockManager and the workers' Step streams, and nothing else:
+tokenizing, detokenizing and streaming to clients happen in the frontend processes, so
+the loop never waits behind client traffic for the GIL. Frontends talk to it over one
+ZeroMQ ROUTER socket (ipc.py); each step's tokens go out as one message per frontend.
+
+Started by the control plane's supervisor (scheduler_service.__main__), which restarts
+it if it dies; a restarted core knows no requests, so frontends fail the ones they had
+(UNAVAILABLE) and carry on once it is back.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+from array import array
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from scheduler_service import ipc
+from scheduler_service.engine import Engine, EngineStats, StepOutputs
+from scheduler_service.scheduler import SchedulerConfig
+from scheduler_service.sequence import Sequence
+from scheduler_service.worker_client import WorkerGroup, WorkerGroupError, wait_for_group
+
+log = logging.getLogger("nanoserve.engine")
+
+
+@dataclass
+class EngineCoreConfig:
+    workers: list[str]
+    ipc_dir: str
+    block_size: int = 256
+    num_kv_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 0          # 0 = the workers' limit
+    max_waiting: int = 1024
+    overlap: bool = True
+    log_level: str = "INFO"
+
+
+class EngineCore:
+    def __init__(self, config: EngineCoreConfig):
+        self.config = config
+        self.engine: Engine | None = None
+        self.info: dict = {}
+        self.sock: zmq.asyncio.Socket | None = None
+        self.frontends: set[bytes] = set()
+
+    async def serve(self, ready) -> None:
+        """Connect to the workers, tell the supervisor (`ready`, a Connection), run."""
+        cfg = self.config
+        group = WorkerGroup(cfg.workers)
+        log.info("connecting to %d worker(s): %s", len(cfg.workers), ", ".join(cfg.workers))
+        info = await wait_for_group(group, cfg.block_size, cfg.num_kv_blocks)
+        max_model_len = min(cfg.max_model_len or info.max_model_len, info.max_model_len)
+        sched = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=cfg.block_size,
+                                max_num_seqs=cfg.max_num_seqs,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                max_model_len=max_model_len, eos_token_id=info.eos_token_id)
+        self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len}
+        self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,
+                             on_health=self._send_health)
+        ctx = zmq.asyncio.Context()
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)   # never drop a step's tokens
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        path = ipc.engine_address(cfg.ipc_dir)
+        try:
+            os.unlink(path.removeprefix("ipc://"))   # left by a core that died
+        except FileNotFoundError:
+            pass
+        self.sock.bind(path)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.engine.stop)
+        ready.send(("ready", self.info))
+        reader = asyncio.ensure_future(self._read())
+        try:
+            await self.engine.run()
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await group.close()
+            ctx.destroy(linger=0)
+            if os.getppid() == 1:   # the supervisor died (SIGKILL): nobody else cleans up
+                shutil.rmtree(cfg.ipc_dir, ignore_errors=True)
+
+    # ---- frontends -> core ------------------------------------------------------------
+
+    async def _read(self) -> None:
+        sock, engine = self.sock, self.engine
+        while True:
+            ident, data = await sock.recv_multipart()
+            msg = ipc.unpack(data)
+            kind = msg[0]
+            if kind == ipc.ADD:
+                self._add(ident, msg[1], msg[2], msg[3])
+            elif kind == ipc.ABORT:
+                engine.abort(msg[1])
+            elif kind == ipc.STATS:
+                sock.send_multipart([ident, ipc.pack([ipc.STATS, msg[1], self._stats()])])
+            elif kind == ipc.HELLO:
+                self._hello(ident)
+
+    def _hello(self, ident: bytes) -> None:
+        """A frontend (re)connected: abort what an earlier incarnation of it left behind."""
+        index = int(ident[2:])
+        stale = [s.seq_id for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running)
+                 if ipc.owner(s.seq_id) == index]
+        for seq_id in stale:
+            self.engine.abort(seq_id)
+        if stale:
+            log.warning("frontend %d restarted: aborted its %d old requests", index, len(stale))
+        self.frontends.add(ident)
+        self.sock.send_multipart([ident, ipc.pack([ipc.INFO, self.info, self.engine.healthy])])
+
+    def _add(self, ident: bytes, seq_id: int, prompt: bytes, sampling: list) -> None:
+        engine = self.engine
+        if engine.num_pending() >= self.config.max_waiting:
+            self._send_outputs(StepOutputs(errors=[(
+                seq_id, "RESOURCE_EXHAUSTED",
+                f"too many requests in flight (limit {self.config.max_waiting})")]))
+            return
+        ids = array("i")
+        ids.frombytes(prompt)
+        engine.add(Sequence(seq_id=seq_id, token_ids=ids.tolist(),
+                            sampling=ipc.unpack_sampling(sampling)))
+
+    def _stats(self) -> dict:
+        e = self.engine
+        sched = e.scheduler
+        return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
+                "num_kv_blocks": sched.block_manager.num_blocks,
+                "num_free_kv_blocks": sched.block_manager.num_free_blocks,
+                "num_preemptions": sched.num_preemptions, "workers_healthy": e.healthy,
+                **dataclasses.asdict(e.stats)}
+
+    # ---- core -> frontends ------------------------------------------------------------
+
+    def _send_outputs(self, out: StepOutputs) -> None:
+        """One message per frontend that has sequences in this step's output."""
+        shift = ipc.OWNER_SHIFT
+        owners = {s >> shift for s in out.seq_ids}
+        owners.update(f[0] >> shift for f in out.finished)
+        owners.update(e[0] >> shift for e in out.errors)
+        if len(owners) == 1:   # the usual case: one frontend
+            self._send_part(owners.pop(), out)
+            return
+        for owner in owners:
+            rows = [i for i, s in enumerate(out.seq_ids) if s >> shift == owner]
+            self._send_part(owner, StepOutputs(
+                seq_ids=[out.seq_ids[i] for i in rows], token_ids=[out.token_ids[i] for i in rows],
+                logprobs=None if out.logprobs is None else [out.logprobs[i] for i in rows],
+                finished=[f for f in out.finished if f[0] >> shift == owner],
+                errors=[e for e in out.errors if e[0] >> shift == owner]))
+
+    def _send_part(self, owner: int, out: StepOutputs) -> None:
+        self.sock.send_multipart([ipc.identity(owner), ipc.pack([
+            ipc.OUT, array("Q", out.seq_ids).tobytes(), array("i", out.token_ids).tobytes(),
+            array("f", out.logprobs).tobytes() if out.logprobs is not None else b"",
+            out.finished, out.errors])])
+
+    def _send_health(self, healthy: bool) -> None:
+        for ident in self.frontends:
+            self.sock.send_multipart([ident, ipc.pack([ipc.HEALTH, healthy])])
+
+
+def run(config: EngineCoreConfig, ready) -> None:
+    """Process entry point (multiprocessing, spawn)."""
+    from scheduler_service.supervision import child_setup
+    child_setup(config.log_level, "engine core")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the supervisor decides when we stop
+    try:
+        asyncio.run(EngineCore(config).serve(ready))
+    except WorkerGroupError as e:
+        log.error("engine core: %s", e)
+        ready.send(("error", str(e)))
+        raise SystemExit(1)

@@ -1,0 +1,72 @@
+"""The messages between frontends and the engine core (ZeroMQ + msgpack, same host).
+
+Why ZeroMQ: the engine core must never block on a slow frontend, and frontends come and
+go. A ROUTER socket in the core and a DEALER per frontend give framing, queueing in
+ZeroMQ's own I/O thread (sending is a memcpy for the engine loop), reconnects after a
+restart and one socket for any number of frontends. msgpack keeps messages plain data:
+nothing a peer sends can run code here.
+
+Every message is one msgpack list whose first item says what it is:
+
+frontend -> core
+    [HELLO]                              a frontend (re)started: forget its old requests
+    [ADD, seq_id, prompt_ids, sampling]  a new request (sampling: `pack_sampling`)
+    [ABORT, seq_id]
+    [STATS, request_id]
+core -> frontend
+    [INFO, group_info, healthy]          answers HELLO
+    [OUT, seq_ids_u64, token_ids_i32, logprobs_f32, finished, errors]
+        one step: a token for each listed sequence (little-endian arrays, logprobs empty
+        when nobody asked), finished = [[seq_id, reason, cached_tokens]], errors =
+        [[seq_id, status code name, message]]
+    [HEALTH, healthy]                    the worker group went down or came back
+    [STATS, request_id, stats]
+
+A sequence id carries its frontend's index in its top bits (`owner`), so the core routes
+a step's tokens without a lookup table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import msgpack
+
+from scheduler_service.sequence import SamplingOptions
+
+HELLO, ADD, ABORT, STATS, INFO, OUT, HEALTH = range(7)
+
+OWNER_SHIFT = 40        # seq_id = frontend index << 40 | per-frontend counter
+
+
+def owner(seq_id: int) -> int:
+    return seq_id >> OWNER_SHIFT
+
+
+def identity(frontend_index: int) -> bytes:
+    """The ZeroMQ routing id of frontend i."""
+    return b"fe%d" % frontend_index
+
+
+def engine_address(ipc_dir: str) -> str:
+    return f"ipc://{os.path.join(ipc_dir, 'engine')}"
+
+
+pack = msgpack.Packer(use_bin_type=True).pack
+
+
+def unpack(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+
+
+_SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingOptions)]
+
+
+def pack_sampling(s: SamplingOptions) -> list:
+    return [getattr(s, name) for name in _SAMPLING_FIELDS]
+
+
+def unpack_sampling(values: list) -> SamplingOptions:
+    s = SamplingOptions(*values)
+    s.stop_token_ids = tuple(s.stop_token_ids)
+    return s

@@ -1,0 +1,260 @@
+"""The control plane's processes over real sockets, driven by a null worker (no model, no torch).
+
+The null worker's ids are a known function of each prompt (null_worker.expected_tokens),
+so every token that reaches a client can be checked, through preemption, overlap and
+restarts. The supervisor's children are found through /proc and named (ns-engine-core,
+ns-frontend-N), so tests can kill exactly the one they mean.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.null_model import write_null_model
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services import alive, children, start_null_worker, start_scheduler, wait_until
+from worker_service.null_worker import expected_tokens
+
+pytestmark = pytest.mark.slow
+VOCAB, MAX_LEN = 1000, 512
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_null_model(tmp_path_factory.mktemp("null_model"), vocab_size=VOCAB,
+                            max_position_embeddings=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def eos(model_dir):
+    import json
+    return json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+
+
+def request(prompt, max_tokens, **sampling):
+    return generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def named_children(pid: int) -> dict[str, int]:
+    out = {}
+    for c in children(pid):
+        try:
+            out[Path(f"/proc/{c}/comm").read_text().strip()] = c
+        except OSError:
+            pass
+    return out
+
+
+def worker_health(port: int) -> worker_pb2.HealthResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5)
+
+
+def test_every_token_arrives_through_preemption_and_packed_decode(model_dir, eos):
+    """Small KV cache (preemption by recompute), block size 16 (decode appends blocks),
+    24 concurrent streams: each stream's ids are exactly the null worker's."""
+    worker = start_null_worker(model_dir, step_ms=1, extra=["--null-kv-blocks", "40"])
+    sched = start_scheduler(model_dir, [worker.port], block_size=16)
+    try:
+        rng = random.Random(1)
+        reqs = [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))], rng.randint(1, 120))
+                for _ in range(24)]
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+
+            def run(prompt, n):
+                ids, last = [], None
+                for chunk in stub.Generate(request(prompt, n, temperature=0.8), timeout=120):
+                    ids += chunk.token_ids
+                    last = chunk
+                return ids, last
+
+            with cf.ThreadPoolExecutor(len(reqs)) as pool:
+                results = list(pool.map(lambda r: run(*r), reqs))
+            for (prompt, n), (ids, last) in zip(reqs, results):
+                assert ids == expected_tokens(prompt, n, VOCAB, eos)
+                assert last.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+                assert last.usage.completion_tokens == n and last.usage.prompt_tokens == len(prompt)
+            stats = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
+            assert stats.num_preemptions > 0, "the KV cache was meant to run out"
+            assert wait_until(lambda: stub.GetStats(generate_pb2.StatsRequest()).num_free_kv_blocks
+                              == stats.num_kv_blocks, timeout=10)
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlap_keeps_two_steps_in_flight(model_dir, overlap):
+    """With overlap the next step reaches the worker while the previous one still runs
+    (almost every step); without it, never."""
+    worker = start_null_worker(model_dir, step_ms=5)
+    sched = start_scheduler(model_dir, [worker.port], block_size=16,
+                            extra=[] if overlap else ["--no-overlap"])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            with cf.ThreadPoolExecutor(4) as pool:
+                done = list(pool.map(lambda i: stub.Complete(request([i + 1] * 20, 100), timeout=60),
+                                     range(4)))
+        assert all(len(r.token_ids) == 100 for r in done)
+        h = worker_health(worker.port)
+        assert h.steps >= 100
+        if overlap:
+            assert h.steps_overlapped >= 0.9 * h.steps, (h.steps_overlapped, h.steps)
+        else:
+            assert h.steps_overlapped == 0, (h.steps_overlapped, h.steps)
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+@pytest.fixture()
+def stack(model_dir):
+    worker = start_null_worker(model_dir, step_ms=2)
+    sched = start_scheduler(model_dir, [worker.port], block_size=16,
+                            extra=["--log-level", "INFO"])
+    yield worker, sched
+    sched.stop()
+    worker.stop()
+
+
+class Stream:
+    """A Generate call drained on a thread; keeps ids and the error, if any."""
+
+    def __init__(self, stub, prompt, n):
+        self.ids: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.call = stub.Generate(request(prompt, n), timeout=60)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for chunk in self.call:
+                self.ids += chunk.token_ids
+        except grpc.RpcError as e:
+            self.error = e
+
+
+def test_engine_core_killed_fails_in_flight_with_unavailable_then_serves_again(stack, eos):
+    worker, sched = stack
+    core = named_children(sched.popen.pid)["ns-engine-core"]
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        health = health_pb2_grpc.HealthStub(ch)
+        stream = Stream(stub, [1, 2, 3], 400)
+        assert wait_until(lambda: len(stream.ids) > 5, timeout=20)
+        os.kill(core, signal.SIGKILL)
+        stream.thread.join(10)
+        assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+        # Refused (not hung) while the core is down, served again once it is back.
+        new_core = None
+
+        def restarted():
+            nonlocal new_core
+            new_core = named_children(sched.popen.pid).get("ns-engine-core")
+            return new_core not in (None, core)
+
+        assert wait_until(restarted, timeout=30), sched.output()
+        assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                          == health_pb2.HealthCheckResponse.SERVING, timeout=30), sched.output()
+        out = stub.Complete(request([7, 8], 20), timeout=30)
+        assert list(out.token_ids) == expected_tokens([7, 8], 20, VOCAB, eos)
+    assert "engine core exited" in sched.output()
+
+
+def test_frontend_killed_is_restarted_on_the_same_port_and_its_requests_aborted(stack, eos):
+    worker, sched = stack
+    frontend = named_children(sched.popen.pid)["ns-frontend-0"]
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stream = Stream(generate_pb2_grpc.GenerationStub(ch), [4, 5], 450)
+        assert wait_until(lambda: len(stream.ids) > 5, timeout=20)
+        os.kill(frontend, signal.SIGKILL)
+        stream.thread.join(10)
+        assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert wait_until(lambda: named_children(sched.popen.pid).get("ns-frontend-0") not in
+                      (None, frontend), timeout=30), sched.output()
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        grpc.channel_ready_future(ch).result(timeout=30)
+        out = stub.Complete(request([9], 10), timeout=30)
+        assert list(out.token_ids) == expected_tokens([9], 10, VOCAB, eos)
+        # The dead frontend's stream was aborted in the core: nothing left running.
+        assert wait_until(lambda: stub.GetStats(generate_pb2.StatsRequest()).num_running == 0,
+                          timeout=10)
+        stats = stub.GetStats(generate_pb2.StatsRequest())
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_sigterm_stops_every_process_and_sigkill_leaves_no_orphans(model_dir):
+    worker = start_null_worker(model_dir, step_ms=1)
+    try:
+        for sig, expected in ((signal.SIGTERM, 0), (signal.SIGKILL, -signal.SIGKILL)):
+            before = set(Path(tempfile.gettempdir()).glob("nanoserve-*"))
+            sched = start_scheduler(model_dir, [worker.port], block_size=16)
+            kids = named_children(sched.popen.pid)
+            assert {"ns-engine-core", "ns-frontend-0"} <= set(kids), kids
+            ipc_dirs = set(Path(tempfile.gettempdir()).glob("nanoserve-*")) - before
+            assert len(ipc_dirs) == 1 and (next(iter(ipc_dirs)) / "engine").exists(), ipc_dirs
+            sched.popen.send_signal(sig)
+            assert sched.wait_exit(timeout=20) == expected, sched.output()
+            assert wait_until(lambda: not any(alive(p) for p in kids.values()), timeout=15), kids
+            if sig == signal.SIGTERM:
+                assert not (set(Path(tempfile.gettempdir()).glob("nanoserve-*")) - before)
+    finally:
+        worker.stop()
+
+
+def established(pid: int, port: int) -> int:
+    """TCP connections to local `port` whose socket is open in process pid."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].split(":")[1], 16) == port and f[3] == "01" and f[9] in inodes:
+                count += 1
+    return count
+
+
+def test_two_frontends_share_one_port(model_dir, eos):
+    worker = start_null_worker(model_dir, step_ms=1)
+    sched = start_scheduler(model_dir, [worker.port], block_size=16, extra=["--frontends", "2"])
+    channels = []
+    try:
+        kids = named_children(sched.popen.pid)
+        assert {"ns-frontend-0", "ns-frontend-1"} <= set(kids)
+        # Separate connections (grpc would otherwise share one between identical channels).
+        channels = [grpc.insecure_channel(f"127.0.0.1:{sched.port}",
+                                          options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(16)]
+        for i, ch in enumerate(channels):
+            out = generate_pb2_grpc.GenerationStub(ch).Complete(request([i + 1], 8), timeout=30)
+            assert list(out.token_ids) == expected_tokens([i + 1], 8, VOCAB, eos)
+        per_frontend = [established(kids[f"ns-frontend-{i}"], sched.port) for i in range(2)]
+        assert sum(per_frontend) == 16 and min(per_frontend) > 0, per_frontend
+    finally:
+        for ch in channels:
+            ch.close()
+        sched.stop()
+        worker.stop()

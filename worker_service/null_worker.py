@@ -1,0 +1,184 @@
+"""A worker that computes nothing: same Worker API, a fixed step time, made-up token ids.
+
+It prices and tests the control plane without a GPU: the scheduler cannot tell it from a
+real worker. It keeps the same per-sequence state a real worker keeps (block tables,
+positions, sampling flags), applies the same checks, and answers the Step stream in
+order. Its "device" runs one step at a time for `step_ms`: a step starts when it has
+arrived and the previous step has finished (a real worker launches step N+1 the moment
+step N's GPU work is done), and is answered when its time is up. So with the scheduler
+keeping two steps in flight, the device is never idle unless the control plane is late,
+which is exactly what the benchmark measures (gpu_ms = step_ms; idle = wall - gpu).
+
+Sampled ids are a deterministic function of (previous token, position): a sequence's
+completion depends only on its prompt's last token and length, never on batching,
+preemption or restarts, so tests can predict every token (`expected_tokens`). The
+end-of-sequence id is never produced; use ignore_eos=False with a stop_token_ids to end
+early.
+
+No torch here: the benchmark and CI start it in a blink.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.step_plan import SeqTable, StepError
+
+log = logging.getLogger("nanoserve.worker")
+
+MAX_MESSAGE_BYTES = 256 << 20
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def next_tokens(prev: np.ndarray, positions: np.ndarray, vocab_size: int, eos_token_id: int
+                ) -> np.ndarray:
+    """The id sampled after token `prev` at `positions` (both int arrays), never eos."""
+    x = (prev.astype(np.uint64) + np.uint64(1)) * _MIX ^ positions.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(31)
+    tok = (x % np.uint64(vocab_size - 1)).astype(np.int64)
+    return np.where(tok >= eos_token_id, tok + 1, tok).astype(np.int32)
+
+
+def expected_tokens(prompt: list[int], n: int, vocab_size: int, eos_token_id: int) -> list[int]:
+    """The n ids a null worker produces for `prompt` (what a test compares against)."""
+    out, prev, pos = [], prompt[-1], len(prompt)
+    for _ in range(n):
+        prev = int(next_tokens(np.array([prev]), np.array([pos]), vocab_size, eos_token_id)[0])
+        out.append(prev)
+        pos += 1
+    return out
+
+
+@dataclass
+class _Launched:
+    t0: float                         # when the request was taken up
+    done_at: float                    # when its emulated device time is over
+    resp: worker_pb2.StepResponse
+
+
+class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, *, step_ms: float, vocab_size: int, max_model_len: int, eos_token_id: int,
+                 num_kv_blocks: int, model: str = "null"):
+        self.step_s = step_ms / 1e3
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.capacity_tokens = num_kv_blocks   # blocks of 16; rescaled per block size in Info
+        self.model = model
+        self.table: SeqTable | None = None
+        self.last_sampled = np.zeros(0, np.int32)   # the last samples (placeholder inputs)
+        self.lock = threading.Lock()
+        self.device_free_at = 0.0   # when the emulated device finishes its last step
+        self.steps = self.steps_overlapped = 0
+
+    def Info(self, request, context):
+        block_size = request.block_size or 16
+        return worker_pb2.WorkerInfo(
+            rank=0, world_size=1, model=self.model, model_fingerprint=f"null-{self.vocab_size}",
+            num_kv_blocks=max(self.capacity_tokens * 16 // block_size, 1), block_size=block_size,
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            eos_token_id=self.eos_token_id, device="null", dtype="none", attention_backend="none")
+
+    def Init(self, request, context):
+        if request.num_kv_blocks == 0 or request.block_size == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_kv_blocks and block_size must be > 0")
+        with self.lock:
+            self.table = SeqTable(request.num_kv_blocks, request.block_size, self.vocab_size,
+                                  self.max_model_len)
+            self.steps = self.steps_overlapped = 0
+        return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
+
+    def Health(self, request, context):
+        ready = self.table is not None
+        return worker_pb2.HealthResponse(ready=ready, status="serving" if ready else "waiting for Init",
+                                         steps=self.steps, steps_overlapped=self.steps_overlapped)
+
+    def Step(self, request_iterator, context):
+        """Plan each step as it arrives (a real worker launches step N+1 while N runs),
+        answer each when its emulated device time is over, in order."""
+        answers: queue.Queue = queue.Queue()
+
+        def launch() -> None:
+            try:
+                for req in request_iterator:
+                    answers.put(self._launch(req))
+            except Exception:  # noqa: BLE001 - the stream was cancelled; end as if closed
+                pass
+            answers.put(None)
+
+        threading.Thread(target=launch, name="step-launcher", daemon=True).start()
+        while (item := answers.get()) is not None:
+            if isinstance(item, tuple):   # (status code, message): a bad step
+                context.abort(*item)
+            if (wait := item.done_at - time.perf_counter()) > 0:
+                time.sleep(wait)
+            item.resp.step_ms = (time.perf_counter() - item.t0) * 1e3
+            yield item.resp
+
+    def _launch(self, req: worker_pb2.StepRequest):
+        t0 = time.perf_counter()
+        with self.lock:
+            if self.table is None:
+                return grpc.StatusCode.INVALID_ARGUMENT, "Step before Init"
+            try:
+                tokens, want_logprobs = self._sample(self.table.plan(req))
+            except StepError as e:
+                return grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}"
+            # The device starts once the step is prepared and the previous one is done.
+            now = time.perf_counter()
+            self.steps += 1
+            self.steps_overlapped += t0 < self.device_free_at
+            start = max(now, self.device_free_at)
+            self.device_free_at = start + self.step_s
+        resp = worker_pb2.StepResponse(
+            step_id=req.step_id, sampled_token_ids_i32=tokens.astype("<i4").tobytes(),
+            logprobs_f32=np.zeros(len(tokens), "<f4").tobytes() if want_logprobs else b"",
+            gpu_ms=self.step_s * 1e3)
+        return _Launched(t0, self.device_free_at, resp)
+
+    def _sample(self, plan) -> tuple[np.ndarray, bool]:
+        ids = plan.token_ids
+        if plan.fill is not None:
+            ids = ids.copy()
+            ids[plan.fill[0]] = self.last_sampled[plan.fill[1]]
+        last = plan.last_token_index()
+        tokens = next_tokens(ids[last], plan.positions[last] + 1, self.vocab_size, self.eos_token_id)
+        self.table.commit(plan)
+        if len(tokens):
+            self.last_sampled = tokens
+        return tokens, plan.want_logprobs
+
+
+def serve(servicer: NullWorkerServicer, host: str, port: int) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def model_limits(model_dir: str | None) -> dict:
+    """vocab size, context length and eos id from a model's config.json (Qwen3-0.6B's
+    when no directory is given)."""
+    import json
+    cfg = {"vocab_size": 151936, "max_position_embeddings": 40960, "eos_token_id": 151645}
+    if model_dir:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg.update(json.load(f))
+    eos = cfg.get("eos_token_id")
+    eos = (eos[0] if isinstance(eos, list) else eos) or 0
+    return {"vocab_size": int(cfg["vocab_size"]), "max_model_len": int(cfg["max_position_embeddings"]),
+            "eos_token_id": int(eos)}

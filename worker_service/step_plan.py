@@ -1,0 +1,258 @@
+"""The worker's per-sequence state, and one StepRequest turned into the arrays a step needs.
+
+A step travels as a diff (worker.proto): new sequences in full, chunks and decode rows
+as ids, blocks only when appended. `SeqTable` holds what the diffs apply to: each
+sequence's block table (rows of one growing int32 array, so a batch's tables are one
+fancy-index away), how many of its tokens are in the KV cache, and its sampling params.
+`SeqTable.plan` checks a request against that state and returns a `StepPlan` (token ids,
+positions, KV slots, block tables, which rows sample); `SeqTable.commit` advances the
+state once the step is launched. The real ModelRunner and the null worker both run
+every step through here, so they accept and reject exactly the same requests.
+
+numpy only: the null worker must not need torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanoserve.v1 import worker_pb2
+
+PLACEHOLDER = -1
+
+
+class StepError(ValueError):
+    """A StepRequest that contradicts the worker's state (bad ids, unknown sequence)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+
+    @classmethod
+    def from_proto(cls, s: worker_pb2.WorkerSampling) -> "SamplingParams":
+        return cls(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
+                   seed=s.seed if s.has_seed else None, logprobs=s.logprobs)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    seq_ids: list[int]              # one per row: prefill rows, then decode rows
+    rows: np.ndarray                # [R] their rows in SeqTable's arrays
+    num_tokens: np.ndarray          # [R] query tokens per row
+    start_pos: np.ndarray           # [R] position of each row's first query token
+    token_ids: np.ndarray           # [T] int64, PLACEHOLDER where the last sample goes
+    positions: np.ndarray           # [T] int64
+    slot_mapping: np.ndarray        # [T] int32
+    block_tables: np.ndarray        # [R, W] int32 (W = the longest table in the step)
+    sample: np.ndarray              # [R] bool: the row's last token is sampled
+    fill: tuple[np.ndarray, np.ndarray] | None   # (indices into token_ids, rows of the
+                                                 # previous step's samples) for placeholders
+    sampling: list[SamplingParams] = field(default_factory=list)   # per sampling row
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.start_pos + self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.num_tokens == 1).all())
+
+    @property
+    def prefix_free(self) -> bool:
+        return not self.start_pos.any()
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample.sum())
+
+    @property
+    def want_logprobs(self) -> bool:
+        return any(p.logprobs for p in self.sampling)
+
+    def last_token_index(self) -> np.ndarray:
+        """Index into token_ids of each sampling row's last token."""
+        return (np.cumsum(self.num_tokens) - 1)[self.sample]
+
+
+class SeqTable:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.row_of: dict[int, int] = {}
+        self.free_rows: list[int] = []
+        self.tables = np.zeros((0, self.max_blocks), dtype=np.int32)
+        self.table_len = np.zeros(0, dtype=np.int64)     # blocks in each row's table
+        self.computed = np.zeros(0, dtype=np.int64)      # tokens of each row in the KV cache
+        self.params: list[SamplingParams] = []
+        self.last_rows: dict[int, int] = {}   # seq_id -> its row in the last step's samples
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # ---- state -------------------------------------------------------------------------
+
+    def _new_row(self, seq_id: int) -> int:
+        if not self.free_rows:
+            n = len(self.computed)
+            grow = max(n, 64)
+            self.tables = np.concatenate([self.tables, np.zeros((grow, self.max_blocks), np.int32)])
+            self.table_len = np.concatenate([self.table_len, np.zeros(grow, np.int64)])
+            self.computed = np.concatenate([self.computed, np.zeros(grow, np.int64)])
+            self.params.extend([GREEDY] * grow)
+            self.free_rows = list(range(n + grow - 1, n - 1, -1))
+        row = self.free_rows.pop()
+        self.row_of[seq_id] = row
+        return row
+
+    def drop(self, seq_id: int) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+            self.last_rows.pop(seq_id, None)
+
+    def _set_table(self, row: int, blocks: np.ndarray, seq_id: int) -> None:
+        if len(blocks) > self.max_blocks:
+            raise StepError(f"sequence {seq_id}: {len(blocks)} blocks exceed max_model_len")
+        self.tables[row, :len(blocks)] = blocks
+        self.table_len[row] = len(blocks)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def plan(self, req: worker_pb2.StepRequest) -> StepPlan:
+        """Apply the request's drops and table updates and check it; the arrays of the step.
+
+        A StepError leaves the table half-updated: the scheduler answers it by re-Initing
+        the worker (which clears everything) and resending every sequence."""
+        for seq_id in req.drop_seq_ids:
+            self.drop(seq_id)
+        seq_ids: list[int] = []
+        rows: list[int] = []
+        n_tok: list[int] = []
+        starts: list[int] = []
+        sample: list[bool] = []
+        for w in req.seqs:
+            if w.reset_block_table:
+                self.drop(w.seq_id)
+                row = self._new_row(w.seq_id)
+                self._set_table(row, np.frombuffer(w.block_table_i32, "<i4"), w.seq_id)
+                self.params[row] = SamplingParams.from_proto(w.sampling)
+            else:
+                row = self.row_of.get(w.seq_id)
+                if row is None:
+                    raise StepError(f"sequence {w.seq_id} unknown to this worker: resend it in full")
+            if w.num_tokens == 0:
+                raise StepError(f"sequence {w.seq_id}: no tokens to compute")
+            seq_ids.append(w.seq_id)
+            rows.append(row)
+            n_tok.append(w.num_tokens)
+            starts.append(w.start_pos)
+            sample.append(w.sample)
+        prefill_tokens = np.frombuffer(req.token_ids_i32, "<i4").astype(np.int64)
+        if len(prefill_tokens) != sum(n_tok):
+            raise StepError(f"step has {len(prefill_tokens)} token ids for {sum(n_tok)} "
+                            "scheduled tokens")
+
+        d = req.decode
+        dec_ids = np.frombuffer(d.seq_ids_u64, "<u8")
+        nd = len(dec_ids)
+        if nd:
+            dec_seq_ids = dec_ids.tolist()
+            try:
+                dec_rows = [self.row_of[s] for s in dec_seq_ids]
+            except KeyError as e:
+                raise StepError(f"sequence {e.args[0]} unknown to this worker: resend it in full") from None
+            pairs = np.frombuffer(d.new_blocks_i32, "<i4").reshape(-1, 2)
+            for i, block in pairs.tolist():
+                if not 0 <= i < nd:
+                    raise StepError(f"new block for decode row {i} of {nd}")
+                row = dec_rows[i]
+                n = self.table_len[row]
+                if n >= self.max_blocks:
+                    raise StepError(f"sequence {dec_seq_ids[i]}: more blocks than max_model_len needs")
+                self.tables[row, n] = block
+                self.table_len[row] = n + 1
+            seq_ids += dec_seq_ids
+            rows += dec_rows
+            dec_tokens = (np.frombuffer(d.token_ids_i32, "<i4").astype(np.int64) if d.token_ids_i32
+                          else np.full(nd, PLACEHOLDER, np.int64))
+            if len(dec_tokens) != nd:
+                raise StepError(f"decode batch has {len(dec_tokens)} token ids for {nd} sequences")
+        if not rows:
+            raise StepError("empty step")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise StepError("a sequence appears twice in one step")
+
+        rows_a = np.array(rows, dtype=np.int64)
+        num_tokens = np.array(n_tok + [1] * nd, dtype=np.int64)
+        start_pos = np.concatenate([np.array(starts, dtype=np.int64), self.computed[rows_a[len(n_tok):]]])
+        sample_a = np.array(sample + [True] * nd, dtype=bool)
+        token_ids = np.concatenate([prefill_tokens, dec_tokens]) if nd else prefill_tokens
+        if nd and not len(n_tok):
+            positions = start_pos.copy()
+        else:
+            positions = np.repeat(start_pos - np.cumsum(num_tokens) + num_tokens, num_tokens) \
+                + np.arange(len(token_ids))
+        table_len = self.table_len[rows_a]
+        ctx = start_pos + num_tokens
+        if (ctx > table_len * self.block_size).any():
+            i = int(np.argmax(ctx > table_len * self.block_size))
+            raise StepError(f"sequence {seq_ids[i]}: {start_pos[i]}+{num_tokens[i]} tokens exceed "
+                            f"its {table_len[i]} blocks")
+        if (ctx > self.max_model_len).any():
+            i = int(np.argmax(ctx > self.max_model_len))
+            raise StepError(f"sequence {seq_ids[i]}: position {ctx[i]} past max_model_len")
+        width = max(int(table_len.max()), 1)
+        tables = self.tables[rows_a, :width]
+        if (tables >= self.num_blocks).any() or (tables < 0).any():
+            raise StepError("block id out of range of the KV cache")
+        token_row = np.repeat(np.arange(len(rows_a)), num_tokens)
+        slots = (tables[token_row, positions // self.block_size].astype(np.int64) * self.block_size
+                 + positions % self.block_size).astype(np.int32)
+        fill = self._placeholders(token_ids, num_tokens, seq_ids)
+        real = token_ids if fill is None else np.delete(token_ids, fill[0])
+        if len(real) and (real.min() < 0 or real.max() >= self.vocab_size):
+            raise StepError(f"token id out of range [0, {self.vocab_size})")
+        sample_rows = rows_a[sample_a].tolist()
+        return StepPlan(step_id=req.step_id, seq_ids=seq_ids, rows=rows_a, num_tokens=num_tokens,
+                        start_pos=start_pos, token_ids=token_ids, positions=positions,
+                        slot_mapping=slots, block_tables=tables, sample=sample_a, fill=fill,
+                        sampling=[self.params[r] for r in sample_rows])
+
+    def _placeholders(self, token_ids: np.ndarray, num_tokens: np.ndarray, seq_ids: list[int]
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+        where = np.flatnonzero(token_ids == PLACEHOLDER)
+        if not len(where):
+            return None
+        ends = np.cumsum(num_tokens) - 1
+        owner = np.searchsorted(ends, where)
+        if (ends[owner] != where).any():
+            bad = seq_ids[int(owner[np.argmax(ends[owner] != where)])]
+            raise StepError(f"sequence {bad}: a placeholder input (-1) must be its last token")
+        try:
+            prev = [self.last_rows[seq_ids[i]] for i in owner.tolist()]
+        except KeyError as e:
+            raise StepError(f"sequence {e.args[0]}: a placeholder input (-1) must follow a step "
+                            "that sampled for it") from None
+        return where, np.array(prev, dtype=np.int64)
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step is launched: its tokens are in the KV cache and its samples are the
+        ones later placeholders refer to."""
+        self.computed[plan.rows] = plan.context_lens
+        sampled = [s for s, keep in zip(plan.seq_ids, plan.sample.tolist()) if keep]
+        if sampled:
+            self.last_rows = {s: i for i, s in enumerate(sampled)}
