@@ -1,0 +1,173 @@
+"""One request's path through a frontend, whatever protocol it came in on.
+
+A protocol adapter (the gRPC servicer in frontend.py, an HTTP API beside it) turns its
+request into prompt ids (`prompt_from_*`) and `SamplingOptions` (checked by
+`check_sampling`), then iterates `Generation.stream`: text and token deltas as the
+engine core produces them, detokenized incrementally with stop strings applied, the last
+one carrying the finish reason and usage. Failures are `RequestError`s carrying a gRPC
+status code name, which each adapter maps to its own error shape. Whatever ends the
+iteration (finished, the client went away, an error), the engine core forgets the
+sequence.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.engine_client import EngineClient, EngineUnavailable
+from scheduler_service.sequence import SamplingOptions
+from scheduler_service.tokenizer import Tokenizer
+
+
+class RequestError(Exception):
+    """A request that cannot be served; `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError("INVALID_ARGUMENT", message)
+
+
+@dataclass
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_kv_tokens: int           # a prompt must fit the whole KV cache
+    default_max_tokens: int = 256
+    max_stop_strings: int = 16
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int            # prompt tokens served from the prefix cache
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None   # "stop" | "length" on the last delta
+    usage: Usage | None = None         # on the last delta
+
+
+def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: int,
+                   limits: Limits, stop: list[str]) -> SamplingOptions:
+    """Validate (INVALID_ARGUMENT) and complete opts: max_tokens defaults to the server's
+    default and is capped by the context left after the prompt."""
+    def check(ok: bool, msg: str) -> None:
+        if not ok:
+            raise invalid(msg)
+
+    check(math.isfinite(opts.temperature) and opts.temperature >= 0,
+          f"temperature must be >= 0, got {opts.temperature}")
+    check(math.isfinite(opts.top_p) and 0 < opts.top_p <= 1, f"top_p must be in (0, 1], got {opts.top_p}")
+    check(opts.top_k >= 0, f"top_k must be >= 0, got {opts.top_k}")
+    check(math.isfinite(opts.min_p) and 0 <= opts.min_p <= 1, f"min_p must be in [0, 1], got {opts.min_p}")
+    if max_tokens is not None:
+        check(max_tokens >= 1, "max_tokens must be >= 1")
+    room = limits.max_model_len - prompt_len
+    opts.max_tokens = min(limits.default_max_tokens if max_tokens is None else max_tokens, room)
+    check(len(stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings")
+    check(all(stop), "stop strings must not be empty")
+    check(all(0 <= t < limits.vocab_size for t in opts.stop_token_ids),
+          f"stop_token_ids must be < vocab size {limits.vocab_size}")
+    return opts
+
+
+class Generation:
+    """The request path shared by every protocol a frontend serves."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, limits: Limits):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.accepting = True
+        # Generations being served: shutdown waits for these, not for long-lived
+        # streams such as health watches (which never end by themselves).
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        # End-of-sequence ids beyond the model's own (generation_config may list several).
+        self.extra_eos_ids = frozenset(t for t in tokenizer.eos_token_ids
+                                       if t < limits.vocab_size) - {engine.info["eos_token_id"]}
+
+    # ---- prompts ----------------------------------------------------------------------
+
+    def prompt_from_text(self, text: str) -> list[int]:
+        return self._checked(self.tokenizer.encode(text) if text else [])
+
+    def prompt_from_ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise invalid(f"token id {bad[0]} out of vocabulary (size {self.limits.vocab_size})")
+        return self._checked(list(ids))
+
+    def prompt_from_chat(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise invalid("chat has no messages")
+        try:
+            ids = self.tokenizer.encode_chat(messages)
+        except Exception as e:  # template errors are the caller's input
+            raise invalid(f"chat template failed: {e}") from e
+        return self._checked(ids)
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise invalid("empty prompt")
+        limit = min(self.limits.max_model_len - 1, self.limits.max_kv_tokens)
+        if len(ids) > limit:
+            raise invalid(f"prompt has {len(ids)} tokens; the limit is {limit} "
+                          f"(context length {self.limits.max_model_len})")
+        return ids
+
+    # ---- the stream -------------------------------------------------------------------
+
+    async def stream(self, ids: list[int], sampling: SamplingOptions, stop: list[str] = (),
+                     skip_special_tokens: bool = False) -> AsyncIterator[Delta]:
+        """Submit and yield deltas until the sequence ends (RequestError on failure)."""
+        if not self.accepting:
+            raise RequestError("UNAVAILABLE", "server is shutting down")
+        if not sampling.ignore_eos and self.extra_eos_ids:   # e.g. Qwen3's <|endoftext|> too
+            sampling.stop_token_ids = tuple(set(sampling.stop_token_ids) | self.extra_eos_ids)
+        try:
+            handle = self.engine.submit(ids, sampling)
+        except EngineUnavailable as e:
+            raise RequestError("UNAVAILABLE", str(e)) from None
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
+                                       skip_special_tokens=skip_special_tokens, stop=list(stop))
+        self.in_flight += 1
+        self.idle.clear()
+        finished = False
+        completion = 0
+        try:
+            while True:
+                token_ids, logprobs, finish, error = await handle.next()
+                if error is not None:
+                    finished = True   # the core has forgotten it already
+                    raise RequestError(*error)
+                completion += len(token_ids)
+                text = detok.add(token_ids)
+                reason = finish[0] if finish is not None else None
+                if detok.stopped and reason is None:
+                    reason = "stop"
+                if reason is not None:
+                    finished = finish is not None
+                    yield Delta(token_ids, text + detok.finish(), logprobs, reason,
+                                Usage(len(ids), completion, finish[1] if finish else 0))
+                    return
+                yield Delta(token_ids, text, logprobs)
+        finally:
+            self.engine.release(handle, abort=not finished)
+            self.in_flight -= 1
+            if not self.in_flight:
+                self.idle.set()
