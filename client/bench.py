@@ -1,7 +1,9 @@
 """Benchmark client: nano-vllm's reference workload through gRPC, or in-process.
 
-    # a running server (gRPC path: client -> scheduler -> worker)
-    python -m client.bench --target 127.0.0.1:50051 --json grpc.json
+    # a running server (gRPC path: client -> scheduler -> worker), five times
+    python -m client.bench --target 127.0.0.1:50051 --runs 5 --json grpc.json
+    # the control plane alone, on any machine: a null worker at 7 ms/step (0 = its ceiling)
+    python -m client.bench --null-worker --step-ms 7 --runs 5 --json null.json
     # the same workload with the Engine driving a local ModelRunner (no gRPC at all)
     python -m client.bench --in-process --model ~/qwen3-0.6b --json local.json
     # online: Poisson arrivals at 20 requests/s
@@ -346,7 +348,7 @@ async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trac
 
 
 async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
-                          ) -> tuple[RunOutcome, list[BenchRequest]]:
+                          ) -> tuple[list[RunOutcome], list[BenchRequest]]:
     from client.client import AsyncClient
 
     async with AsyncClient(args.target, timeout=args.timeout) as client:
@@ -358,31 +360,51 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
             await asyncio.gather(*(_grpc_request(client, r, wcfg.temperature, t, None)
                                    for r, t in zip(warm, traces)))
             _raise_if_failed(traces, "warm-up")
-        before = await _settled_stats(client)
+        outcomes = []
+        for _ in range(args.runs):
+            before = await _settled_stats(client)
+            progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
+            offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
+            traces = [Trace() for _ in workload]
+            start = time.perf_counter()
+            tasks = [asyncio.create_task(_grpc_request(client, r, wcfg.temperature, t, progress,
+                                                       start + off))
+                     for r, t, off in zip(workload, traces, offsets)]
+            waiter = asyncio.gather(*tasks)
+            while not waiter.done():
+                progress.draw()
+                await asyncio.wait([waiter], timeout=0.2)
+            await waiter
+            progress.close()
+            after = await _settled_stats(client)
+            wall = max(t.finish for t in traces) - min(t.submit for t in traces)
+            outcomes.append(RunOutcome(
+                mode="grpc", model=info.model, device=args.device_name,
+                max_model_len=info.max_model_len, traces=traces, wall_s=wall,
+                breakdown=DecodeBreakdown.diff(before, after),
+                extra={"target": args.target, "model_info": asdict(info)}))
+    return outcomes, workload
 
-        progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
-        offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
-        traces = [Trace() for _ in workload]
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(_grpc_request(client, r, wcfg.temperature, t, progress,
-                                                   start + off))
-                 for r, t, off in zip(workload, traces, offsets)]
-        waiter = asyncio.gather(*tasks)
-        while not waiter.done():
-            progress.draw()
-            await asyncio.wait([waiter], timeout=0.2)
-        await waiter
-        progress.close()
-        after = await _settled_stats(client)
-    wall = max(t.finish for t in traces) - min(t.submit for t in traces)
-    return RunOutcome(mode="grpc", model=info.model, device=args.device_name,
-                      max_model_len=info.max_model_len, traces=traces, wall_s=wall,
-                      breakdown=DecodeBreakdown.diff(before, after),
-                      extra={"target": args.target, "model_info": asdict(info)}), workload
 
-
-def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig) -> tuple[RunOutcome, list[BenchRequest]]:
+def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig
+             ) -> tuple[list[RunOutcome], list[BenchRequest]]:
     return asyncio.run(_run_grpc_async(args, wcfg))
+
+
+def run_null(args: argparse.Namespace, wcfg: WorkloadConfig
+             ) -> tuple[list[RunOutcome], list[BenchRequest]]:
+    """The control plane alone: a null worker and the real scheduler started here, then
+    the gRPC mode against them."""
+    from client.null_stack import NullStack
+    with NullStack(step_ms=args.step_ms, max_model_len=args.max_model_len,
+                   scheduler_args=shlex.split(args.scheduler_args)) as stack:
+        args.target = stack.target
+        args.device_name = f"null worker, {args.step_ms:g} ms/step"
+        outcomes, workload = run_grpc(args, wcfg)
+    for o in outcomes:
+        o.mode = "null-worker"
+        o.extra["step_ms"] = args.step_ms
+    return outcomes, workload
 
 
 # ---------------------------------------------------------------------------- in-process mode
@@ -484,7 +506,7 @@ def _device_name(device: Any) -> str:
 
 
 def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
-                   ) -> tuple[RunOutcome, list[BenchRequest]]:
+                   ) -> tuple[list[RunOutcome], list[BenchRequest]]:
     # Imported here: the gRPC mode must not pay for (or need) torch.
     from scheduler_service.engine import Engine
     from scheduler_service.scheduler import SchedulerConfig
@@ -548,21 +570,25 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
             warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
             _raise_if_failed(submit_all(warm, [0.0] * len(warm), None), "warm-up")
         workload = make_workload(wcfg, info.vocab_size, max_model_len)
-        before = _settled_engine_stats(engine)
-        progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
-        traces = submit_all(workload, arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed),
-                            progress)
-        progress.close()
+        outcomes = []
+        for _ in range(args.runs):
+            before = _settled_engine_stats(engine)
+            progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
+            traces = submit_all(workload, arrival_offsets(len(workload), wcfg.request_rate,
+                                                          wcfg.seed), progress)
+            progress.close()
+            after = _settled_engine_stats(engine)
+            wall = max(t.finish for t in traces) - min(t.submit for t in traces)
+            outcomes.append(RunOutcome(
+                mode="in-process", model=info.model, device=_device_name(runner.device),
+                max_model_len=max_model_len, traces=traces, wall_s=wall,
+                breakdown=DecodeBreakdown.diff(before, after),
+                extra={"dtype": str(runner.dtype).removeprefix("torch."),
+                       "attention_backend": runner.backend.name,
+                       "num_kv_blocks": info.num_kv_blocks}))
     finally:
-        runner_thread.stop()      # joins the loop thread: the counters below are final
-    after = _engine_stats(engine)
-    wall = max(t.finish for t in traces) - min(t.submit for t in traces)
-    return RunOutcome(mode="in-process", model=info.model, device=_device_name(runner.device),
-                      max_model_len=max_model_len, traces=traces, wall_s=wall,
-                      breakdown=DecodeBreakdown.diff(before, after),
-                      extra={"dtype": str(runner.dtype).removeprefix("torch."),
-                             "attention_backend": runner.backend.name,
-                             "num_kv_blocks": info.num_kv_blocks}), workload
+        runner_thread.stop()
+    return outcomes, workload
 
 
 def _raise_if_failed(traces: list[Trace], what: str) -> None:
@@ -581,7 +607,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a running nanoserve scheduler (the full gRPC path)")
     where.add_argument("--in-process", action="store_true",
                        help="build a ModelRunner here and drive the Engine with it (no gRPC)")
-
+    where.add_argument("--null-worker", action="store_true",
+                       help="start a null worker (no model, fixed step time) and the real "
+                            "control plane here, and run through gRPC: what the control plane "
+                            "costs, on any machine")
+    nw = p.add_argument_group("null worker")
+    nw.add_argument("--step-ms", type=float, default=7.0,
+                    help="the null worker's emulated device time per step (0 = the control "
+                         "plane's ceiling)")
+    nw.add_argument("--scheduler-args", default="",
+                    help="extra flags for the scheduler it starts, e.g. '--frontends 2'")
     w = p.add_argument_group("workload (defaults: nano-vllm's bench.py)")
     w.add_argument("--num-seqs", type=int, default=256)
     w.add_argument("--min-input-len", type=int, default=100)
@@ -592,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--request-rate", type=float, default=0.0, metavar="R",
                    help="online mode: Poisson arrivals at R requests/s (0 = offline: all at once)")
+    w.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="measured runs of the workload (one warm-up before them); the report "
+                        "gives each and min / median / max")
     w.add_argument("--warmup", type=int, default=8, metavar="N",
                    help="requests run first and excluded from every number (the workload's "
                         "prompt lengths, <= 16 output tokens: compiles kernels at real shapes)")
@@ -623,22 +661,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SPREAD_METRICS = {   # name in the spread table -> where it is in a run's results
+    "output tok/s": ("output_tok_per_s",),
+    "step wall ms": ("decode", "per_step_ms", "wall"),
+    "GPU busy ms": ("decode", "per_step_ms", "gpu"),
+    "idle %": ("decode", "idle_pct"),
+    "TTFT p99 ms": ("ttft_ms", "p99"),
+    "ITL p99 ms": ("itl_ms", "p99"),
+}
+
+
+def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """min / median / max over runs of each SPREAD_METRICS entry (None where unmeasured)."""
+    out = {}
+    for name, path in SPREAD_METRICS.items():
+        values = []
+        for r in runs:
+            v: Any = r
+            for key in path:
+                v = v[key]
+            if v is not None:
+                values.append(v)
+        values.sort()
+        out[name] = ({"min": values[0], "median": values[len(values) // 2], "max": values[-1]}
+                     if values else {"min": None, "median": None, "max": None})
+    return out
+
+
+def format_spread(runs: list[dict[str, Any]], table: dict[str, dict]) -> str:
+    lines = [f"{len(runs)} runs:   " + "   ".join(f"{r['output_tok_per_s']:,.0f}" for r in runs)
+             + " output tok/s",
+             f"{'':14}{'min':>12}{'median':>12}{'max':>12}"]
+    for name, v in table.items():
+        if v["median"] is not None:
+            lines.append(f"{name:14}" + "".join(f"{v[k]:12,.3f}" for k in ("min", "median", "max")))
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if bool(args.target) == bool(args.in_process):
-        parser.error("give exactly one of --target HOST:PORT or --in-process")
+    if sum(map(bool, (args.target, args.in_process, args.null_worker))) != 1:
+        parser.error("give exactly one of --target HOST:PORT, --in-process or --null-worker")
     if args.in_process and not args.model:
         parser.error("--in-process needs --model DIR")
     if not (1 <= args.min_input_len <= args.max_input_len and
             1 <= args.min_output_len <= args.max_output_len and args.num_seqs >= 1):
         parser.error("need 1 <= min <= max for input and output lengths, and --num-seqs >= 1")
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
     wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
                           max_input_len=args.max_input_len, min_output_len=args.min_output_len,
                           max_output_len=args.max_output_len, temperature=args.temperature,
                           seed=args.seed, request_rate=args.request_rate)
-    run: Callable = run_in_process if args.in_process else run_grpc
-    outcome, workload = run(args, wcfg)
+    run: Callable = (run_in_process if args.in_process else run_null if args.null_worker
+                     else run_grpc)
+    outcomes, workload = run(args, wcfg)
+    runs = [summarize(o, workload) for o in outcomes]
+    median = sorted(range(len(runs)), key=lambda i: runs[i]["output_tok_per_s"])[len(runs) // 2]
+    outcome = outcomes[median]
     report = {
         "command": shlex.join([sys.executable, "-m", "client.bench",
                                *(sys.argv[1:] if argv is None else argv)]),
@@ -650,23 +731,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_model_len": outcome.max_model_len,
         "config": vars(args),
         "workload": asdict(wcfg),
-        "results": summarize(outcome, workload),
+        "results": runs[median],          # the median run by output tok/s
+        "runs": runs,
+        "spread": spread(runs),
         **outcome.extra,
     }
     print(format_report(report))
+    if len(runs) > 1:
+        print(format_spread(runs, report["spread"]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, allow_nan=False, default=_json_default)
             f.write("\n")
-    r = report["results"]
-    if r["failed"]:
-        print(f"error: {r['failed']} request(s) failed, e.g. {r['errors'][0]}", file=sys.stderr)
-        return 1
-    if r["output_tokens"] != r["expected_output_tokens"]:
-        print(f"error: {r['output_tokens']} output tokens, expected {r['expected_output_tokens']} "
-              "(ignore_eos: every request should run to max_tokens)", file=sys.stderr)
-        return 1
+    for r in runs:
+        if r["failed"]:
+            print(f"error: {r['failed']} request(s) failed, e.g. {r['errors'][0]}", file=sys.stderr)
+            return 1
+        if r["output_tokens"] != r["expected_output_tokens"]:
+            print(f"error: {r['output_tokens']} output tokens, expected "
+                  f"{r['expected_output_tokens']} (ignore_eos: every request should run to "
+                  "max_tokens)", file=sys.stderr)
+            return 1
     return 0
 
 
