@@ -117,10 +117,15 @@ class BlockManager:
         """Give the last token (about to be computed by a decode step) a block if it has
         none; returns the block appended, if any."""
         if len(seq.block_table) * self.block_size < len(seq.token_ids):
-            block_id = self._take_fresh_block()
-            seq.block_table.append(block_id)
-            return block_id
+            return self.append_block(seq)
         return None
+
+    def append_block(self, seq: Sequence) -> int:
+        """One more (fresh) block at the end of seq's table; the caller checked there is a
+        free one and that seq needs it."""
+        block_id = self._take_fresh_block()
+        seq.block_table.append(block_id)
+        return block_id
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks whose KV is now computed, so others can hit them.

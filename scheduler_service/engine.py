@@ -171,7 +171,8 @@ class Engine:
             req.drop_seq_ids.extend(released)
         if not batch.is_prefill:
             seqs = batch.seqs
-            req.decode.seq_ids_u64 = array("Q", [s.seq_id for s in seqs]).tobytes()
+            batch.seq_ids = [s.seq_id for s in seqs]
+            req.decode.seq_ids_u64 = array("Q", batch.seq_ids).tobytes()
             inputs = array("i", [s.token_ids[-1] for s in seqs])
             if inputs.count(PENDING_TOKEN) != len(inputs):   # some ids already known
                 req.decode.token_ids_i32 = inputs.tobytes()
@@ -208,11 +209,15 @@ class Engine:
             lp = array("f")
             lp.frombytes(resp.logprobs_f32)
             logprobs = lp.tolist()
-        done = self.scheduler.resolve(batch, sampled.tolist(), logprobs)
+        tokens = sampled.tolist()
+        done = self.scheduler.resolve(batch, tokens, logprobs)
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(done)
-        out = StepOutputs(seq_ids=[s.seq_id for s in done],
-                          token_ids=[s.last_resolved_token for s in done])
+        if batch.seq_ids and len(done) == len(batch.seqs):   # a decode step, nothing dropped
+            out = StepOutputs(seq_ids=batch.seq_ids, token_ids=tokens)
+        else:
+            out = StepOutputs(seq_ids=[s.seq_id for s in done],
+                              token_ids=[s.last_resolved_token for s in done])
         if logprobs is not None:
             out.logprobs = [s.logprobs[-1] if s.sampling.logprobs and s.logprobs else 0.0
                             for s in done]

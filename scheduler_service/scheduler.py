@@ -45,6 +45,7 @@ class Batch:
     # Decode: (index into seqs, block id) for each block appended this step, so the
     # workers learn only those (a prefill sends whole tables of new sequences).
     new_blocks: list[tuple[int, int]] = field(default_factory=list)
+    seq_ids: list[int] | None = None   # decode: the seqs' ids, once the engine built the step
 
     @property
     def num_tokens(self) -> int:
@@ -76,8 +77,15 @@ class Scheduler:
             raise ValueError(f"prompt of {seq.num_tokens} tokens exceeds max_model_len {cfg.max_model_len}")
         if seq.num_blocks(cfg.block_size) > cfg.num_kv_blocks:
             raise ValueError(f"prompt of {seq.num_tokens} tokens exceeds the KV cache")
-        if seq.sampling.max_tokens < 1:
+        opts = seq.sampling
+        if opts.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        seq.stop_ids = frozenset(opts.stop_token_ids) | (
+            frozenset() if opts.ignore_eos or cfg.eos_token_id is None else {cfg.eos_token_id})
+        # max_tokens, the context, or the KV cache (one more token would need a block more
+        # than the cache has: it could never run)
+        seq.len_limit = min(seq.num_prompt_tokens + opts.max_tokens, cfg.max_model_len,
+                            cfg.num_kv_blocks * cfg.block_size + 1)
         self._live[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -165,26 +173,31 @@ class Scheduler:
     def _schedule_decode(self) -> Batch | None:
         cfg, bm = self.config, self.block_manager
         limit = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        bs = cfg.block_size
         seqs: list[Sequence] = []
         new_blocks: list[tuple[int, int]] = []
         done: list[Sequence] = []   # every token sampled (pending): nothing left to compute
         while self.running and len(seqs) < limit:
             seq = self.running.popleft()
-            if seq.num_pending_tokens and self._finish_reason(seq, None) is not None:
+            n = len(seq.token_ids)
+            if seq.num_pending_tokens and n >= seq.len_limit:
                 done.append(seq)
                 continue
-            while not bm.can_append(seq):
-                if self.running:
+            # BlockManager.can_append / may_append, inlined: this runs for every running
+            # sequence every step, and almost never finds one that needs a block.
+            if len(seq.block_table) * bs < n:   # its next token needs a block
+                while not bm.num_free_blocks:
+                    if not self.running:
+                        self._preempt(seq)
+                        break
                     self._preempt(self.running.pop())  # the newest loses its KV
                 else:
-                    self._preempt(seq)
-                    break
-            else:
-                block = bm.may_append(seq)
-                if block is not None:
-                    new_blocks.append((len(seqs), block))
-                seq.num_scheduled_tokens = 1
-                seqs.append(seq)
+                    new_blocks.append((len(seqs), bm.append_block(seq)))
+                    seq.num_scheduled_tokens = 1
+                    seqs.append(seq)
+                continue
+            seq.num_scheduled_tokens = 1
+            seqs.append(seq)
         self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
         return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks)
                 if seqs else None)
@@ -209,66 +222,68 @@ class Scheduler:
         return self.resolve(batch, sampled, logprobs)
 
     def advance(self, batch: Batch) -> None:
-        """The step was sent: count its KV as computed, add a placeholder per sampled token."""
-        bm = self.block_manager
+        """The step was sent: count its KV as computed, add a placeholder per sampled token.
+
+        Per sequence this is a few integer updates; the BlockManager is called only when a
+        block may have become full (once per block_size tokens)."""
+        bs = self.block_manager.block_size
+        commit = self.block_manager.commit
         for seq, samples in zip(batch.seqs, batch.sample):
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted after schedule(): its result is dropped
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            bm.commit(seq)
             if samples:
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.num_pending_tokens += 1
+            if min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending_tokens) \
+                    >= (seq.num_hashed_blocks + 1) * bs:
+                commit(seq)
 
     def resolve(self, batch: Batch, sampled: list[int],
                 logprobs: list[float] | None = None) -> list[Sequence]:
         """The step's ids arrived: fill the oldest placeholder of each sampling seq and
         finish seqs; returns the seqs that got a token (`last_resolved_token`)."""
-        if len(sampled) != sum(batch.sample):
-            raise ValueError(f"{len(sampled)} sampled ids for {sum(batch.sample)} sampling seqs")
+        samples = batch.sample
+        seqs = batch.seqs if all(samples) else [s for s, keep in zip(batch.seqs, samples) if keep]
+        if len(sampled) != len(seqs):
+            raise ValueError(f"{len(sampled)} sampled ids for {len(seqs)} sampling seqs")
+        bs = self.block_manager.block_size
+        commit = self.block_manager.commit
         out: list[Sequence] = []
-        rows = (i for i, s in enumerate(batch.sample) if s)
-        for k, i in enumerate(rows):
-            seq = batch.seqs[i]
+        finished = False
+        for k, seq in enumerate(seqs):
             if seq.status is SequenceStatus.FINISHED or not seq.num_pending_tokens:
                 continue  # aborted (or finished) after schedule(): its result is dropped
             token = sampled[k]
-            pos = seq.num_tokens - seq.num_pending_tokens
-            seq.token_ids[pos] = token
+            ids = seq.token_ids
+            pos = len(ids) - seq.num_pending_tokens
+            ids[pos] = token
             seq.num_pending_tokens -= 1
             if logprobs is not None and seq.sampling.logprobs:
                 seq.logprobs.append(logprobs[k])
-            reason = self._finish_reason(seq, token)
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif not seq.num_pending_tokens and len(ids) >= seq.len_limit:
+                reason = "length"   # (with placeholders left, a later one decides)
+            else:
+                reason = None
+                if min(seq.num_computed_tokens, pos + 1) >= (seq.num_hashed_blocks + 1) * bs \
+                        and seq.block_table:
+                    commit(seq)   # blocks that waited for this id
             if reason is not None:
-                del seq.token_ids[pos + 1:]   # placeholders of steps it should not have run
+                del ids[pos + 1:]   # placeholders of steps it should not have run
                 seq.num_pending_tokens = 0
                 del self._live[seq.seq_id]
                 self._release(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason
-            elif seq.block_table:
-                self.block_manager.commit(seq)   # blocks that waited for this id
+                finished = True
             out.append(seq)
-        if any(seq.status is SequenceStatus.FINISHED for seq in out):
+        if finished:
             self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
             self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
         return out
-
-    def _finish_reason(self, seq: Sequence, token: int | None) -> str | None:
-        """Why seq ends after `token` (None: only the length limits, counting placeholders)."""
-        cfg, opts = self.config, seq.sampling
-        if token is not None and (
-                (not opts.ignore_eos and token == cfg.eos_token_id) or token in opts.stop_token_ids):
-            return "stop"
-        if token is not None and seq.num_pending_tokens:
-            return None   # a later placeholder decides the length limits
-        if (seq.num_completion_tokens >= opts.max_tokens
-                or seq.num_tokens >= cfg.max_model_len
-                # the next step would need more blocks than the cache has: it could never run
-                or seq.num_blocks(cfg.block_size) > cfg.num_kv_blocks):
-            return "length"
-        return None
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:

@@ -55,6 +55,9 @@ class Sequence:
     usage_cached_tokens: int | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)  # one per generated token if asked
+    # Set by Scheduler.add, so the per-token finish checks are a set lookup and a compare:
+    stop_ids: frozenset[int] = frozenset()  # ids that end it (stop_token_ids, eos unless ignored)
+    len_limit: int = 0                      # it ends ("length") once it holds this many tokens
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # our own copy: we append to it

@@ -81,21 +81,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve_null(args: argparse.Namespace) -> int:
+    import asyncio
+
     from worker_service.null_worker import NullWorkerServicer, model_limits, serve
-    limits = model_limits(args.model)
-    if args.max_model_len:
-        limits["max_model_len"] = min(args.max_model_len, limits["max_model_len"])
-    servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
-                                  model=os.path.basename(os.path.normpath(args.model or "null")),
-                                  **limits)
-    server, port = serve(servicer, args.host, args.port)
-    print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
-          flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=2).wait()
+
+    async def run() -> None:
+        limits = model_limits(args.model)
+        if args.max_model_len:
+            limits["max_model_len"] = min(args.max_model_len, limits["max_model_len"])
+        servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
+                                      model=os.path.basename(os.path.normpath(args.model or "null")),
+                                      **limits)
+        server, port = await serve(servicer, args.host, args.port)
+        print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
+              flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(grace=2)
+
+    asyncio.run(run())
     return 0
 
 
