@@ -4,6 +4,12 @@
 #   model    our Qwen3 vs Hugging Face (bf16 logits; greedy tokens through the real services)
 #   bench    client.bench reference workload, in-process and through gRPC
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
+#   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
+#            consecutive runs against one running scheduler + worker, then online mode (Poisson
+#            at RATE req/s, default 26 = ~80% of saturation) both ways; FRONTENDS, KV_DTYPE,
+#            BACKEND pass through
+#   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
+#            ../shared/peer-bench), on the same checkpoint
 # On the lent device machine: carry .whl (grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf matching the generated stubs) and the generated protos/nanoserve/v1/*_pb2*.py.
 #   bash tests/gpu/run.sh [kernels] [model] [bench]     (default: all)
@@ -37,6 +43,26 @@ for w in ${*:-kernels model bench}; do
         --json "$OUT/bench_grpc.json" 2>"$OUT/bench_grpc.err" | tee "$OUT/bench_grpc.txt" || rc=1
       kill %2 %1 2>/dev/null; wait
       tail -5 "$OUT/worker.log" "$OUT/scheduler.log" "$OUT/bench_grpc.err" "$OUT/bench_inprocess.err" ;;
+    service)
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      M=$NANOSERVE_QWEN06B; R=${RATE:-26}
+      EXTRA=(${BACKEND:+--attention-backend $BACKEND} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE})
+      B=(python3 -m client.bench --no-progress --device-name "$GPU")
+      L=(--in-process --model "$M" --device cuda --max-model-len 4096 "${EXTRA[@]}")
+      "${B[@]}" "${L[@]}" --runs "${LOCAL_RUNS:-3}" --json "$OUT/svc_local.json" 2>"$OUT/svc_local.err" || rc=1
+      "${B[@]}" "${L[@]}" --request-rate "$R" --runs 2 --json "$OUT/svc_local_online.json" 2>>"$OUT/svc_local.err" || rc=1
+      python3 -m worker_service --model "$M" --port 50061 --max-model-len 4096 --log-level WARNING \
+        "${EXTRA[@]}" > "$OUT/svc_worker.log" 2>&1 &
+      python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
+        --max-model-len 4096 --frontends "${FRONTENDS:-1}" --log-level WARNING > "$OUT/svc_scheduler.log" 2>&1 &
+      for i in $(seq 300); do grep -q listening "$OUT/svc_scheduler.log" && break; sleep 1; done
+      "${B[@]}" --target 127.0.0.1:50051 --runs "${GRPC_RUNS:-5}" --json "$OUT/svc_grpc.json" 2>"$OUT/svc_grpc.err" || rc=1
+      "${B[@]}" --target 127.0.0.1:50051 --request-rate "$R" --runs 2 --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
+      kill %2 %1 2>/dev/null; wait
+      tail -n 3 "$OUT"/svc_*.err "$OUT"/svc_*.log ;;
+    peer)
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;
   esac
 done
 exit $rc
