@@ -170,6 +170,10 @@ class FrontendConfig:
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
     log_level: str = "INFO"
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (openai_api.py); None = off
+    served_model_name: str = ""   # the model id both APIs report ("" = model directory name)
+    api_key: str | None = None    # bearer token the HTTP API requires when set
+    http_request_timeout: float = 0.0
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -189,13 +193,20 @@ async def serve(cfg: FrontendConfig, ready) -> None:
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
                     default_max_tokens=cfg.default_max_tokens)
     gen = Generation(engine, tokenizer, limits)
-    service = GenerationService(gen, os.path.basename(os.path.normpath(info["model"] or cfg.model)))
+    name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
+    service = GenerationService(gen, name)
     server, port, health_servicer = await build_server(service, cfg.host, cfg.port,
                                                        cfg.max_message_mb << 20, cfg.reuse_port)
+    http_runner, http_port = None, None
+    if cfg.http_port is not None:
+        from scheduler_service import openai_api
+        http_runner, http_port = await openai_api.start(
+            gen, openai_api.HttpConfig(name, cfg.api_key, cfg.http_request_timeout),
+            cfg.host, cfg.http_port, cfg.reuse_port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ready.send(("ready", port))
+    ready.send(("ready", (port, http_port)))
     await stop.wait()
     log.info("shutting down: no new requests, %.0fs for in-flight ones", cfg.shutdown_grace)
     gen.accepting = False
@@ -206,6 +217,8 @@ async def serve(cfg: FrontendConfig, ready) -> None:
         log.warning("%d requests still running after %.0fs: cancelling them",
                     gen.in_flight, cfg.shutdown_grace)
     await server.stop(0)
+    if http_runner is not None:
+        await http_runner.cleanup()
     await engine.close()
 
 
