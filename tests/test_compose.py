@@ -104,7 +104,8 @@ def test_services_and_tensor_parallel_layout_agree(rendered):
     assert sched["workers"].split(",") == expected, "scheduler --workers must list workers in rank order"
     assert sched["host"] == "0.0.0.0"
     published = [(p["target"], p["published"]) for p in services["scheduler"]["ports"]]
-    assert published == [(int(sched["port"]), sched["port"])]
+    assert published == [(int(sched["port"]), sched["port"]),
+                         (int(sched["http-port"]), sched["http-port"])]   # gRPC, OpenAI HTTP
     # The scheduler starts only once every worker is up.
     depends = services["scheduler"]["depends_on"]
     assert {k: v["condition"] for k, v in depends.items()} == {
