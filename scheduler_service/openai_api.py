@@ -239,6 +239,12 @@ class OpenAIApi:
         if not isinstance(body, dict):
             raise invalid("the body must be a JSON object")
         self._check_model(body.get("model"))
+        for name in ("tools", "functions", "logit_bias", "suffix"):   # refused, not ignored
+            if body.get(name):
+                raise invalid(f"'{name}' is not supported")
+        fmt = body.get("response_format")
+        if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise invalid("only response_format {'type': 'text'} is supported")
         if chat:
             prompts = [self.gen.prompt_from_chat(chat_messages(body))]
         else:
@@ -350,7 +356,9 @@ class OpenAIApi:
                         await resp.prepare(request)
                         for event in out.opening():
                             await _send(resp, event)
-                    await _send(resp, out.chunk(index, delta))
+                    event = out.chunk(index, delta)
+                    if event is not None:
+                        await _send(resp, event)
                 if req.include_usage:
                     await _send(resp, out.usage_chunk())
                 await resp.write(b"data: [DONE]\n\n")
@@ -478,8 +486,12 @@ class Output:
                                  "logprobs": None, "finish_reason": None}])
                 for i in range(len(self.texts))]
 
-    def chunk(self, index: int, delta: Delta) -> dict:
+    def chunk(self, index: int, delta: Delta) -> dict | None:
+        """The delta as a stream event; None when it carries nothing (tokens that do not
+        complete a character yet, no logprobs asked for)."""
         entries = self._note(index, delta)
+        if not delta.text and delta.finish_reason is None and not entries:
+            return None
         lp = None
         if entries is not None:
             lp = (self._chat_logprobs if self.chat else self._completion_logprobs)(entries)

@@ -209,6 +209,10 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
         assert e.value.body["code"] == "invalid_argument" and e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=[])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:   # refused, not silently ignored
+        client.chat.completions.create(model=model, messages=CHAT, tools=[tool])
+    assert "tools" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
     assert "gpt-4" in e.value.body["message"]
@@ -321,3 +325,10 @@ def test_engine_core_down_is_503_then_recovers(null):
     assert statuses == {503}
     assert client.completions.create(model=model, prompt=[4, 5], max_tokens=2).usage \
         .completion_tokens == 2
+
+
+def test_launch_passes_the_http_port():
+    from scheduler_service.launch import commands, parse_args
+    sched = commands(parse_args(["--model", "m", "--http-port", "8000"]))[-1]
+    assert sched[sched.index("--http-port") + 1] == "8000"
+    assert "--http-port" not in commands(parse_args(["--model", "m"]))[-1]
