@@ -510,8 +510,9 @@ class Output:
 async def start(gen: Generation, cfg: HttpConfig, host: str, port: int, reuse_port: bool
                 ) -> tuple[web.AppRunner, int]:
     """Serve the API on host:port (0 = any free port); (runner to clean up, bound port)."""
+    # The frontend drains in-flight requests before cleanup(): what is left then is cut.
     runner = web.AppRunner(OpenAIApi(gen, cfg).app(), handler_cancellation=True,
-                           access_log=None)
+                           access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     await site.start()

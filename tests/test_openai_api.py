@@ -229,8 +229,16 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
 
 
 # ---------------------------------------------------------------------------- null worker
-def test_api_key_required_except_health(null):
+def listeners(port: int) -> int:
+    """Sockets listening on 127.0.0.1:port (Linux /proc/net/tcp, state 0A)."""
+    want = f"0100007F:{port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for r in rows if r.split()[1] == want and r.split()[3] == "0A")
+
+
+def test_both_frontends_serve_http_and_api_key_is_required_except_health(null):
     sched, client, _, model = null
+    assert listeners(sched.http_port) == 2, "one HTTP listener per frontend (SO_REUSEPORT)"
     base = f"http://127.0.0.1:{sched.http_port}"
     c = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
