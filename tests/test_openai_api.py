@@ -340,3 +340,16 @@ def test_launch_passes_the_http_port():
     sched = commands(parse_args(["--model", "m", "--http-port", "8000"]))[-1]
     assert sched[sched.index("--http-port") + 1] == "8000"
     assert "--http-port" not in commands(parse_args(["--model", "m"]))[-1]
+
+
+def test_sigterm_drains_http_streams(null):
+    """Last (it stops the null stack): a stream in flight finishes, the server exits 0."""
+    sched, client, stub, model = null
+    stream = client.completions.create(model=model, prompt=[3, 4], max_tokens=200, stream=True,
+                                       logprobs=0, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    sched.popen.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].logprobs.tokens) for c in [first, *rest]) == 200
+    assert sched.wait_exit(timeout=20) == 0, sched.output()
