@@ -205,7 +205,15 @@ class OpenAIApi:
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return error_response(RequestError(
                     "UNAUTHENTICATED", "missing or wrong API key (Authorization: Bearer ...)"))
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as e:   # unknown route, wrong method, body too large
+            if e.status < 400:
+                raise
+            return web.json_response({"error": {"message": e.text or e.reason, "type":
+                                                "invalid_request_error", "param": None,
+                                                "code": e.reason.lower().replace(" ", "_")}},
+                                     status=e.status)
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.gen.engine.serving and self.gen.accepting

@@ -223,6 +223,10 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["type"] == \
         "invalid_request_error"
+    # Unknown routes answer in the same shape.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{client.base_url}embeddings", data=b"{}", timeout=10)
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["message"]
     # None of that harmed the server.
     assert client.completions.create(model=model, prompt="x", max_tokens=1).choices[0].text \
         is not None
