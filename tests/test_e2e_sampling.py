@@ -31,19 +31,24 @@ def hf_model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def stub(model_dir):
+def address(model_dir):
     worker = start_worker(model_dir)
     sched = None
     try:
         sched = start_scheduler(model_dir, [worker.port], block_size=BLOCK,
                                 extra=["--max-num-batched-tokens", "64"])
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-        yield generate_pb2_grpc.GenerationStub(channel)
-        channel.close()
+        yield f"127.0.0.1:{sched.port}"
     finally:
         if sched:
             sched.stop()
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(address):
+    channel = grpc.insecure_channel(address)
+    yield generate_pb2_grpc.GenerationStub(channel)
+    channel.close()
 
 
 def request(prompt, **sampling) -> generate_pb2.GenerateRequest:
@@ -178,3 +183,18 @@ def test_bad_sampling_is_invalid_argument(stub, sampling, fragment):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in err.value.details()
     assert len(stub.Complete(request([5, 6, 7], max_tokens=3, ignore_eos=True), timeout=30).token_ids) == 3
+
+
+def test_python_client_passes_the_new_fields(address, stub):
+    from client import Client, SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2, logprobs=True,
+                            top_logprobs=2, frequency_penalty=1.0)
+    with Client(address) as c:
+        chunks = list(c.generate([9, 8, 7], params))
+    ref = stub.Complete(request([9, 8, 7], temperature=0.0, max_tokens=6, ignore_eos=True, n=2,
+                                logprobs=True, top_logprobs=2, frequency_penalty=1.0), timeout=60)
+    for choice in ref.choices:
+        mine = [ch for ch in chunks if ch.index == choice.index]
+        assert [t for ch in mine for t in ch.token_ids] == list(choice.token_ids)
+        tops = [t for ch in mine for t in ch.top_logprobs]
+        assert [list(t) for t in tops] == [list(t.token_ids) for t in choice.top_logprobs]
