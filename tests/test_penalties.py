@@ -12,7 +12,8 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from nanoserve.v1 import worker_pb2
-from worker_service.penalties import PenaltyState, apply_penalties
+from kernels.penalties import apply_penalties_ref as apply_penalties
+from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, sample_step
 from worker_service.step_plan import SamplingParams, StepError
 
@@ -73,13 +74,15 @@ def _reset(seq_id: int, prompt: list[int], output: list[int], **sampling) -> wor
     return req
 
 
-def test_state_counts_history_and_own_samples_like_hf_greedy_loop():
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
+def test_state_counts_history_and_own_samples_like_hf_greedy_loop(fused):
     """Greedy decoding with a repetition penalty, the state fed as the runner feeds it,
-    against HF's processor over the growing id list."""
+    against HF's processor over the growing id list (fused: the Triton kernel, run by
+    the interpreter here)."""
     g = torch.Generator().manual_seed(2)
     table = torch.randn(V, V, generator=g)   # a toy "model": next logits from the last id
     prompt, earlier = [3, 4, 5, 3], [6]
-    state = PenaltyState(V, torch.device("cpu"))
+    state = PenaltyState(V, torch.device("cpu"), fused=fused)
     state.update(_reset(7, prompt, earlier, repetition_penalty=1.5, frequency_penalty=0.5))
     other = SamplingParams(temperature=0.0)   # an unpenalized row in the same batch
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5), other]

@@ -10,6 +10,8 @@ whole history once, when the sequence is (re)sent in full (worker.proto SeqWork
 prompt_ids_i32 / output_ids_i32); a prefill step alone would miss the prefix-cached part.
 
 Only sequences that set a penalty get a slot: a step with none of them costs nothing.
+The arithmetic is kernels/penalties.py: one Triton pass on a GPU, its torch reference
+elsewhere.
 """
 from __future__ import annotations
 
@@ -18,25 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.penalties import apply_penalties_ref
 from nanoserve.v1 import worker_pb2
 from worker_service.step_plan import SamplingParams, StepError
-
-
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
-                    ) -> torch.Tensor:
-    """Penalized copy of logits [N, V] (float32). prompt_mask [N, V] bool, counts [N, V]
-    output-id counts; repetition / presence / frequency [N] float32.
-
-    Repetition is Hugging Face's RepetitionPenaltyLogitsProcessor over prompt + output ids
-    (logit * p where negative, logit / p otherwise); presence / frequency are OpenAI's over
-    output ids: logit - presence * (count > 0) - frequency * count."""
-    in_output = counts > 0
-    rep = repetition.unsqueeze(1)
-    x = torch.where(prompt_mask | in_output, torch.where(logits < 0, logits * rep, logits / rep),
-                    logits)
-    return (x - frequency.unsqueeze(1) * counts.to(logits.dtype)
-            - presence.unsqueeze(1) * in_output.to(logits.dtype))
 
 
 @dataclass
@@ -50,9 +36,11 @@ class PenaltyRows:
 
 
 class PenaltyState:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool | None = None):
         self.vocab_size = vocab_size
         self.device = device
+        # The Triton kernel (default on CUDA) or the torch reference.
+        self.fused = torch.device(device).type == "cuda" if fused is None else fused
         self.slot_of: dict[int, int] = {}   # seq_id -> slot
         self.free: list[int] = []
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
@@ -124,9 +112,14 @@ class PenaltyState:
     def apply(self, logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
         """A float32 copy of logits with the penalized rows penalized."""
         out = logits.to(torch.float32, copy=True)
-        sub = apply_penalties(out.index_select(0, pr.rows), self.prompt_mask.index_select(0, pr.slots),
-                              self.counts.index_select(0, pr.slots), pr.repetition, pr.presence,
-                              pr.frequency)
+        if self.fused:
+            from kernels.penalties import apply_penalties_
+            return apply_penalties_(out, pr.rows, pr.slots, self.prompt_mask, self.counts,
+                                    pr.repetition, pr.presence, pr.frequency)
+        sub = apply_penalties_ref(out.index_select(0, pr.rows),
+                                  self.prompt_mask.index_select(0, pr.slots),
+                                  self.counts.index_select(0, pr.slots), pr.repetition,
+                                  pr.presence, pr.frequency)
         return out.index_copy_(0, pr.rows, sub)
 
     def record(self, pr: PenaltyRows, tokens: torch.Tensor) -> None:
