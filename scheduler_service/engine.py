@@ -5,6 +5,11 @@ and BlockManager change only at known points). Results leave through `on_output`
 per step, as one StepOutputs for every sequence that got a token: the engine core turns
 that into one message per frontend, the in-process benchmark reads it directly.
 
+A request for n completions (`add_request`) becomes n sibling sequences; all but the
+first wait until the first's prompt has been sent, so they find its blocks in the prefix
+cache and the prompt is computed once. Sampling penalties travel with a sequence's full
+sends only (its token history, once); the workers count what they sample themselves.
+
 Decode steps travel packed (worker.proto's DecodeBatch): the running sequences' ids as
 one array, their input tokens only when some are known ids rather than placeholders, and
 only the blocks appended this step; the workers keep the rest.
