@@ -6,7 +6,9 @@ sampled by one fused Triton pass over the logits (kernels/sampling.py: Gumbel-ma
 Philox noise keyed by a per-row seed). Otherwise sampling uses the exponential race
 (argmax of p / E with E ~ Exp(1)) over the filtered distribution. Either way both draw
 exactly from the distribution, and a seeded request's noise comes from (seed, position),
-so its tokens do not depend on which other requests share the batch.
+so its tokens do not depend on which other requests share the batch. `sample_step` adds
+what some requests ask for: penalties (worker_service/penalties.py) before sampling, and
+log-probabilities / top-K alternatives of the raw logits.
 """
 from __future__ import annotations
 
