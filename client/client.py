@@ -116,12 +116,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    n: int | None = None                  # completions of the prompt (chunk.index says which)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = None       # alternatives per token (needs logprobs)
 
     def to_proto(self) -> generate_pb2.SamplingParams:
         msg = generate_pb2.SamplingParams(stop=list(self.stop),
                                           stop_token_ids=list(self.stop_token_ids),
                                           ignore_eos=self.ignore_eos, logprobs=self.logprobs)
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "top_logprobs"):
             value = getattr(self, name)
             if value is not None:  # proto3 `optional`: unset means "server default"
                 setattr(msg, name, value)
@@ -146,6 +153,9 @@ class GenerationChunk:
     logprobs: list[float]
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0              # which of the n completions
+    # one {token id: logprob} per token when top_logprobs was asked for, most likely first
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -243,7 +253,9 @@ def _chunk(msg: generate_pb2.GenerateResponse | generate_pb2.CompleteResponse) -
     return GenerationChunk(request_id=msg.request_id, token_ids=list(msg.token_ids),
                            text=msg.text, logprobs=list(msg.logprobs),
                            finish_reason=_FINISH_REASONS.get(msg.finish_reason),
-                           usage=_usage(msg))
+                           usage=_usage(msg), index=getattr(msg, "index", 0),
+                           top_logprobs=[dict(zip(t.token_ids, t.logprobs))
+                                         for t in msg.top_logprobs])
 
 
 def _completion(msg: generate_pb2.CompleteResponse) -> Completion:

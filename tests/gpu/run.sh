@@ -4,6 +4,7 @@
 #   model    our Qwen3 vs Hugging Face (bf16 logits; greedy tokens through the real services)
 #   bench    client.bench reference workload, in-process and through gRPC
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
+#   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
 # On the lent device machine: carry .whl (grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf matching the generated stubs) and the generated protos/nanoserve/v1/*_pb2*.py.
 #   bash tests/gpu/run.sh [kernels] [model] [bench]     (default: all)
@@ -22,7 +23,7 @@ rc=0
 for w in ${*:-kernels model bench}; do
   echo "== $w"
   case $w in
-    kernels|model|tp) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
+    kernels|model|tp|sampling) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B
