@@ -27,7 +27,6 @@ from scheduler_service.generation import Delta, Generation, RequestError, invali
 
 log = logging.getLogger("nanoserve.http")
 
-MAX_N = 16   # completions per prompt (generate.proto: n in 1..16)
 # grpc.StatusCode name -> (HTTP status, OpenAI error type)
 _STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
@@ -130,15 +129,8 @@ def sampling_params(body: dict, chat: bool) -> tuple[generate_pb2.SamplingParams
     p.logprobs = logprobs
     if k:
         p.top_logprobs = k
+    p.n = _field(body, "n", (int,), 1)
     return p, logprobs, k
-
-
-def check_unsupported(p: generate_pb2.SamplingParams, opts: Any) -> None:
-    """Refuse, rather than silently ignore, fields this server's sampler does not apply."""
-    for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
-                      ("frequency_penalty", 0.0), ("top_logprobs", 0)):
-        if p.HasField(name) and getattr(p, name) != off and not hasattr(opts, name):
-            raise invalid(f"'{name}' is not supported by this server")
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -265,44 +257,35 @@ class OpenAIApi:
             sampling, logprobs, k = sampling_params(body, chat)
         except (TypeError, ValueError) as e:   # a value protobuf cannot hold
             raise invalid(f"bad sampling value: {e}") from None
-        n = _field(body, "n", (int,), 1)
-        if not 1 <= n <= MAX_N:
-            raise invalid(f"n must be in 1..{MAX_N}")
         for ids in prompts:   # the shared checks, for every prompt before any starts
-            check_unsupported(sampling, sampling_from_proto(sampling, len(ids), self.gen.limits))
+            sampling_from_proto(sampling, len(ids), self.gen.limits)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
-        return Request(prompts, sampling, n, stream, bool(options.get("include_usage")),
+        return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
                        logprobs, k, _field(body, "skip_special_tokens", (bool,), True))
 
     async def _choices(self, req: Request) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) of every completion, interleaved as they come: choice
-        i*n + j is prompt i's j-th completion (OpenAI's order). Each runs as its own
-        engine request (a seed, if given, is offset by j so the n samples differ); leaving
-        the iteration cancels all of them, which aborts them in the engine core."""
+        i*n + j is prompt i's j-th completion (OpenAI's order). A prompt's n completions
+        are one engine request (siblings sharing the prompt's KV, seed + j); a batch's
+        prompts run concurrently. Leaving the iteration cancels them all, which aborts
+        them in the engine core."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def run(index: int, ids: list[int], j: int) -> None:
+        async def run(i: int, ids: list[int]) -> None:
             try:
-                p = generate_pb2.SamplingParams()
-                p.CopyFrom(req.sampling)
-                if p.HasField("seed"):
-                    p.seed = (p.seed + j) & (2**64 - 1)
-                opts = sampling_from_proto(p, len(ids), self.gen.limits)
-                if hasattr(opts, "n"):
-                    opts.n = 1
-                async for delta in self.gen.stream(ids, opts, list(p.stop),
+                opts = sampling_from_proto(req.sampling, len(ids), self.gen.limits)
+                async for delta in self.gen.stream(ids, opts, list(req.sampling.stop),
                                                    req.skip_special_tokens):
-                    queue.put_nowait((index, delta))
+                    queue.put_nowait((i * req.n + delta.index, delta))
             except RequestError as e:
-                queue.put_nowait((index, e))
+                queue.put_nowait((i, e))
             except Exception as e:   # never leave the consumer waiting
                 log.exception("request failed")
-                queue.put_nowait((index, RequestError("INTERNAL", str(e))))
-            queue.put_nowait((index, None))
+                queue.put_nowait((i, RequestError("INTERNAL", str(e))))
+            queue.put_nowait((i, None))
 
-        tasks = [asyncio.ensure_future(run(i * req.n + j, ids, j))
-                 for i, ids in enumerate(req.prompts) for j in range(req.n)]
+        tasks = [asyncio.ensure_future(run(i, ids)) for i, ids in enumerate(req.prompts)]
         try:
             left = len(tasks)
             while left:
@@ -412,13 +395,13 @@ class Output:
 
     def _logprob_entries(self, index: int, delta: Delta) -> list[dict]:
         """One entry per token: the token, its logprob, and the k most likely."""
-        tops = getattr(delta, "top_logprobs", None) or [None] * len(delta.token_ids)
+        tops = delta.top_logprobs or [None] * len(delta.token_ids)
         entries = []
         for tok, lp, top in zip(delta.token_ids, delta.logprobs, tops):
             text = self._token(tok)
             alts = []
             if top is not None and self.req.top_logprobs:
-                ids, lps = (top if isinstance(top, tuple) else (top.token_ids, top.logprobs))
+                ids, lps = top
                 alts = [(self._token(t), float(l)) for t, l in zip(ids, lps)]
             entries.append({"token": text, "logprob": float(lp), "top": alts,
                             "offset": self.offsets[index]})
@@ -427,11 +410,10 @@ class Output:
 
     def _usage(self) -> dict:
         prompt = completion = cached = 0
-        for index, u in self.usages.items():
+        for u in self.usages.values():   # one per prompt, summed over its n completions
             completion += u.completion_tokens
-            if index % self.req.n == 0:   # a prompt counts once, whatever n
-                prompt += u.prompt_tokens
-                cached += u.cached_tokens
+            prompt += u.prompt_tokens
+            cached += u.cached_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -451,7 +433,8 @@ class Output:
     def _note(self, index: int, delta: Delta) -> list[dict] | None:
         if delta.finish_reason is not None:
             self.finish[index] = delta.finish_reason
-            self.usages[index] = delta.usage
+        if delta.usage is not None:
+            self.usages[index // self.req.n] = delta.usage
         return self._logprob_entries(index, delta) if self.req.logprobs else None
 
     # ---- whole ----

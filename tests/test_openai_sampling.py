@@ -1,24 +1,18 @@
-"""OpenAI sampling fields that need the sampler's penalties and top-k logprobs (generate.proto
-fields 12-15): the HTTP answer must equal the gRPC answer to the same request, token for
-token, and the fields must change what is sampled. On a server whose sampler lacks them,
-the HTTP API refuses them with 400 instead of ignoring them (checked last).
+"""OpenAI sampling fields served by the sampler's n, penalties and top-k logprobs
+(generate.proto fields 11-15): the HTTP answer must equal the gRPC answer to the same
+request, token for token, and the fields must change what is sampled.
 """
 from __future__ import annotations
 
 import openai
 import pytest
 
-from scheduler_service.sequence import SamplingOptions
 from test_openai_api import CHAT, grpc_complete, tiny  # noqa: F401  (tiny is a fixture)
 
 pytestmark = pytest.mark.slow
-SUPPORTED = all(hasattr(SamplingOptions, f) for f in
-                ("repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs"))
-needs_sampler = pytest.mark.skipif(not SUPPORTED, reason="sampler has no penalties yet (branch sampling)")
 PROMPT = "Once upon"
 
 
-@needs_sampler
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 1.8), ("presence_penalty", 1.5),
                                          ("frequency_penalty", 1.5)])
 def test_penalties_match_grpc_and_change_the_output(tiny, field, value):
@@ -36,7 +30,6 @@ def test_penalties_match_grpc_and_change_the_output(tiny, field, value):
     assert r.choices[0].text == ref
 
 
-@needs_sampler
 def test_chat_top_logprobs_match_grpc(tiny):
     client, stub, model = tiny
     ref = grpc_complete(stub, CHAT, temperature=0, max_tokens=6, ignore_eos=True, logprobs=True,
@@ -51,7 +44,6 @@ def test_chat_top_logprobs_match_grpc(tiny):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy
 
 
-@needs_sampler
 def test_completion_logprobs_int_gives_top_k(tiny):
     client, stub, model = tiny
     r = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=5,
@@ -62,11 +54,20 @@ def test_completion_logprobs_int_gives_top_k(tiny):
         assert 1 <= len(tops) <= 2 and max(tops.values()) == pytest.approx(sampled, abs=1e-5)
 
 
-@pytest.mark.skipif(SUPPORTED, reason="the sampler applies these fields")
-@pytest.mark.parametrize("kw", [dict(presence_penalty=1.0), dict(frequency_penalty=-1.0),
-                                dict(extra_body={"repetition_penalty": 1.3})])
-def test_unsupported_fields_are_refused_not_ignored(tiny, kw):
+def test_n_matches_grpc_choices(tiny):
+    """n completions of one prompt (siblings sharing its KV) equal gRPC's choices."""
+    client, stub, model = tiny
+    ref = grpc_complete(stub, CHAT, temperature=1.0, seed=11, n=3, max_tokens=6, ignore_eos=True)
+    r = client.chat.completions.create(model=model, messages=CHAT, temperature=1.0, seed=11, n=3,
+                                       max_tokens=6, extra_body={"ignore_eos": True})
+    assert [c.message.content for c in r.choices] == [c.text for c in ref.choices]
+    assert r.usage.completion_tokens == ref.usage.completion_tokens == 18
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens
+
+
+def test_out_of_range_values_are_400(tiny):
     client, _, model = tiny
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
-    assert "not supported" in e.value.body["message"]
+    for kw in (dict(presence_penalty=3.0), dict(frequency_penalty=-2.5), dict(n=17),
+               dict(extra_body={"repetition_penalty": 0})):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
