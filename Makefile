@@ -7,13 +7,15 @@ PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
 STUBS  := $(PROTOS:.proto=_pb2.py)
 MODEL  ?=
 TP     ?= 1
+HTTP_PORT ?=
 
 .PHONY: help setup proto test test-gpu demo serve clean
 
 help:
 	@echo "make demo                 serve an embedded default model on loopback and stream a generation"
 	@echo "make test                 run the CPU test suite (what CI runs)"
-	@echo "make serve MODEL=dir      serve a Hugging Face Qwen3 directory (GPU host), TP=N for N ranks"
+	@echo "make serve MODEL=dir      serve a Hugging Face Qwen3 directory (GPU host), TP=N for N ranks,"
+	@echo "                          HTTP_PORT=8000 to add the OpenAI-compatible HTTP API"
 	@echo "make proto                regenerate the gRPC stubs from protos/"
 
 setup: $(STAMP)
@@ -38,9 +40,11 @@ demo: proto
 	$(BIN)/python -m client.demo $(if $(MODEL),--model $(MODEL),)
 
 # Scheduler on :50051 + TP worker processes on this host (GPU when present). Ctrl-C stops all.
+# HTTP_PORT=8000 also serves the OpenAI-compatible HTTP API on that port.
 serve: proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
-	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP)
+	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
+		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
 
 clean:
 	rm -rf $(VENV) $(STUBS) $(PROTOS:.proto=_pb2.pyi) $(PROTOS:.proto=_pb2_grpc.py)

@@ -36,7 +36,8 @@ def _add_connection_args(parser: argparse.ArgumentParser, top_level: bool) -> No
         else argparse.SUPPRESS
     timeout_default = None if top_level else argparse.SUPPRESS
     parser.add_argument("--target", metavar="HOST:PORT", default=target_default,
-                        help=f"server address (default: $NANOSERVE_TARGET or {DEFAULT_TARGET})")
+                        help=f"server address (default: $NANOSERVE_TARGET or {DEFAULT_TARGET}); "
+                             "several replicas as HOST:PORT,HOST:PORT are balanced round-robin")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", default=timeout_default,
                         help="deadline for each call (default: none)")
 

@@ -8,6 +8,8 @@ in how they wait. gRPC failures surface as `NanoserveError`, which keeps the sta
 
 from __future__ import annotations
 
+import json
+import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Iterator, Sequence, TypeVar, Union
 
@@ -25,6 +27,55 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+# Several replicas: grpc's round_robin spreads calls (not connections) over every address
+# whose grpc.health.v1 status for the Generation service is SERVING, and a call refused
+# with UNAVAILABLE before any answer (a replica dying or draining) is retried on another.
+# After the first token a call is committed: its failure reaches the caller.
+_GENERATION = "nanoserve.v1.Generation"
+ROUND_ROBIN_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "healthCheckConfig": {"serviceName": _GENERATION},
+    "methodConfig": [{"name": [{"service": _GENERATION}], "retryPolicy": {
+        "maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
+        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+
+
+def channel_target(target: str | Sequence[str]) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and channel options for one address or several.
+
+    One "host:port" (or a gRPC URI such as "dns:///name:port") is used as is. Several
+    ("h1:p1,h2:p2" or a list) are resolved once, here, into one ipv4:/ipv6: target with
+    the round_robin policy; "dns:///name:port" gets round_robin too, over every address
+    the name resolves to (a headless service), re-resolved as it changes."""
+    addrs = [target] if isinstance(target, str) else list(target)
+    if len(addrs) == 1 and addrs[0].startswith(_SCHEMES):
+        uri = addrs[0]
+        return uri, [("grpc.service_config", ROUND_ROBIN_CONFIG)] if uri.startswith("dns:") else []
+    addrs = [a.strip() for t in addrs for a in t.split(",") if a.strip()]
+    if len(addrs) == 1:
+        return addrs[0], []
+    if not addrs:
+        raise ValueError("no address given")
+    resolved = [_resolve(a) for a in addrs]
+    families = {family for family, _ in resolved}
+    if len(families) > 1:
+        raise ValueError(f"mixed IPv4 and IPv6 addresses in one target: {addrs}")
+    scheme = "ipv4:" if families == {socket.AF_INET} else "ipv6:"
+    return scheme + ",".join(a for _, a in resolved), [("grpc.service_config", ROUND_ROBIN_CONFIG)]
+
+
+def _resolve(address: str) -> tuple[int, str]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {address!r}")
+    host = host.strip("[]")
+    info = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    family, *_, sockaddr = min(info, key=lambda i: i[0] != socket.AF_INET)   # IPv4 first
+    ip = sockaddr[0]
+    return family, (f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+
 
 # str -> text, list[int] -> token ids, list of {"role", "content"} -> chat.
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -65,12 +116,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    n: int | None = None                  # completions of the prompt (chunk.index says which)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = None       # alternatives per token (needs logprobs)
 
     def to_proto(self) -> generate_pb2.SamplingParams:
         msg = generate_pb2.SamplingParams(stop=list(self.stop),
                                           stop_token_ids=list(self.stop_token_ids),
                                           ignore_eos=self.ignore_eos, logprobs=self.logprobs)
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "top_logprobs"):
             value = getattr(self, name)
             if value is not None:  # proto3 `optional`: unset means "server default"
                 setattr(msg, name, value)
@@ -95,6 +153,9 @@ class GenerationChunk:
     logprobs: list[float]
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0              # which of the n completions
+    # one {token id: logprob} per token when top_logprobs was asked for, most likely first
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -192,7 +253,9 @@ def _chunk(msg: generate_pb2.GenerateResponse | generate_pb2.CompleteResponse) -
     return GenerationChunk(request_id=msg.request_id, token_ids=list(msg.token_ids),
                            text=msg.text, logprobs=list(msg.logprobs),
                            finish_reason=_FINISH_REASONS.get(msg.finish_reason),
-                           usage=_usage(msg))
+                           usage=_usage(msg), index=getattr(msg, "index", 0),
+                           top_logprobs=[dict(zip(t.token_ids, t.logprobs))
+                                         for t in msg.top_logprobs])
 
 
 def _completion(msg: generate_pb2.CompleteResponse) -> Completion:
@@ -207,13 +270,17 @@ def _health_status(resp: health_pb2.HealthCheckResponse) -> str:
 
 # ---------------------------------------------------------------------------- sync
 class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call."""
+    """Blocking client. `timeout` (seconds) is the default deadline of every call.
+    `target`: one address, or several replicas ("h1:p1,h2:p2" or a list): see
+    channel_target."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
+                 timeout: float | None = None,
                  options: list[tuple[str, Any]] | None = None) -> None:
-        self.target = target
+        self.target, lb_options = channel_target(target)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS + (options or []))
+        self._channel = grpc.insecure_channel(
+            self.target, options=CHANNEL_OPTIONS + lb_options + (options or []))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -287,11 +354,13 @@ class AsyncClient:
     """The same surface on grpc.aio: `async for chunk in client.generate(...)`, and
     `await` for the rest. Create it inside the event loop that uses it."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
+                 timeout: float | None = None,
                  options: list[tuple[str, Any]] | None = None) -> None:
-        self.target = target
+        self.target, lb_options = channel_target(target)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS + (options or []))
+        self._channel = grpc.aio.insecure_channel(
+            self.target, options=CHANNEL_OPTIONS + lb_options + (options or []))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

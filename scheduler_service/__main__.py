@@ -59,12 +59,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frontends", type=int, default=1,
                    help="frontend processes sharing the port (SO_REUSEPORT); more help when "
                         "many clients stream at once and the host has cores to spare")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+                        "/v1/chat/completions, /health) on this port (0 = any free port); off when "
+                        "unset. Every frontend serves it, sharing the port like --port")
+    p.add_argument("--served-model-name", default="",
+                   help="the model id /v1/models and GetModelInfo report and HTTP requests must "
+                        "name (default: the model directory's name)")
+    p.add_argument("--http-request-timeout", type=float, default=0.0,
+                   help="seconds an HTTP request may run before it is aborted with 504 "
+                        "(0 = no limit)")
+    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every call (default: env "
+                        "NANOSERVE_API_KEY; unset = no auth). /health stays open")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
     if args.frontends < 1:
         p.error("--frontends must be >= 1")
+    if args.http_request_timeout < 0:
+        p.error("--http-request-timeout must be >= 0")
     return args
 
 
@@ -95,7 +110,9 @@ class ControlPlane:
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
             reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,
             default_max_tokens=args.default_max_tokens, shutdown_grace=args.shutdown_grace,
-            log_level=args.log_level) for i in range(args.frontends)]
+            log_level=args.log_level, http_port=args.http_port,
+            served_model_name=args.served_model_name, api_key=args.api_key or None,
+            http_request_timeout=args.http_request_timeout) for i in range(args.frontends)]
         self.policies = {name: RestartPolicy() for name in
                          ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}
         self.core: multiprocessing.Process | None = None
@@ -134,13 +151,14 @@ class ControlPlane:
         self.core, info = self._spawn("engine core", engine_core.run, self.core_config)
         return info
 
-    def start_frontend(self, i: int) -> int:
+    def start_frontend(self, i: int) -> tuple[int, int | None]:
+        """(gRPC port, HTTP port or None) the frontend bound."""
         from scheduler_service import frontend
-        self.frontends[i], port = self._spawn(f"frontend {i}", frontend.run,
-                                              self.frontend_configs[i])
-        for cfg in self.frontend_configs:   # every restart and sibling binds this port
-            cfg.port = port
-        return port
+        self.frontends[i], (port, http_port) = self._spawn(f"frontend {i}", frontend.run,
+                                                           self.frontend_configs[i])
+        for cfg in self.frontend_configs:   # every restart and sibling binds these ports
+            cfg.port, cfg.http_port = port, http_port
+        return port, http_port
 
     def _restart(self, name: str, start) -> bool:
         """Restart a dead child after its backoff; False when it is crash-looping."""
@@ -168,12 +186,13 @@ class ControlPlane:
         code = 0
         try:
             info = self.start_core()
-            port = 0
+            port, http_port = 0, None
             for i in range(len(self.frontends)):
-                port = self.start_frontend(i)
+                port, http_port = self.start_frontend(i)
+            http = "" if http_port is None else f"; OpenAI HTTP API on {self.args.host}:{http_port}"
             print(f"nanoserve scheduler listening on {self.args.host}:{port} (model "
                   f"{info['model']}, {info['num_kv_blocks']} KV blocks of {info['block_size']}, "
-                  f"TP={info['world_size']}, {len(self.frontends)} frontend(s))", flush=True)
+                  f"TP={info['world_size']}, {len(self.frontends)} frontend(s)){http}", flush=True)
             code = self.watch()
         except ChildFailed as e:
             if not self.stopping:

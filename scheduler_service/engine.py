@@ -5,6 +5,11 @@ and BlockManager change only at known points). Results leave through `on_output`
 per step, as one StepOutputs for every sequence that got a token: the engine core turns
 that into one message per frontend, the in-process benchmark reads it directly.
 
+A request for n completions (`add_request`) becomes n sibling sequences; all but the
+first wait until the first's prompt has been sent, so they find its blocks in the prefix
+cache and the prompt is computed once. Sampling penalties travel with a sequence's full
+sends only (its token history, once); the workers count what they sample themselves.
+
 Decode steps travel packed (worker.proto's DecodeBatch): the running sequences' ids as
 one array, their input tokens only when some are known ids rather than placeholders, and
 only the blocks appended this step; the workers keep the rest.
@@ -16,6 +21,7 @@ re-prefills: clients see a pause, not an error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from array import array
@@ -25,7 +31,7 @@ from typing import Callable
 
 from nanoserve.v1 import worker_pb2
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
-from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from scheduler_service.sequence import PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus
 from scheduler_service.worker_client import GroupInfo, WorkerGroupError, wait_for_group
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -37,6 +43,9 @@ class StepOutputs:
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None           # aligned with token_ids when any seq asked
+    # Aligned with token_ids when any seq asked for top_logprobs: (ids, logprobs) of its
+    # k alternatives, empty lists for a seq that did not ask.
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
     finished: list[tuple[int, str, int]] = field(default_factory=list)  # (seq_id, reason, cached prompt tokens)
     errors: list[tuple[int, str, str]] = field(default_factory=list)    # (seq_id, status code, message)
 
@@ -76,6 +85,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._known: set[int] = set()    # seq ids whose state the workers hold
+        # n > 1: first completion -> its siblings, held back until its prompt is sent.
+        self._held: dict[Sequence, list[Sequence]] = {}
         self._step_id = 0
 
     # ---- requests (from the same event loop) ----------------------------------------
@@ -83,6 +94,30 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         self._commands.append((True, seq))
         self._wake.set()
+
+    def add_request(self, seq_id: int, prompt: list[int], sampling: SamplingOptions) -> None:
+        """A request of sampling.n completions: sibling sequences seq_id + i, sibling i
+        seeded with seed + i. Siblings wait until the first one's prompt has been sent to
+        the workers, then find its full blocks in the prefix cache: one prefill for all."""
+        first = Sequence(seq_id=seq_id, token_ids=prompt, sampling=sampling)
+        if sampling.n > 1:
+            self._held[first] = [
+                Sequence(seq_id=seq_id + i, token_ids=prompt, sampling=dataclasses.replace(
+                    sampling, seed=None if sampling.seed is None
+                    else (sampling.seed + i) & 0xFFFFFFFFFFFFFFFF))
+                for i in range(1, sampling.n)]
+        self.add(first)
+
+    def held_siblings(self) -> list[Sequence]:
+        return [s for sibs in self._held.values() for s in sibs]
+
+    def _release_held(self) -> None:
+        """Queue the siblings of every first completion whose prompt is in flight (its
+        full blocks are registered in the prefix cache) or that ended before."""
+        for first in [f for f in self._held if f.is_finished
+                      or f.num_computed_tokens >= f.num_prompt_tokens]:
+            for sib in self._held.pop(first):
+                self._add_now(sib)
 
     def abort(self, seq_id: int) -> None:
         self._commands.append((False, seq_id))
@@ -94,21 +129,32 @@ class Engine:
 
     def num_pending(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running) + sum(
-            add for add, _ in self._commands)
+            add for add, _ in self._commands) + sum(len(s) for s in self._held.values())
 
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []
         rejected = StepOutputs()
         for is_add, item in commands:
-            if not is_add:
-                self.scheduler.abort(item)
-                continue
-            try:
-                self.scheduler.add(item)
-            except ValueError as e:
-                rejected.errors.append((item.seq_id, "INVALID_ARGUMENT", str(e)))
+            if is_add:
+                self._add_now(item, rejected)
+            elif self.scheduler.abort(item) is None and self._held:
+                for sibs in self._held.values():   # a sibling not queued yet
+                    sibs[:] = [s for s in sibs if s.seq_id != item]
+        if self._held:
+            self._release_held()
         if rejected:
             self.on_output(rejected)
+
+    def _add_now(self, seq: Sequence, rejected: StepOutputs | None = None) -> None:
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            errors = [(seq.seq_id, "INVALID_ARGUMENT", str(e))]
+            errors += [(s.seq_id, "INVALID_ARGUMENT", str(e)) for s in self._held.pop(seq, ())]
+            if rejected is None:
+                self.on_output(StepOutputs(errors=errors))
+            else:
+                rejected.errors.extend(errors)
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -131,6 +177,8 @@ class Engine:
             if batch is not None:
                 request = self._build_step(batch)
                 self.scheduler.advance(batch)
+                if self._held and batch.is_prefill:
+                    self._release_held()
                 schedule_ms = (time.perf_counter() - t0) * 1e3
                 await self.group.send(request)
                 in_flight.append((batch, request.step_id, schedule_ms))
@@ -197,6 +245,14 @@ class Engine:
                 work.sampling.has_seed = s.seed is not None
                 work.sampling.seed = s.seed or 0
                 work.sampling.logprobs = s.logprobs
+                work.sampling.top_logprobs = s.top_logprobs
+                if s.has_penalty:   # the worker needs the whole history, cached part included
+                    work.sampling.repetition_penalty = s.repetition_penalty
+                    work.sampling.presence_penalty = s.presence_penalty
+                    work.sampling.frequency_penalty = s.frequency_penalty
+                    p = seq.num_prompt_tokens
+                    work.prompt_ids_i32 = array("i", seq.token_ids[:p]).tobytes()
+                    work.output_ids_i32 = array("i", seq.token_ids[p:]).tobytes()
         req.token_ids_i32 = tokens.tobytes()
         return req
 
@@ -221,8 +277,26 @@ class Engine:
         if logprobs is not None:
             out.logprobs = [s.logprobs[-1] if s.sampling.logprobs and s.logprobs else 0.0
                             for s in done]
+        if resp.top_logprobs_k:
+            out.top_logprobs = self._top_logprobs(batch, resp, done)
         out.finished = [(s.seq_id, s.finish_reason, s.usage_cached_tokens or 0)
                         for s in done if s.status is SequenceStatus.FINISHED]
+        return out
+
+    @staticmethod
+    def _top_logprobs(batch: Batch, resp: worker_pb2.StepResponse, done: list[Sequence]
+                      ) -> list[tuple[list[int], list[float]]]:
+        """Each seq's own k alternatives out of the step's [rows, K] arrays."""
+        k_all = resp.top_logprobs_k
+        ids = array("i")
+        ids.frombytes(resp.top_token_ids_i32)
+        lps = array("f")
+        lps.frombytes(resp.top_logprobs_f32)
+        row = {id(s): i for i, s in enumerate(s for s, keep in zip(batch.seqs, batch.sample) if keep)}
+        out = []
+        for s in done:
+            k, start = min(s.sampling.top_logprobs, k_all), row[id(s)] * k_all
+            out.append((ids[start:start + k].tolist(), lps[start:start + k].tolist()))
         return out
 
     async def _recover(self, batches: list[Batch], err: WorkerGroupError) -> None:

@@ -33,13 +33,14 @@ class EngineUnavailable(RuntimeError):
 
 
 class RequestStream:
-    """Results of one request not yet taken by its handler."""
-    __slots__ = ("seq_id", "token_ids", "logprobs", "finish", "error", "_waiter")
+    """Results of one sequence (one of a request's n completions) not yet taken by its handler."""
+    __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "finish", "error", "_waiter")
 
     def __init__(self, seq_id: int):
         self.seq_id = seq_id
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[tuple[list[int], list[float]]] = []  # one per token when asked
         self.finish: tuple[str, int] | None = None   # (reason, cached prompt tokens)
         self.error: tuple[str, str] | None = None    # (status code name, message)
         self._waiter: asyncio.Future | None = None
@@ -49,15 +50,17 @@ class RequestStream:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def next(self) -> tuple[list[int], list[float], tuple[str, int] | None,
-                                  tuple[str, str] | None]:
-        """Everything that arrived since the last call (waits for something)."""
+    async def next(self) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]],
+                                  tuple[str, int] | None, tuple[str, str] | None]:
+        """Everything that arrived since the last call (waits for something):
+        (token ids, logprobs, top logprobs, finish, error)."""
         while not (self.token_ids or self.finish or self.error):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         ids, self.token_ids = self.token_ids, []
         lps, self.logprobs = self.logprobs, []
-        return ids, lps, self.finish, self.error
+        top, self.top_logprobs = self.top_logprobs, []
+        return ids, lps, top, self.finish, self.error
 
 
 class EngineClient:
@@ -104,14 +107,20 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], sampling: SamplingOptions) -> RequestStream:
+    def submit(self, prompt_ids: list[int], sampling: SamplingOptions) -> list[RequestStream]:
+        """One stream per completion: sampling.n consecutive sequence ids, which the core
+        turns into n sibling sequences (ipc.py)."""
         if not self.connected:
             raise EngineUnavailable("the engine core is not available (restarting?)")
-        seq_id = self.index << ipc.OWNER_SHIFT | next(self._seq_ids)
-        stream = self.streams[seq_id] = RequestStream(seq_id)
-        self.sock.send(ipc.pack([ipc.ADD, seq_id, array("i", prompt_ids).tobytes(),
+        base = self.index << ipc.OWNER_SHIFT | next(self._seq_ids)
+        for _ in range(sampling.n - 1):   # reserve the siblings' ids
+            next(self._seq_ids)
+        streams = [RequestStream(base + i) for i in range(sampling.n)]
+        for s in streams:
+            self.streams[s.seq_id] = s
+        self.sock.send(ipc.pack([ipc.ADD, base, array("i", prompt_ids).tobytes(),
                                  ipc.pack_sampling(sampling)]))
-        return stream
+        return streams
 
     def release(self, stream: RequestStream, abort: bool) -> None:
         """The handler is done with `stream`; abort=True also stops the sequence."""
@@ -140,7 +149,7 @@ class EngineClient:
             msg = ipc.unpack(await self.sock.recv())
             kind = msg[0]
             if kind == ipc.OUT:
-                _, seq_ids, token_ids, logprobs, finished, errors = msg
+                _, seq_ids, token_ids, logprobs, finished, errors, top = msg
                 ids = array("Q")
                 ids.frombytes(seq_ids)
                 toks = array("i")
@@ -158,6 +167,8 @@ class EngineClient:
                         if (s := streams.get(seq_id)) is not None:
                             s.token_ids.append(tok)
                             s._wake()
+                if top:
+                    self._add_top_logprobs(ids, top)
                 for seq_id, reason, cached in finished:
                     if (s := streams.get(seq_id)) is not None:
                         s.finish = (reason, cached)
@@ -180,6 +191,22 @@ class EngineClient:
                 log.info("engine core connected (workers %s)",
                          "healthy" if self.workers_healthy else "not ready")
                 self.on_state(self.serving)
+
+    def _add_top_logprobs(self, seq_ids: array, top: list) -> None:
+        """top = [k per listed sequence (u8), their ids (i32), their logprobs (f32)]."""
+        ks = array("B")
+        ks.frombytes(top[0])
+        ids = array("i")
+        ids.frombytes(top[1])
+        lps = array("f")
+        lps.frombytes(top[2])
+        pos = 0
+        for seq_id, k in zip(seq_ids, ks):
+            if not k:
+                continue
+            if (s := self.streams.get(seq_id)) is not None:
+                s.top_logprobs.append((ids[pos:pos + k].tolist(), lps[pos:pos + k].tolist()))
+            pos += k
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         while True:

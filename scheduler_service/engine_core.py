@@ -26,7 +26,6 @@ import zmq.asyncio
 from scheduler_service import ipc
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.scheduler import SchedulerConfig
-from scheduler_service.sequence import Sequence
 from scheduler_service.worker_client import WorkerGroup, WorkerGroupError, wait_for_group
 
 log = logging.getLogger("nanoserve.engine")
@@ -113,7 +112,8 @@ class EngineCore:
     def _hello(self, ident: bytes) -> None:
         """A frontend (re)connected: abort what an earlier incarnation of it left behind."""
         index = int(ident[2:])
-        stale = [s.seq_id for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running)
+        stale = [s.seq_id for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running,
+                                    *self.engine.held_siblings())
                  if ipc.owner(s.seq_id) == index]
         for seq_id in stale:
             self.engine.abort(seq_id)
@@ -131,8 +131,7 @@ class EngineCore:
             return
         ids = array("i")
         ids.frombytes(prompt)
-        engine.add(Sequence(seq_id=seq_id, token_ids=ids.tolist(),
-                            sampling=ipc.unpack_sampling(sampling)))
+        engine.add_request(seq_id, ids.tolist(), ipc.unpack_sampling(sampling))
 
     def _stats(self) -> dict:
         e = self.engine
@@ -159,6 +158,7 @@ class EngineCore:
             self._send_part(owner, StepOutputs(
                 seq_ids=[out.seq_ids[i] for i in rows], token_ids=[out.token_ids[i] for i in rows],
                 logprobs=None if out.logprobs is None else [out.logprobs[i] for i in rows],
+                top_logprobs=None if out.top_logprobs is None else [out.top_logprobs[i] for i in rows],
                 finished=[f for f in out.finished if f[0] >> shift == owner],
                 errors=[e for e in out.errors if e[0] >> shift == owner]))
 
@@ -166,11 +166,22 @@ class EngineCore:
         self.sock.send_multipart([ipc.identity(owner), ipc.pack([
             ipc.OUT, array("Q", out.seq_ids).tobytes(), array("i", out.token_ids).tobytes(),
             array("f", out.logprobs).tobytes() if out.logprobs is not None else b"",
-            out.finished, out.errors])])
+            out.finished, out.errors, _pack_top(out.top_logprobs)])])
 
     def _send_health(self, healthy: bool) -> None:
         for ident in self.frontends:
             self.sock.send_multipart([ident, ipc.pack([ipc.HEALTH, healthy])])
+
+
+def _pack_top(top: list[tuple[list[int], list[float]]] | None) -> list:
+    """ipc.py's OUT `top` item: [k per sequence (u8), all ids (i32), all logprobs (f32)]."""
+    if top is None:
+        return []
+    ids, lps = array("i"), array("f")
+    for t_ids, t_lps in top:
+        ids.extend(t_ids)
+        lps.extend(t_lps)
+    return [bytes(len(t[0]) for t in top), ids.tobytes(), lps.tobytes()]
 
 
 def run(config: EngineCoreConfig, ready) -> None:

@@ -39,7 +39,12 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
         top_k=p.top_k if p.HasField("top_k") else 0,
         min_p=p.min_p if p.HasField("min_p") else 0.0,
         seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+        n=p.n if p.HasField("n") else 1,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
+        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0)
     return check_sampling(opts, p.max_tokens if p.HasField("max_tokens") else None, prompt_len,
                           limits, list(p.stop))
 
@@ -77,19 +82,37 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         async for d in self._deltas(request, context):
             yield generate_pb2.GenerateResponse(
                 request_id=rid, token_ids=d.token_ids, text=d.text, logprobs=d.logprobs,
-                finish_reason=_FINISH.get(d.finish_reason), usage=_usage(d.usage))
+                finish_reason=_FINISH.get(d.finish_reason), usage=_usage(d.usage),
+                index=d.index, top_logprobs=_top(d.top_logprobs))
 
     async def Complete(self, request, context):
+        """Every completion in `choices` (index order); choice 0 also in the top level."""
         out = generate_pb2.CompleteResponse(request_id=request.request_id or uuid.uuid4().hex)
-        texts = []
+        choices: dict[int, generate_pb2.Choice] = {}
+        texts: dict[int, list[str]] = {}
         async for d in self._deltas(request, context):
-            out.token_ids.extend(d.token_ids)
-            out.logprobs.extend(d.logprobs)
-            texts.append(d.text)
+            c = choices.get(d.index)
+            if c is None:
+                c = choices[d.index] = generate_pb2.Choice(index=d.index)
+                texts[d.index] = []
+            c.token_ids.extend(d.token_ids)
+            c.logprobs.extend(d.logprobs)
+            c.top_logprobs.extend(_top(d.top_logprobs))
+            texts[d.index].append(d.text)
             if d.finish_reason is not None:
-                out.finish_reason = _FINISH[d.finish_reason]
+                c.finish_reason = _FINISH[d.finish_reason]
+            if d.usage is not None:
                 out.usage.CopyFrom(_usage(d.usage))
-        out.text = "".join(texts)
+        for i in sorted(choices):
+            choices[i].text = "".join(texts[i])
+            out.choices.append(choices[i])
+        first = choices.get(0)
+        if first is not None:
+            out.token_ids.extend(first.token_ids)
+            out.logprobs.extend(first.logprobs)
+            out.top_logprobs.extend(first.top_logprobs)
+            out.text = first.text
+            out.finish_reason = first.finish_reason
         return out
 
     async def Tokenize(self, request, context):
@@ -117,6 +140,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return generate_pb2.Stats(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
+
+
+def _top(top: list[tuple[list[int], list[float]]]) -> list[generate_pb2.TopLogprobs]:
+    return [generate_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in top]
 
 
 def _usage(u: Usage | None) -> generate_pb2.Usage | None:
@@ -170,6 +197,10 @@ class FrontendConfig:
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
     log_level: str = "INFO"
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (openai_api.py); None = off
+    served_model_name: str = ""   # the model id both APIs report ("" = model directory name)
+    api_key: str | None = None    # bearer token the HTTP API requires when set
+    http_request_timeout: float = 0.0
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -189,13 +220,20 @@ async def serve(cfg: FrontendConfig, ready) -> None:
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
                     default_max_tokens=cfg.default_max_tokens)
     gen = Generation(engine, tokenizer, limits)
-    service = GenerationService(gen, os.path.basename(os.path.normpath(info["model"] or cfg.model)))
+    name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
+    service = GenerationService(gen, name)
     server, port, health_servicer = await build_server(service, cfg.host, cfg.port,
                                                        cfg.max_message_mb << 20, cfg.reuse_port)
+    http_runner, http_port = None, None
+    if cfg.http_port is not None:
+        from scheduler_service import openai_api
+        http_runner, http_port = await openai_api.start(
+            gen, openai_api.HttpConfig(name, cfg.api_key, cfg.http_request_timeout),
+            cfg.host, cfg.http_port, cfg.reuse_port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ready.send(("ready", port))
+    ready.send(("ready", (port, http_port)))
     await stop.wait()
     log.info("shutting down: no new requests, %.0fs for in-flight ones", cfg.shutdown_grace)
     gen.accepting = False
@@ -206,6 +244,8 @@ async def serve(cfg: FrontendConfig, ready) -> None:
         log.warning("%d requests still running after %.0fs: cancelling them",
                     gen.in_flight, cfg.shutdown_grace)
     await server.stop(0)
+    if http_runner is not None:
+        await http_runner.cleanup()
     await engine.close()
 
 

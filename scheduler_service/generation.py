@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from scheduler_service.detokenizer import IncrementalDetokenizer
@@ -29,6 +29,10 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+MAX_N = 16               # completions per request
+MAX_TOP_LOGPROBS = 20    # alternatives per token
 
 
 def invalid(message: str) -> RequestError:
@@ -56,8 +60,11 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[float]
-    finish_reason: str | None = None   # "stop" | "length" on the last delta
-    usage: Usage | None = None         # on the last delta
+    finish_reason: str | None = None   # "stop" | "length" on a completion's last delta
+    usage: Usage | None = None         # on the request's last delta (sums over completions)
+    index: int = 0                     # which of the request's n completions
+    # One (ids, logprobs) per token when top_logprobs was asked for, most likely first.
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: int,
@@ -73,6 +80,15 @@ def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: in
     check(math.isfinite(opts.top_p) and 0 < opts.top_p <= 1, f"top_p must be in (0, 1], got {opts.top_p}")
     check(opts.top_k >= 0, f"top_k must be >= 0, got {opts.top_k}")
     check(math.isfinite(opts.min_p) and 0 <= opts.min_p <= 1, f"min_p must be in [0, 1], got {opts.min_p}")
+    check(1 <= opts.n <= MAX_N, f"n must be in [1, {MAX_N}], got {opts.n}")
+    check(math.isfinite(opts.repetition_penalty) and opts.repetition_penalty > 0,
+          f"repetition_penalty must be > 0, got {opts.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(opts, name)
+        check(math.isfinite(v) and -2 <= v <= 2, f"{name} must be in [-2, 2], got {v}")
+    check(0 <= opts.top_logprobs <= MAX_TOP_LOGPROBS,
+          f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {opts.top_logprobs}")
+    check(not opts.top_logprobs or opts.logprobs, "top_logprobs needs logprobs = true")
     if max_tokens is not None:
         check(max_tokens >= 1, "max_tokens must be >= 1")
     room = limits.max_model_len - prompt_len
@@ -134,40 +150,73 @@ class Generation:
 
     async def stream(self, ids: list[int], sampling: SamplingOptions, stop: list[str] = (),
                      skip_special_tokens: bool = False) -> AsyncIterator[Delta]:
-        """Submit and yield deltas until the sequence ends (RequestError on failure)."""
+        """Submit and yield deltas until every completion ends (RequestError on failure).
+
+        With sampling.n > 1 the completions' deltas interleave as they arrive, each tagged
+        with its index and detokenized on its own; a completion's last delta has its
+        finish_reason, the request's last delta also the usage summed over all of them."""
         if not self.accepting:
             raise RequestError("UNAVAILABLE", "server is shutting down")
         if not sampling.ignore_eos and self.extra_eos_ids:   # e.g. Qwen3's <|endoftext|> too
             sampling.stop_token_ids = tuple(set(sampling.stop_token_ids) | self.extra_eos_ids)
         try:
-            handle = self.engine.submit(ids, sampling)
+            handles = self.engine.submit(ids, sampling)
         except EngineUnavailable as e:
             raise RequestError("UNAVAILABLE", str(e)) from None
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
-                                       skip_special_tokens=skip_special_tokens, stop=list(stop))
+        n = len(handles)
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
+                                         skip_special_tokens=skip_special_tokens, stop=list(stop))
+                  for _ in range(n)]
         self.in_flight += 1
         self.idle.clear()
-        finished = False
-        completion = 0
+        released = [False] * n    # the handle is given back (the core forgot it or was told to)
+        waits: dict[asyncio.Future, int] = {}   # n > 1: each live completion's next()
+        left = n
+        completion = cached = 0
         try:
-            while True:
-                token_ids, logprobs, finish, error = await handle.next()
+            while left:
+                if n == 1:
+                    i, got = 0, await handles[0].next()
+                else:
+                    i, got = await self._next_of(handles, released, waits)
+                token_ids, logprobs, top, finish, error = got
                 if error is not None:
-                    finished = True   # the core has forgotten it already
+                    released[i] = True   # the core has forgotten it already
+                    self.engine.release(handles[i], abort=False)
                     raise RequestError(*error)
                 completion += len(token_ids)
+                detok = detoks[i]
                 text = detok.add(token_ids)
                 reason = finish[0] if finish is not None else None
                 if detok.stopped and reason is None:
                     reason = "stop"
-                if reason is not None:
-                    finished = finish is not None
-                    yield Delta(token_ids, text + detok.finish(), logprobs, reason,
-                                Usage(len(ids), completion, finish[1] if finish else 0))
-                    return
-                yield Delta(token_ids, text, logprobs)
+                if reason is None:
+                    yield Delta(token_ids, text, logprobs, index=i, top_logprobs=top)
+                    continue
+                released[i] = True
+                self.engine.release(handles[i], abort=finish is None)
+                left -= 1
+                cached += finish[1] if finish else 0
+                yield Delta(token_ids, text + detok.finish(), logprobs, reason,
+                            None if left else Usage(len(ids), completion, cached),
+                            index=i, top_logprobs=top)
         finally:
-            self.engine.release(handle, abort=not finished)
+            for fut in waits:
+                fut.cancel()
+            for handle, done in zip(handles, released):
+                if not done:
+                    self.engine.release(handle, abort=True)
             self.in_flight -= 1
             if not self.in_flight:
                 self.idle.set()
+
+    @staticmethod
+    async def _next_of(handles: list, released: list[bool], waits: dict[asyncio.Future, int]):
+        """(index, next() result) of whichever live completion has something first."""
+        live = set(waits.values())
+        for i, h in enumerate(handles):
+            if not released[i] and i not in live:
+                waits[asyncio.ensure_future(h.next())] = i
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        fut = min(done, key=waits.get)   # lowest index first when several are ready
+        return waits.pop(fut), fut.result()

@@ -10,15 +10,19 @@ Every message is one msgpack list whose first item says what it is:
 
 frontend -> core
     [HELLO]                              a frontend (re)started: forget its old requests
-    [ADD, seq_id, prompt_ids, sampling]  a new request (sampling: `pack_sampling`)
-    [ABORT, seq_id]
+    [ADD, seq_id, prompt_ids, sampling]  a new request (sampling: `pack_sampling`); with
+                                         sampling.n > 1 its completions are the sibling
+                                         sequences seq_id + 0 .. seq_id + n - 1
+    [ABORT, seq_id]                      (one per sibling)
     [STATS, request_id]
 core -> frontend
     [INFO, group_info, healthy]          answers HELLO
-    [OUT, seq_ids_u64, token_ids_i32, logprobs_f32, finished, errors]
+    [OUT, seq_ids_u64, token_ids_i32, logprobs_f32, finished, errors, top]
         one step: a token for each listed sequence (little-endian arrays, logprobs empty
         when nobody asked), finished = [[seq_id, reason, cached_tokens]], errors =
-        [[seq_id, status code name, message]]
+        [[seq_id, status code name, message]], top = [] when nobody asked for
+        top_logprobs, else [k_u8 (one per listed sequence, 0 = none), ids_i32, logprobs_f32]
+        with each sequence's k alternatives in turn
     [HEALTH, healthy]                    the worker group went down or came back
     [STATS, request_id, stats]
 

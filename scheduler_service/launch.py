@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (number of workers)")
     p.add_argument("--host", default="127.0.0.1", help="scheduler listen address")
     p.add_argument("--port", type=int, default=50051, help="scheduler port (public API)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (off when unset)")
     p.add_argument("--worker-base-port", type=int, default=50061,
                    help="worker i listens on this port + i")
     p.add_argument("--dist-port", type=int, default=29500, help="torch.distributed rendezvous port")
@@ -57,7 +59,9 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         cmds.append(cmd + args.worker_args.split())
     workers = ",".join(f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tp))
     cmds.append([py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,
-                 "--host", args.host, "--port", str(args.port), *args.scheduler_args])
+                 "--host", args.host, "--port", str(args.port),
+                 *([] if args.http_port is None else ["--http-port", str(args.http_port)]),
+                 *args.scheduler_args])
     return cmds
 
 

@@ -34,6 +34,16 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    n: int = 1                        # completions of the prompt (sibling sequences)
+    repetition_penalty: float = 1.0   # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0             # k most likely ids per step (0 = off)
+
+    @property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 @dataclass(eq=False)  # identity equality: two requests with the same tokens are still two

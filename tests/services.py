@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
+_HTTP = re.compile(r"OpenAI HTTP API on [\w.:]+:(\d+)")
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Proc:
     args: list[str]
     popen: subprocess.Popen | None = None
     port: int = 0
+    http_port: int = 0     # the scheduler's OpenAI HTTP API, when it serves one
     log: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)   # on top of os.environ
     _found: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -41,6 +43,8 @@ class Proc:
                 self.log.append(line)
                 m = _LISTEN.search(line)
                 if m and not found.is_set():
+                    if h := _HTTP.search(line):
+                        self.http_port = int(h.group(1))
                     self.port = int(m.group(1))
                     found.set()
             found.set()

@@ -43,13 +43,16 @@ def compose_binary() -> str:
     return str(binary)
 
 
-def compose_config(files: list[str], model_dir: str | None) -> subprocess.CompletedProcess:
+def compose_config(files: list[str], model_dir: str | None,
+                   profiles: list[str] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_") and k != "MODEL_DIR"}
     if model_dir is not None:
         env["MODEL_DIR"] = model_dir
     args = [compose_binary()]
     for f in files:
         args += ["-f", f]
+    for profile in profiles:
+        args += ["--profile", profile]
     return subprocess.run(args + ["config", "--format", "json"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
@@ -104,7 +107,8 @@ def test_services_and_tensor_parallel_layout_agree(rendered):
     assert sched["workers"].split(",") == expected, "scheduler --workers must list workers in rank order"
     assert sched["host"] == "0.0.0.0"
     published = [(p["target"], p["published"]) for p in services["scheduler"]["ports"]]
-    assert published == [(int(sched["port"]), sched["port"])]
+    assert published == [(int(sched["port"]), sched["port"]),
+                         (int(sched["http-port"]), sched["http-port"])]   # gRPC, OpenAI HTTP
     # The scheduler starts only once every worker is up.
     depends = services["scheduler"]["depends_on"]
     assert {k: v["condition"] for k, v in depends.items()} == {

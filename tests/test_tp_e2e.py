@@ -97,6 +97,23 @@ def test_tp2_greedy_matches_tp1_and_hf(stacks):
         assert out["tp1"][i] == ref, f"TP=1 vs HF, prompt of {len(prompt)} tokens"
 
 
+def test_tp2_penalties_top_logprobs_and_n_match_tp1(stacks):
+    """Only rank 0 samples, so only it keeps the penalty history: TP=2 must still agree."""
+    _, _, tp2, tp1 = stacks
+    sampling = generate_pb2.SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True, n=2, repetition_penalty=1.5,
+        frequency_penalty=0.5, logprobs=True, top_logprobs=3)
+    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 9, 5, 9, 5, 9, 17] * 3),
+                                       sampling=sampling)
+    a, b = (s.stub.Complete(req, timeout=120) for s in (tp2, tp1))
+    assert len(a.choices) == len(b.choices) == 2
+    for x, y in zip(a.choices, b.choices):
+        assert list(x.token_ids) == list(y.token_ids) and len(x.token_ids) == 20
+        assert [list(t.token_ids) for t in x.top_logprobs] == [list(t.token_ids) for t in y.top_logprobs]
+        for t, u in zip(x.top_logprobs, y.top_logprobs):
+            assert list(t.logprobs) == pytest.approx(list(u.logprobs), abs=1e-4)
+
+
 def test_tp2_kv_capacity_is_per_rank_minimum(stacks):
     """Each rank holds half the KV heads, so a block costs half: twice the blocks of TP=1
     for the same budget; the group takes the smaller rank's (0.04 GiB) count."""

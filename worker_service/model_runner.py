@@ -28,7 +28,8 @@ from models.loader import load_model
 from models.parallel import TPGroup
 from models.qwen3 import kv_cache_layers
 from nanoserve.v1 import worker_pb2
-from worker_service.sampler import SamplingBatch, sample
+from worker_service.penalties import PenaltyState
+from worker_service.sampler import SamplingBatch, StepSamples, sample_step
 from worker_service.step_plan import SeqTable, StepError, StepPlan
 
 
@@ -53,6 +54,8 @@ class PendingStep:
     t0: float
     tokens: torch.Tensor | None = None       # host (pinned on CUDA), int32
     logprobs: torch.Tensor | None = None     # host, float32
+    top_ids: torch.Tensor | None = None      # host, int32 [rows, K]
+    top_logprobs: torch.Tensor | None = None # host, float32 [rows, K]
     events: tuple | None = None              # CUDA (start, end) events
 
 
@@ -92,6 +95,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.block_size = 0
         self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
+        self.penalties: PenaltyState | None = None   # rank 0 (it samples): penalized seqs
         self.graphs = None                  # DecodeGraphs, captured at init_kv on CUDA
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
@@ -159,6 +163,7 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
         self.block_size = block_size
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
+        self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
         self.last_sampled = None
         self.graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
@@ -195,9 +200,12 @@ class ModelRunner:
         self._bind_device()
         pending = PendingStep(req.step_id, time.perf_counter())
         plan = self.table.plan(req)
+        if self.penalties is not None:
+            self.penalties.update(req)
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        tokens, logprobs = self._forward_and_sample(plan, pending.events)
+        samples = self._forward_and_sample(plan, pending.events)
+        tokens = samples.tokens if samples is not None else None
         self.table.commit(plan)
         if self.tp.size > 1 and plan.num_samples:   # every rank needs the samples (placeholders)
             if tokens is None:
@@ -207,8 +215,11 @@ class ModelRunner:
             self.last_sampled = tokens
         if tokens is not None and self.tp.rank == 0:
             pending.tokens = _to_host(tokens.to(torch.int32))
-            if logprobs is not None:
-                pending.logprobs = _to_host(logprobs.float())
+            if samples.logprobs is not None:
+                pending.logprobs = _to_host(samples.logprobs.float())
+            if samples.top_ids is not None:
+                pending.top_ids = _to_host(samples.top_ids.to(torch.int32))
+                pending.top_logprobs = _to_host(samples.top_logprobs.float())
         if pending.events:
             pending.events[1].record()
         return pending
@@ -226,12 +237,17 @@ class ModelRunner:
             resp.sampled_token_ids_i32 = pending.tokens.numpy().astype("<i4", copy=False).tobytes()
             if pending.logprobs is not None:
                 resp.logprobs_f32 = pending.logprobs.numpy().astype("<f4", copy=False).tobytes()
+            if pending.top_ids is not None:
+                resp.top_logprobs_k = pending.top_ids.shape[1]
+                resp.top_token_ids_i32 = pending.top_ids.numpy().astype("<i4", copy=False).tobytes()
+                resp.top_logprobs_f32 = pending.top_logprobs.numpy().astype("<f4", copy=False).tobytes()
         resp.step_ms = (time.perf_counter() - pending.t0) * 1e3
         return resp
 
-    def _forward_and_sample(self, plan: StepPlan, events=None):
-        """Run the step's forward and sample its sampling rows; events[0] is recorded just
-        before the first device work (GPU time excludes host prep)."""
+    def _forward_and_sample(self, plan: StepPlan, events=None) -> StepSamples | None:
+        """Run the step's forward and sample its sampling rows (None on ranks that do not
+        sample); events[0] is recorded just before the first device work (GPU time
+        excludes host prep)."""
         dev = self.device
         ids = plan.token_ids if plan.fill is None else np.where(plan.token_ids < 0, 0, plan.token_ids)
         tables = plan.block_tables
@@ -269,14 +285,19 @@ class ModelRunner:
                 input_ids[fill_dev[0]] = fill_dev[1]
             hidden = self.model(input_ids, _to(plan.positions, dev), meta)
             if not plan.num_samples:
-                return None, None
+                return None
             last = _to(plan.last_token_index(), dev)
             logits = self.model.compute_logits(hidden.index_select(0, last))
         if not plan.num_samples or self.tp.rank != 0:
-            return None, None
+            return None
         batch = SamplingBatch.build(plan.sampling, plan.context_lens[sampling].tolist(),
                                     self.vocab_size, dev)
-        return sample(logits, batch)
+        pen = self.penalties.rows(plan.sampling_seq_ids, plan.sampling) if self.penalties else None
+        if pen is None:   # the usual case: nobody asked for a penalty
+            return sample_step(logits, batch)
+        samples = sample_step(logits, batch, lambda x: self.penalties.apply(x, pen))
+        self.penalties.record(pen, samples.tokens)
+        return samples
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

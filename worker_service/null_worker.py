@@ -13,7 +13,7 @@ Sampled ids are a deterministic function of (previous token, position): a sequen
 completion depends only on its prompt's last token and length, never on batching,
 preemption or restarts, so tests can predict every token (`expected_tokens`). The
 end-of-sequence id is never produced; use ignore_eos=False with a stop_token_ids to end
-early.
+early. Penalties are accepted and ignored; top_logprobs come back well-formed but made up.
 
 No torch here: the benchmark and CI start it in a blink. grpc.aio rather than the
 blocking server: on a 2-core benchmark box the worker's own CPU competes with the
@@ -133,7 +133,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.table is None:
             return grpc.StatusCode.INVALID_ARGUMENT, "Step before Init"
         try:
-            tokens, want_logprobs = self._sample(self.table.plan(req))
+            plan = self.table.plan(req)
+            tokens, want_logprobs = self._sample(plan)
         except StepError as e:
             return grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}"
         # The device starts once the step is prepared and the previous one is done.
@@ -145,6 +146,11 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             step_id=req.step_id, sampled_token_ids_i32=tokens.astype("<i4").tobytes(),
             logprobs_f32=np.zeros(len(tokens), "<f4").tobytes() if want_logprobs else b"",
             gpu_ms=self.step_s * 1e3)
+        if k := plan.top_logprobs:   # made-up alternatives: the sampled id first, log p 0, -1, ...
+            resp.top_logprobs_k = k
+            resp.top_token_ids_i32 = ((tokens[:, None].astype(np.int64) + np.arange(k))
+                                      % self.vocab_size).astype("<i4").tobytes()
+            resp.top_logprobs_f32 = np.tile(-np.arange(k, dtype="<f4"), len(tokens)).tobytes()
         return _Launched(t0, self.device_free_at, resp)
 
     def _sample(self, plan) -> tuple[np.ndarray, bool]:

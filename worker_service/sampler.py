@@ -6,12 +6,15 @@ sampled by one fused Triton pass over the logits (kernels/sampling.py: Gumbel-ma
 Philox noise keyed by a per-row seed). Otherwise sampling uses the exponential race
 (argmax of p / E with E ~ Exp(1)) over the filtered distribution. Either way both draw
 exactly from the distribution, and a seeded request's noise comes from (seed, position),
-so its tokens do not depend on which other requests share the batch.
+so its tokens do not depend on which other requests share the batch. `sample_step` adds
+what some requests ask for: penalties (worker_service/penalties.py) before sampling, and
+log-probabilities / top-K alternatives of the raw logits.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,6 +35,7 @@ class SamplingBatch:
     need_top_k_or_p: bool
     need_min_p: bool
     want_logprobs: bool
+    top_logprobs: int = 0       # alternatives to return per row (the most any row asked)
 
     @classmethod
     def build(cls, params: list[SamplingParams], positions: list[int], vocab_size: int,
@@ -59,6 +63,7 @@ class SamplingBatch:
             need_top_k_or_p=need_top_k_or_p,
             need_min_p=need_min_p,
             want_logprobs=any(p.logprobs for p in params),
+            top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
 
 
@@ -97,6 +102,35 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if batch.want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, logprobs
+
+
+@dataclass
+class StepSamples:
+    tokens: torch.Tensor                 # [N] int64
+    logprobs: torch.Tensor | None        # [N] float32: the sampled ids' log-probabilities
+    top_ids: torch.Tensor | None = None  # [N, K] the K most likely ids, most likely first
+    top_logprobs: torch.Tensor | None = None   # [N, K] float32
+
+
+def sample_step(logits: torch.Tensor, batch: SamplingBatch,
+                penalize: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepSamples:
+    """`sample` with the extras: `penalize` (penalties.PenaltyState.apply) changes the logits
+    that are sampled from; log-probabilities, top-K included, are always of the raw logits
+    (the model's own distribution, as vLLM reports them)."""
+    raw = logits
+    if penalize is not None:
+        logits = penalize(logits)
+    tokens, logprobs = sample(logits, batch)
+    k = batch.top_logprobs
+    log_probs = None
+    if k or (logprobs is not None and penalize is not None):
+        log_probs = torch.log_softmax(raw.float(), dim=-1)
+    if logprobs is not None and penalize is not None:
+        logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    out = StepSamples(tokens, logprobs)
+    if k:
+        out.top_logprobs, out.top_ids = log_probs.topk(min(k, log_probs.shape[1]), dim=-1)
+    return out
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -34,11 +34,23 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: bool = False
+    repetition_penalty: float = 1.0   # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0             # k alternatives to return (0 = off)
 
     @classmethod
     def from_proto(cls, s: worker_pb2.WorkerSampling) -> "SamplingParams":
         return cls(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
-                   seed=s.seed if s.has_seed else None, logprobs=s.logprobs)
+                   seed=s.seed if s.has_seed else None, logprobs=s.logprobs,
+                   repetition_penalty=s.repetition_penalty or 1.0,
+                   presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                   top_logprobs=s.top_logprobs)
+
+    @property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -79,6 +91,15 @@ class StepPlan:
     @property
     def want_logprobs(self) -> bool:
         return any(p.logprobs for p in self.sampling)
+
+    @property
+    def top_logprobs(self) -> int:
+        """The most alternatives any sampling row asked for (0: none)."""
+        return max((p.top_logprobs for p in self.sampling), default=0)
+
+    @property
+    def sampling_seq_ids(self) -> list[int]:
+        return [s for s, keep in zip(self.seq_ids, self.sample.tolist()) if keep]
 
     def last_token_index(self) -> np.ndarray:
         """Index into token_ids of each sampling row's last token."""

@@ -10,6 +10,7 @@
 #            BACKEND pass through
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
+#   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
 # On the lent device machine: carry .whl (grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf matching the generated stubs) and the generated protos/nanoserve/v1/*_pb2*.py.
 #   bash tests/gpu/run.sh [kernels] [model] [bench]     (default: all)
@@ -28,7 +29,7 @@ rc=0
 for w in ${*:-kernels model bench}; do
   echo "== $w"
   case $w in
-    kernels|model|tp) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
+    kernels|model|tp|sampling) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B

@@ -1,0 +1,129 @@
+"""Repetition, presence and frequency penalties, with each sequence's token history kept
+on the device.
+
+Why on the device: with overlap scheduling a sequence's next step is launched before its
+sampled id reaches the host (the step's input is a placeholder), so the worker counts
+the ids it samples from the sampled-id tensor itself, in stream order, with no sync.
+Per penalized sequence it keeps a prompt mask [V] (ids of the prompt: repetition) and
+output counts [V] (ids generated so far: all three penalties). The scheduler sends the
+whole history once, when the sequence is (re)sent in full (worker.proto SeqWork
+prompt_ids_i32 / output_ids_i32); a prefill step alone would miss the prefix-cached part.
+
+Only sequences that set a penalty get a slot: a step with none of them costs nothing.
+The arithmetic is kernels/penalties.py: one Triton pass on a GPU, its torch reference
+elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.penalties import apply_penalties_ref
+from nanoserve.v1 import worker_pb2
+from worker_service.step_plan import SamplingParams, StepError
+
+
+@dataclass
+class PenaltyRows:
+    """The penalized rows of one step's sampling batch."""
+    rows: torch.Tensor        # [P] int64 rows of the logits
+    slots: torch.Tensor       # [P] int64 their slots in PenaltyState
+    repetition: torch.Tensor  # [P] float32
+    presence: torch.Tensor
+    frequency: torch.Tensor
+
+
+class PenaltyState:
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool | None = None):
+        self.vocab_size = vocab_size
+        self.device = device
+        # The Triton kernel (default on CUDA) or the torch reference.
+        self.fused = torch.device(device).type == "cuda" if fused is None else fused
+        self.slot_of: dict[int, int] = {}   # seq_id -> slot
+        self.free: list[int] = []
+        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+
+    def __bool__(self) -> bool:
+        return bool(self.slot_of)
+
+    def update(self, req: worker_pb2.StepRequest) -> None:
+        """Follow the step's drops and (re)sent sequences (after SeqTable.plan checked it)."""
+        if self.slot_of:
+            for seq_id in req.drop_seq_ids:
+                self.drop(seq_id)
+        for w in req.seqs:
+            if not w.reset_block_table:
+                continue
+            self.drop(w.seq_id)
+            if SamplingParams.from_proto(w.sampling).has_penalty:
+                self.add(w.seq_id, np.frombuffer(w.prompt_ids_i32, "<i4"),
+                         np.frombuffer(w.output_ids_i32, "<i4"))
+
+    def drop(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def add(self, seq_id: int, prompt: np.ndarray, output: np.ndarray) -> None:
+        for ids in (prompt, output):
+            if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
+                raise StepError(f"sequence {seq_id}: history token id out of range "
+                                f"[0, {self.vocab_size})")
+        if not len(prompt):
+            raise StepError(f"sequence {seq_id}: a penalty needs its prompt_ids_i32")
+        if not self.free:
+            n = len(self.counts)
+            grow = max(n, 8)
+            self.prompt_mask = torch.cat([self.prompt_mask, torch.zeros(
+                grow, self.vocab_size, dtype=torch.bool, device=self.device)])
+            self.counts = torch.cat([self.counts, torch.zeros(
+                grow, self.vocab_size, dtype=torch.int32, device=self.device)])
+            self.free = list(range(n + grow - 1, n - 1, -1))
+        slot = self.slot_of[seq_id] = self.free.pop()
+        self.prompt_mask[slot] = False
+        self.prompt_mask[slot, torch.from_numpy(prompt.astype(np.int64)).to(self.device)] = True
+        self.counts[slot] = 0
+        if len(output):
+            out = torch.from_numpy(output.astype(np.int64)).to(self.device)
+            self.counts[slot].index_put_((out,), torch.ones_like(out, dtype=torch.int32),
+                                         accumulate=True)
+
+    def rows(self, seq_ids: list[int], params: list[SamplingParams]) -> PenaltyRows | None:
+        """The penalized rows among one step's sampling rows (seq_ids / params per row)."""
+        rows = [i for i, s in enumerate(seq_ids) if s in self.slot_of]
+        if not rows:
+            return None
+        dev = self.device
+
+        def f32(values):
+            return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)
+
+        return PenaltyRows(
+            rows=torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
+            slots=torch.tensor([self.slot_of[seq_ids[i]] for i in rows],
+                               dtype=torch.int64).to(dev, non_blocking=True),
+            repetition=f32([params[i].repetition_penalty for i in rows]),
+            presence=f32([params[i].presence_penalty for i in rows]),
+            frequency=f32([params[i].frequency_penalty for i in rows]))
+
+    def apply(self, logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
+        """A float32 copy of logits with the penalized rows penalized."""
+        out = logits.to(torch.float32, copy=True)
+        if self.fused:
+            from kernels.penalties import apply_penalties_
+            return apply_penalties_(out, pr.rows, pr.slots, self.prompt_mask, self.counts,
+                                    pr.repetition, pr.presence, pr.frequency)
+        sub = apply_penalties_ref(out.index_select(0, pr.rows),
+                                  self.prompt_mask.index_select(0, pr.slots),
+                                  self.counts.index_select(0, pr.slots), pr.repetition,
+                                  pr.presence, pr.frequency)
+        return out.index_copy_(0, pr.rows, sub)
+
+    def record(self, pr: PenaltyRows, tokens: torch.Tensor) -> None:
+        """Count the ids just sampled (on the device, in stream order)."""
+        self.counts.index_put_((pr.slots, tokens.index_select(0, pr.rows)),
+                               torch.ones(len(pr.slots), dtype=torch.int32, device=self.device),
+                               accumulate=True)
