@@ -60,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tp.add_argument("--dist-timeout", type=float, default=60.0,
                     help="seconds to wait for the other ranks at startup and inside each "
                          "collective before giving up (then the worker exits)")
+    tp.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                    help="every rank beats once a second through rank 0's store; a peer silent "
+                         "this long is dead or hung and this rank exits (so the whole group is "
+                         "restarted in seconds, not after NCCL's own timeout)")
     null = p.add_argument_group(
         "null worker (control-plane benchmarks and tests)",
         "--null serves the same Worker API without a model or torch: every step takes "
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.check_tp_config(json.load(f), args.world_size)
             group = distributed.DistGroup(distributed.DistConfig(
                 rank=args.rank, world_size=args.world_size, init_method=args.dist_init,
-                timeout_s=args.dist_timeout, backend=distributed.backend_for(torch.device(device))),
+                timeout_s=args.dist_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                backend=distributed.backend_for(torch.device(device))),
                 torch.device(device), distributed.model_fingerprint(args.model))
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"nanoserve worker rank {args.rank}: {e}") from e
