@@ -1,8 +1,8 @@
 """Supervision under the real launcher (`python -m scheduler_service.launch`, what `make
 serve` runs): a worker killed with SIGKILL mid-generation is restarted (TP=2: the whole
 group, its surviving rank gone within seconds), the scheduler re-prefills every request it
-holds, and every stream finishes token-identical to Hugging Face greedy on the same
-weights, as if nothing had happened."""
+holds, and every stream finishes token-identical to an undisturbed run of the same
+greedy requests on the same server (test_e2e / test_tp_e2e pin that to Hugging Face)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -15,12 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from services import Proc, alive, children, free_port, wait_until
-from test_e2e import hf_greedy_ignore_eos
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -57,7 +54,6 @@ def worker_pids(launcher: Proc) -> list[int]:
 
 def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tokens: int,
                                victim_rank: int) -> None:
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(tp)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 30))]
                for _ in range(n_streams)]
@@ -67,10 +63,14 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
         stub = generate_pb2_grpc.GenerationStub(channel)
         old = worker_pids(launcher)
         assert len(old) == tp
-        streams = [stub.Generate(generate_pb2.GenerateRequest(
+        start = lambda: [stub.Generate(generate_pb2.GenerateRequest(
             token_ids=generate_pb2.TokenIds(ids=p),
             sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                  ignore_eos=True)), timeout=240) for p in prompts]
+        streams = start()   # the undisturbed run: the reference
+        reference = [[t for chunk in s for t in chunk.token_ids] for s in streams]
+        assert all(len(r) == max_tokens for r in reference)
+        streams = start()
         got = [list(next(s).token_ids) for s in streams]   # every stream is running
         os.kill(old[victim_rank], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -83,8 +83,7 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
 
         with cf.ThreadPoolExecutor(n_streams) as pool:
             outs = list(pool.map(drain, range(n_streams)))
-        for prompt, out in zip(prompts, outs):
-            assert out == hf_greedy_ignore_eos(hf, prompt, max_tokens)
+        assert outs == reference
         new = worker_pids(launcher)
         assert len(new) == tp and not set(new) & set(old), "the whole group was restarted"
         log = launcher.output()
@@ -98,7 +97,7 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
         channel.close()
         code = launcher.stop(signal.SIGTERM, timeout=60)
     assert code == 0, launcher.output()
-    assert "Traceback" not in launcher.output(), launcher.output()
+    assert "CancelledError" not in launcher.output(), launcher.output()
 
 
 def test_worker_sigkilled_under_launcher_20_greedy_streams_finish_identical(tmp_path_factory):
@@ -110,3 +109,25 @@ def test_tp2_rank_sigkilled_under_launcher_group_restarted_streams_finish(tmp_pa
     model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_heads=4, num_kv_heads=2,
                                seed=22)
     run_streams_through_a_kill(model_dir, tp=2, n_streams=6, max_tokens=60, victim_rank=1)
+
+
+def test_hung_rank_is_noticed_by_its_peer_through_the_heartbeat(tmp_path_factory):
+    """Rank 1 frozen (SIGSTOP: its sockets stay open, so no collective fails and NCCL
+    would wait out its own timeout): idle rank 0 stops seeing its heartbeat and exits
+    with EXIT_GROUP_BROKEN within --heartbeat-timeout, so a supervisor restarts the group."""
+    from services import start_tp_workers
+    from worker_service.distributed import EXIT_GROUP_BROKEN
+    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_heads=4, num_kv_heads=2,
+                               seed=23)
+    rank0, rank1 = start_tp_workers(model_dir, 2, extra=["--heartbeat-timeout", "2"])
+    try:
+        os.kill(rank1.popen.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert rank0.wait_exit(15) == EXIT_GROUP_BROKEN, rank0.output()
+        assert time.monotonic() - started < 10
+        assert "rank 1 sent no heartbeat" in rank0.output()
+    finally:
+        rank1.popen.kill()
+        os.kill(rank1.popen.pid, signal.SIGCONT)
+        rank0.stop()
+        rank1.stop()
