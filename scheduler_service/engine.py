@@ -76,6 +76,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._known: set[int] = set()    # seq ids whose state the workers hold
+        self.queue_times: list[float] = []   # arrival -> first scheduled (s); metrics drain it
         self._step_id = 0
 
     # ---- requests (from the same event loop) ----------------------------------------
@@ -181,7 +182,11 @@ class Engine:
                                                         for x in pair]).tobytes()
             return req
         tokens = array("i")
+        now = time.monotonic()
         for seq, samples in zip(batch.seqs, batch.sample):
+            if seq.arrival_time:
+                self.queue_times.append(now - seq.arrival_time)
+                seq.arrival_time = 0.0
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
             tokens.extend(seq.token_ids[start:start + n])
             work = req.seqs.add(seq_id=seq.seq_id, num_tokens=n, start_pos=start, sample=samples)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from scheduler_service import metrics
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.sequence import SamplingOptions
@@ -135,13 +137,16 @@ class Generation:
     async def stream(self, ids: list[int], sampling: SamplingOptions, stop: list[str] = (),
                      skip_special_tokens: bool = False) -> AsyncIterator[Delta]:
         """Submit and yield deltas until the sequence ends (RequestError on failure)."""
+        start = time.monotonic()
         if not self.accepting:
+            metrics.request_ended("error", "UNAVAILABLE")
             raise RequestError("UNAVAILABLE", "server is shutting down")
         if not sampling.ignore_eos and self.extra_eos_ids:   # e.g. Qwen3's <|endoftext|> too
             sampling.stop_token_ids = tuple(set(sampling.stop_token_ids) | self.extra_eos_ids)
         try:
             handle = self.engine.submit(ids, sampling)
         except EngineUnavailable as e:
+            metrics.request_ended("error", "UNAVAILABLE")
             raise RequestError("UNAVAILABLE", str(e)) from None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
                                        skip_special_tokens=skip_special_tokens, stop=list(stop))
@@ -149,12 +154,18 @@ class Generation:
         self.idle.clear()
         finished = False
         completion = 0
+        first = 0.0
+        outcome = ("abort", "CANCELLED")   # unless it finishes or fails: the client left
         try:
             while True:
                 token_ids, logprobs, finish, error = await handle.next()
                 if error is not None:
                     finished = True   # the core has forgotten it already
+                    outcome = ("error", error[0])
                     raise RequestError(*error)
+                if not first and token_ids:
+                    first = time.monotonic()
+                    metrics.TTFT.observe(first - start)
                 completion += len(token_ids)
                 text = detok.add(token_ids)
                 reason = finish[0] if finish is not None else None
@@ -162,12 +173,26 @@ class Generation:
                     reason = "stop"
                 if reason is not None:
                     finished = finish is not None
-                    yield Delta(token_ids, text + detok.finish(), logprobs, reason,
-                                Usage(len(ids), completion, finish[1] if finish else 0))
+                    outcome = (reason, "OK")
+                    usage = Usage(len(ids), completion, finish[1] if finish else 0)
+                    self._finished(start, first, usage)
+                    yield Delta(token_ids, text + detok.finish(), logprobs, reason, usage)
                     return
                 yield Delta(token_ids, text, logprobs)
         finally:
+            metrics.request_ended(*outcome)
             self.engine.release(handle, abort=not finished)
             self.in_flight -= 1
             if not self.in_flight:
                 self.idle.set()
+
+    @staticmethod
+    def _finished(start: float, first: float, usage: Usage) -> None:
+        """Per-request metrics of a request that ran to its end (a few observes, once)."""
+        end = time.monotonic()
+        metrics.E2E.observe(end - start)
+        if usage.completion_tokens > 1:
+            metrics.ITL.observe((end - first) / (usage.completion_tokens - 1))
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.GENERATION_TOKENS.inc(usage.completion_tokens)
+        metrics.PREFIX_HIT_TOKENS.inc(usage.cached_tokens)

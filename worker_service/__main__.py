@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="emulated device time per step")
     null.add_argument("--null-kv-blocks", type=int, default=65536,
                       help="KV capacity reported, in blocks of 16 tokens")
+    ops = p.add_argument_group("metrics")
+    ops.add_argument("--metrics-port", type=int, default=0,
+                     help="serve Prometheus metrics at http://<host>:PORT/metrics (step and "
+                          "device time histograms, KV capacity); 0 = none")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.model and not args.null:
@@ -82,6 +86,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.null and args.world_size != 1:
         p.error("--null serves a single rank (--world-size 1)")
     return args
+
+
+def serve_metrics(args: argparse.Namespace) -> None:
+    if args.metrics_port:
+        from worker_service import metrics
+        try:
+            metrics.serve(args.metrics_port, args.host)
+        except OSError as e:
+            raise SystemExit(f"nanoserve worker: cannot serve metrics on port "
+                             f"{args.metrics_port}: {e}") from e
 
 
 def serve_null(args: argparse.Namespace) -> int:
@@ -97,6 +111,7 @@ def serve_null(args: argparse.Namespace) -> int:
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
                                       **limits)
         server, port = await serve(servicer, args.host, args.port)
+        serve_metrics(args)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
               flush=True)
         stop = asyncio.Event()
@@ -148,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host, args.port)
+    serve_metrics(args)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
 
     stop = threading.Event()
