@@ -18,6 +18,7 @@ import pytest
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from services import Proc, alive, children, free_port, wait_until
+from test_metrics import scrape, value
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,8 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
     rng = random.Random(tp)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 30))]
                for _ in range(n_streams)]
-    launcher, port = start_launcher(model_dir, tp)
+    metrics_port = free_port()   # the scheduler's; rank i gets metrics_port + 1 + i
+    launcher, port = start_launcher(model_dir, tp, ["--metrics-port", str(metrics_port)])
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         stub = generate_pb2_grpc.GenerationStub(channel)
@@ -93,6 +95,14 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
             assert time.monotonic() - killed_at < 60
         stats = stub.GetStats(generate_pb2.StatsRequest(), timeout=5)
         assert stats.workers_healthy and stats.num_running == stats.num_waiting == 0
+        # Every request of both runs counted once, none failed; the restarted ranks serve
+        # metrics on their ports again.
+        m = scrape(metrics_port)
+        assert value(m, "nanoserve_requests_total", finish_reason="length", code="OK") == 2 * n_streams
+        assert sum(v for (name, _), v in m.items() if name == "nanoserve_requests_total") == 2 * n_streams
+        for rank in range(tp):
+            assert value(scrape(metrics_port + 1 + rank), "nanoserve_worker_kv_blocks",
+                         rank=str(rank)) == stats.num_kv_blocks
     finally:
         channel.close()
         code = launcher.stop(signal.SIGTERM, timeout=60)
