@@ -141,3 +141,17 @@ def test_hung_rank_is_noticed_by_its_peer_through_the_heartbeat(tmp_path_factory
         os.kill(rank1.popen.pid, signal.SIGCONT)
         rank0.stop()
         rank1.stop()
+
+
+def test_crash_loop_stops_the_launcher_with_status_1(tmp_path):
+    """A group that keeps exiting is not restarted forever: after --max-restarts exits
+    within --restart-window the launcher stops everything and exits 1."""
+    launcher = Proc("launcher", [
+        "scheduler_service.launch", "--model", str(tmp_path / "missing"), "--device", "cpu",
+        "--port", str(free_port()), "--worker-base-port", str(free_port()),
+        "--max-restarts", "1", "--restart-window", "120"]).launch()
+    code = launcher.wait_exit(120)
+    out = launcher.output()
+    launcher.stop(signal.SIGKILL)
+    assert code == 1, out
+    assert "restarting" in out and "crash loop, stopping" in out, out
