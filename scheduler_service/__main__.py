@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every call (default: env "
                         "NANOSERVE_API_KEY; unset = no auth). /health stays open")
+    ops = p.add_argument_group("metrics")
+    ops.add_argument("--metrics-port", type=int, default=0,
+                     help="serve Prometheus metrics at http://<host>:PORT/metrics: the sum over "
+                          "the engine core and every frontend (prometheus_client multiprocess "
+                          "mode, files under the ipc dir); 0 = none")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.block_size < 1:
@@ -100,6 +105,7 @@ class ControlPlane:
         self.args = args
         self.mp = multiprocessing.get_context("spawn")
         self.ipc_dir = tempfile.mkdtemp(prefix="nanoserve-")   # 0700: ours alone
+        self.metrics_dir = os.path.join(self.ipc_dir, "metrics") if args.metrics_port else None
         self.core_config = EngineCoreConfig(
             workers=[a.strip() for a in args.workers.split(",") if a.strip()],
             ipc_dir=self.ipc_dir, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -180,11 +186,30 @@ class ControlPlane:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
+    def start_metrics(self) -> None:
+        """Before any child starts: children inherit the env var and write their metrics
+        under it (scheduler_service/metrics.py); this process serves the sum."""
+        os.mkdir(self.metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
+        from scheduler_service import metrics
+        try:
+            metrics.serve(self.args.metrics_port, self.args.host, self.metrics_dir)
+        except OSError as e:
+            raise ChildFailed(f"cannot serve metrics on port {self.args.metrics_port}: {e}") from e
+        log.info("metrics on http://%s:%d/metrics", self.args.host, self.args.metrics_port)
+
+    def _forget(self, proc: multiprocessing.Process) -> None:
+        if self.metrics_dir:
+            from scheduler_service import metrics
+            metrics.process_dead(proc.pid, self.metrics_dir)
+
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         code = 0
         try:
+            if self.metrics_dir:
+                self.start_metrics()
             info = self.start_core()
             port, http_port = 0, None
             for i in range(len(self.frontends)):
@@ -215,6 +240,7 @@ class ControlPlane:
             if self.core is None or not self.core.is_alive():
                 if self.core is not None:
                     log.error("engine core exited with status %s", self.core.exitcode)
+                    self._forget(self.core)
                     self.core = None
                 if not self._restart("engine core", self.start_core):
                     return 1
@@ -222,6 +248,7 @@ class ControlPlane:
                 if p is None or not p.is_alive():
                     if p is not None:
                         log.error("frontend %d exited with status %s", i, p.exitcode)
+                        self._forget(p)
                         self.frontends[i] = None
                     if not self._restart(f"frontend {i}", lambda i=i: self.start_frontend(i)):
                         return 1

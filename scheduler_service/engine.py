@@ -87,6 +87,7 @@ class Engine:
         self._known: set[int] = set()    # seq ids whose state the workers hold
         # n > 1: first completion -> its siblings, held back until its prompt is sent.
         self._held: dict[Sequence, list[Sequence]] = {}
+        self.queue_times: list[float] = []   # arrival -> first scheduled (s); metrics drain it
         self._step_id = 0
 
     # ---- requests (from the same event loop) ----------------------------------------
@@ -95,14 +96,17 @@ class Engine:
         self._commands.append((True, seq))
         self._wake.set()
 
-    def add_request(self, seq_id: int, prompt: list[int], sampling: SamplingOptions) -> None:
+    def add_request(self, seq_id: int, prompt: list[int], sampling: SamplingOptions,
+                    arrival_time: float = 0.0) -> None:
         """A request of sampling.n completions: sibling sequences seq_id + i, sibling i
         seeded with seed + i. Siblings wait until the first one's prompt has been sent to
         the workers, then find its full blocks in the prefix cache: one prefill for all."""
-        first = Sequence(seq_id=seq_id, token_ids=prompt, sampling=sampling)
+        first = Sequence(seq_id=seq_id, token_ids=prompt, sampling=sampling,
+                         arrival_time=arrival_time)
         if sampling.n > 1:
             self._held[first] = [
-                Sequence(seq_id=seq_id + i, token_ids=prompt, sampling=dataclasses.replace(
+                Sequence(seq_id=seq_id + i, token_ids=prompt, arrival_time=arrival_time,
+                         sampling=dataclasses.replace(
                     sampling, seed=None if sampling.seed is None
                     else (sampling.seed + i) & 0xFFFFFFFFFFFFFFFF))
                 for i in range(1, sampling.n)]
@@ -229,7 +233,11 @@ class Engine:
                                                         for x in pair]).tobytes()
             return req
         tokens = array("i")
+        now = time.monotonic()
         for seq, samples in zip(batch.seqs, batch.sample):
+            if seq.arrival_time:
+                self.queue_times.append(now - seq.arrival_time)
+                seq.arrival_time = 0.0
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
             tokens.extend(seq.token_ids[start:start + n])
             work = req.seqs.add(seq_id=seq.seq_id, num_tokens=n, start_pos=start, sample=samples)

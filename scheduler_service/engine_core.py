@@ -17,13 +17,14 @@ import logging
 import os
 import shutil
 import signal
+import time
 from array import array
 from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
-from scheduler_service import ipc
+from scheduler_service import ipc, metrics
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.worker_client import WorkerGroup, WorkerGroupError, wait_for_group
@@ -81,16 +82,26 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.engine.stop)
         ready.send(("ready", self.info))
-        reader = asyncio.ensure_future(self._read())
+        tasks = [asyncio.ensure_future(self._read())]
+        if metrics.enabled():
+            tasks.append(asyncio.ensure_future(self._sync_metrics()))
         try:
             await self.engine.run()
         finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await group.close()
             ctx.destroy(linger=0)
             if os.getppid() == 1:   # the supervisor died (SIGKILL): nobody else cleans up
                 shutil.rmtree(cfg.ipc_dir, ignore_errors=True)
+
+    async def _sync_metrics(self, interval_s: float = 0.5) -> None:
+        """Prometheus sees the engine's own counters, at most interval_s old."""
+        m = metrics.EngineCoreMetrics()
+        while True:
+            m.sync(self.engine)
+            await asyncio.sleep(interval_s)
 
     # ---- frontends -> core ------------------------------------------------------------
 
@@ -131,7 +142,8 @@ class EngineCore:
             return
         ids = array("i")
         ids.frombytes(prompt)
-        engine.add_request(seq_id, ids.tolist(), ipc.unpack_sampling(sampling))
+        engine.add_request(seq_id, ids.tolist(), ipc.unpack_sampling(sampling),
+                           time.monotonic())
 
     def _stats(self) -> dict:
         e = self.engine

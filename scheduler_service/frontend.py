@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, check_sampling,
                                           invalid)
@@ -69,8 +70,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _deltas(self, request, context):
         try:
-            ids = self._prompt(request)
-            sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits)
+            try:
+                ids = self._prompt(request)
+                sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits)
+            except RequestError as e:   # never reached the stream: count it here
+                metrics.request_ended("error", e.code)
+                raise
             async for delta in self.gen.stream(ids, sampling, list(request.sampling.stop),
                                                request.skip_special_tokens):
                 yield delta

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from scheduler_service import metrics
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.sequence import SamplingOptions
@@ -155,13 +157,16 @@ class Generation:
         With sampling.n > 1 the completions' deltas interleave as they arrive, each tagged
         with its index and detokenized on its own; a completion's last delta has its
         finish_reason, the request's last delta also the usage summed over all of them."""
+        start = time.monotonic()
         if not self.accepting:
+            metrics.request_ended("error", "UNAVAILABLE")
             raise RequestError("UNAVAILABLE", "server is shutting down")
         if not sampling.ignore_eos and self.extra_eos_ids:   # e.g. Qwen3's <|endoftext|> too
             sampling.stop_token_ids = tuple(set(sampling.stop_token_ids) | self.extra_eos_ids)
         try:
             handles = self.engine.submit(ids, sampling)
         except EngineUnavailable as e:
+            metrics.request_ended("error", "UNAVAILABLE")
             raise RequestError("UNAVAILABLE", str(e)) from None
         n = len(handles)
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids=ids,
@@ -173,6 +178,8 @@ class Generation:
         waits: dict[asyncio.Future, int] = {}   # n > 1: each live completion's next()
         left = n
         completion = cached = 0
+        first = 0.0
+        outcome = ("abort", "CANCELLED")   # unless it finishes or fails: the client left
         try:
             while left:
                 if n == 1:
@@ -183,7 +190,11 @@ class Generation:
                 if error is not None:
                     released[i] = True   # the core has forgotten it already
                     self.engine.release(handles[i], abort=False)
+                    outcome = ("error", error[0])
                     raise RequestError(*error)
+                if not first and token_ids:
+                    first = time.monotonic()
+                    metrics.TTFT.observe(first - start)
                 completion += len(token_ids)
                 detok = detoks[i]
                 text = detok.add(token_ids)
@@ -197,10 +208,14 @@ class Generation:
                 self.engine.release(handles[i], abort=finish is None)
                 left -= 1
                 cached += finish[1] if finish else 0
-                yield Delta(token_ids, text + detok.finish(), logprobs, reason,
-                            None if left else Usage(len(ids), completion, cached),
+                usage = None if left else Usage(len(ids), completion, cached)
+                if usage is not None:
+                    outcome = (reason, "OK")
+                    self._finished(start, first, usage)
+                yield Delta(token_ids, text + detok.finish(), logprobs, reason, usage,
                             index=i, top_logprobs=top)
         finally:
+            metrics.request_ended(*outcome)
             for fut in waits:
                 fut.cancel()
             for handle, done in zip(handles, released):
@@ -220,3 +235,14 @@ class Generation:
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         fut = min(done, key=waits.get)   # lowest index first when several are ready
         return waits.pop(fut), fut.result()
+
+    @staticmethod
+    def _finished(start: float, first: float, usage: Usage) -> None:
+        """Per-request metrics of a request that ran to its end (a few observes, once)."""
+        end = time.monotonic()
+        metrics.E2E.observe(end - start)
+        if usage.completion_tokens > 1:
+            metrics.ITL.observe((end - first) / (usage.completion_tokens - 1))
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.GENERATION_TOKENS.inc(usage.completion_tokens)
+        metrics.PREFIX_HIT_TOKENS.inc(usage.cached_tokens)

@@ -1,7 +1,11 @@
 """python -m scheduler_service.launch: a whole deployment on one host, without Docker.
 
-Starts one worker process per tensor-parallel rank and the scheduler, as children of
-this process, and stops them all on Ctrl-C / SIGTERM or when any of them dies. This is
+Starts one worker process per tensor-parallel rank and the scheduler (control plane), as
+children of this process, and keeps them up: a worker that exits takes its whole TP group
+down and the group is restarted (a collective group cannot take back one member), the
+control plane is restarted on its own; both after a backoff (supervision.RestartPolicy).
+Meanwhile the scheduler keeps every request and re-prefills it once the workers are back,
+so clients see a pause. It stops on Ctrl-C / SIGTERM, or when a group crash-loops. This is
 what `make serve` and `make demo` run; docker-compose.yml is the same layout in containers.
 """
 from __future__ import annotations
@@ -12,6 +16,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+
+from scheduler_service.supervision import RestartPolicy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +40,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="worker device: cuda (rank i uses cuda:i) or cpu (default: cuda if present)")
     p.add_argument("--worker-args", default="",
                    help="extra flags for every worker, e.g. '--dtype bfloat16 --kv-cache-gb 2'")
+    sup = p.add_argument_group(
+        "supervision and metrics",
+        "A worker that exits is restarted with its whole TP group, the scheduler on its own, "
+        "after a delay doubling from 0.5 s (at most 10 s); a group that exits more than "
+        "--max-restarts times within --restart-window seconds is a crash loop and stops "
+        "the launcher (status 1).")
+    sup.add_argument("--max-restarts", type=int, default=5,
+                     help="restarts of one group within --restart-window before giving up")
+    sup.add_argument("--restart-window", type=float, default=60.0,
+                     help="seconds over which --max-restarts is counted")
+    sup.add_argument("--metrics-port", type=int, default=0,
+                     help="serve Prometheus /metrics: the scheduler on this port, worker rank "
+                          "i on this port + 1 + i (0 = no metrics)")
     p.add_argument("scheduler_args", nargs=argparse.REMAINDER,
                    help="extra flags for the scheduler, after '--' (e.g. -- --block-size 16)")
     args = p.parse_args(argv)
@@ -56,18 +76,64 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         elif args.device:
             cmd += ["--device", f"{args.device.split(':')[0]}:{rank}" if args.device.startswith("cuda")
                     else args.device]
+        if args.metrics_port:
+            cmd += ["--metrics-port", str(args.metrics_port + 1 + rank)]
         cmds.append(cmd + args.worker_args.split())
     workers = ",".join(f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tp))
-    cmds.append([py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,
-                 "--host", args.host, "--port", str(args.port),
-                 *([] if args.http_port is None else ["--http-port", str(args.http_port)]),
-                 *args.scheduler_args])
+    sched = [py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,
+             "--host", args.host, "--port", str(args.port)]
+    if args.http_port is not None:
+        sched += ["--http-port", str(args.http_port)]
+    if args.metrics_port:
+        sched += ["--metrics-port", str(args.metrics_port)]
+    cmds.append(sched + list(args.scheduler_args))
     return cmds
+
+
+@dataclass
+class Unit:
+    """Processes started, stopped and restarted together: the TP group, or the scheduler."""
+    name: str
+    cmds: list[list[str]]
+    policy: RestartPolicy
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    restart_at: float | None = None     # when a stopped unit comes back
+
+    def start(self) -> None:
+        self.procs = [subprocess.Popen(cmd) for cmd in self.cmds]
+        self.restart_at = None
+
+    def exited(self) -> subprocess.Popen | None:
+        return next((p for p in self.procs if p.poll() is not None), None)
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL after `grace` s: a rank blocked in a collective whose peer
+        is gone may never get to its signal handler."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+
+def _describe(p: subprocess.Popen) -> str:
+    code = p.returncode
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    procs = [subprocess.Popen(cmd) for cmd in commands(args)]
+    cmds = commands(args)
+    policy = lambda: RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
+    workers = Unit("worker group" if args.tp > 1 else "worker", cmds[:-1], policy())
+    scheduler = Unit("scheduler", cmds[-1:], policy())
+    units = [workers, scheduler]
     stopping = False
 
     def stop(*_):
@@ -76,24 +142,40 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    for u in units:
+        u.start()
     code = 0
     while not stopping:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            code = dead[0].returncode or 1
-            print(f"launch: {' '.join(dead[0].args[1:4])} exited with {dead[0].returncode}; "
-                  "stopping the rest", file=sys.stderr)
-            break
-        time.sleep(0.2)
+        now = time.monotonic()
+        for u in units:
+            if u.restart_at is not None:
+                if now >= u.restart_at:
+                    log(f"restarting the {u.name}")
+                    u.start()
+                continue
+            dead = u.exited()
+            if dead is None:
+                continue
+            delay = u.policy.next_delay(now)
+            which = (f"rank {u.procs.index(dead)} " if len(u.procs) > 1 else "")
+            if delay is None:
+                log(f"the {u.name} {which}exited ({_describe(dead)}) more than "
+                    f"{args.max_restarts} times in {args.restart_window:g}s: crash loop, stopping")
+                stopping, code = True, 1
+                break
+            log(f"the {u.name} {which}exited ({_describe(dead)}); restarting "
+                f"{'all ranks ' if len(u.procs) > 1 else ''}in {delay:.1f}s")
+            u.stop(grace=5.0)
+            u.restart_at = time.monotonic() + delay
+        time.sleep(0.1)
     # Scheduler first (it drains requests), then the workers.
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    scheduler.stop(grace=30.0)
+    workers.stop(grace=30.0)
     return code
+
+
+def log(msg: str) -> None:
+    print(f"launch: {msg}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

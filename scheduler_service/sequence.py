@@ -68,6 +68,7 @@ class Sequence:
     # Set by Scheduler.add, so the per-token finish checks are a set lookup and a compare:
     stop_ids: frozenset[int] = frozenset()  # ids that end it (stop_token_ids, eos unless ignored)
     len_limit: int = 0                      # it ends ("length") once it holds this many tokens
+    arrival_time: float = 0.0   # time.monotonic() at the engine core; 0 once first scheduled
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # our own copy: we append to it

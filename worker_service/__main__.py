@@ -60,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tp.add_argument("--dist-timeout", type=float, default=60.0,
                     help="seconds to wait for the other ranks at startup and inside each "
                          "collective before giving up (then the worker exits)")
+    tp.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                    help="every rank beats once a second through rank 0's store; a peer silent "
+                         "this long is dead or hung and this rank exits (so the whole group is "
+                         "restarted in seconds, not after NCCL's own timeout)")
     null = p.add_argument_group(
         "null worker (control-plane benchmarks and tests)",
         "--null serves the same Worker API without a model or torch: every step takes "
@@ -71,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="emulated device time per step")
     null.add_argument("--null-kv-blocks", type=int, default=65536,
                       help="KV capacity reported, in blocks of 16 tokens")
+    ops = p.add_argument_group("metrics")
+    ops.add_argument("--metrics-port", type=int, default=0,
+                     help="serve Prometheus metrics at http://<host>:PORT/metrics (step and "
+                          "device time histograms, KV capacity); 0 = none")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not args.model and not args.null:
@@ -78,6 +86,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.null and args.world_size != 1:
         p.error("--null serves a single rank (--world-size 1)")
     return args
+
+
+def serve_metrics(args: argparse.Namespace) -> None:
+    if args.metrics_port:
+        from worker_service import metrics
+        try:
+            metrics.serve(args.metrics_port, args.host)
+        except OSError as e:
+            raise SystemExit(f"nanoserve worker: cannot serve metrics on port "
+                             f"{args.metrics_port}: {e}") from e
 
 
 def serve_null(args: argparse.Namespace) -> int:
@@ -93,6 +111,7 @@ def serve_null(args: argparse.Namespace) -> int:
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
                                       **limits)
         server, port = await serve(servicer, args.host, args.port)
+        serve_metrics(args)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
               flush=True)
         stop = asyncio.Event()
@@ -131,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.check_tp_config(json.load(f), args.world_size)
             group = distributed.DistGroup(distributed.DistConfig(
                 rank=args.rank, world_size=args.world_size, init_method=args.dist_init,
-                timeout_s=args.dist_timeout, backend=distributed.backend_for(torch.device(device))),
+                timeout_s=args.dist_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                backend=distributed.backend_for(torch.device(device))),
                 torch.device(device), distributed.model_fingerprint(args.model))
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"nanoserve worker rank {args.rank}: {e}") from e
@@ -143,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host, args.port)
+    serve_metrics(args)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
 
     stop = threading.Event()

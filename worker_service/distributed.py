@@ -17,6 +17,11 @@ the scheduler reconnects and re-prefills once every rank is back. A group breaks
   at once; a silent peer is caught by the collective timeout, `--dist-timeout`);
 * rank 0, which hosts the rendezvous store, goes away (a watcher on every other rank
   polls the store), so idle ranks do not linger in a dead group;
+* a peer stops beating: every rank's watcher bumps its own heartbeat counter in the
+  store each second and checks the others'; one that has not moved for
+  `--heartbeat-timeout` seconds (default 5) means the peer is dead or hung. Without this
+  a rank blocked in an NCCL collective with a dead peer only learns of it after NCCL's
+  own timeout (~80 s);
 * a restarted peer finds its rank already taken at the rendezvous: it marks the old
   group abandoned, the old group's live ranks exit, and everyone meets afresh.
 """
@@ -60,6 +65,7 @@ class DistConfig:
     init_method: str          # tcp://host:port, rank 0 listens there
     timeout_s: float          # rendezvous and collective timeout
     backend: str              # "nccl" or "gloo"
+    heartbeat_timeout_s: float = 5.0   # a peer silent this long is dead
 
 
 def backend_for(device: torch.device) -> str:
@@ -180,16 +186,28 @@ class DistGroup:
                  cfg.backend)
 
     def _watch(self) -> None:
-        """Exit when rank 0's store disappears or a replacement rank abandons this group."""
+        """Exit when rank 0's store disappears, a replacement rank abandons this group or a
+        peer's heartbeat stops."""
         host, port = _host_port(self.cfg.init_method)
         try:   # own connection: never shares a socket with the process group's store use
             store = dist.TCPStore(host, port, None, is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=max(self.cfg.timeout_s, 5.0)))
         except Exception as e:  # noqa: BLE001
             group_broken(f"rendezvous store at {self.cfg.init_method} unreachable: {_first_line(e)}")
+        rank, now = self.cfg.rank, time.monotonic()
+        beats = {r: (-1, now) for r in range(self.cfg.world_size) if r != rank}
         while not self._closing.wait(WATCH_INTERVAL_S):
             try:
                 abandoned = store.check([_ABANDON])
+                store.add(f"{_PREFIX}beat/{rank}", 1)
+                now = time.monotonic()
+                for r, (last, since) in beats.items():
+                    count = store.add(f"{_PREFIX}beat/{r}", 0)
+                    if count != last:
+                        beats[r] = (count, now)
+                    elif now - since > self.cfg.heartbeat_timeout_s and not self._closing.is_set():
+                        group_broken(f"rank {r} sent no heartbeat for "
+                                     f"{now - since:.1f}s (--heartbeat-timeout): it is dead or hung")
             except Exception as e:  # noqa: BLE001
                 if self._closing.is_set():
                     return

@@ -32,6 +32,7 @@ import grpc.aio
 import numpy as np
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.metrics import WorkerMetrics
 from worker_service.step_plan import SeqTable, StepError
 
 log = logging.getLogger("nanoserve.worker")
@@ -79,6 +80,7 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.last_sampled = np.zeros(0, np.int32)   # the last samples (placeholder inputs)
         self.device_free_at = 0.0   # when the emulated device finishes its last step
         self.steps = self.steps_overlapped = 0
+        self.metrics = WorkerMetrics()
 
     async def Info(self, request, context):
         block_size = request.block_size or 16
@@ -95,6 +97,7 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.table = SeqTable(request.num_kv_blocks, request.block_size, self.vocab_size,
                               self.max_model_len)
         self.steps = self.steps_overlapped = 0
+        self.metrics.initialized(request.num_kv_blocks, request.block_size)
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
     async def Health(self, request, context):
@@ -124,6 +127,7 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
                     # emulated device timeline (done_at) stays exact.
                     await asyncio.sleep(wait)
                 item.resp.step_ms = (time.perf_counter() - item.t0) * 1e3
+                self.metrics.stepped(item.resp.step_ms, item.resp.gpu_ms)
                 yield item.resp
         finally:
             launcher.cancel()

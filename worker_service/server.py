@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner, StepError
 
 log = logging.getLogger("nanoserve.worker")
@@ -28,6 +29,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_name = model_name
         self.lock = threading.Lock()   # Init and Step never overlap
         self.steps = self.steps_overlapped = 0
+        self.metrics = WorkerMetrics(runner.tp.rank)
 
     def Info(self, request, context):
         block_size = request.block_size or 16
@@ -50,6 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                               f"{request.num_kv_blocks} blocks asked, {capacity} fit")
             self.runner.init_kv(request.num_kv_blocks, request.block_size)
             self.steps = self.steps_overlapped = 0
+        self.metrics.initialized(request.num_kv_blocks, request.block_size)
         log.info("KV cache: %d blocks of %d tokens", request.num_kv_blocks, request.block_size)
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
@@ -102,16 +105,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with self.lock:
                 return self.runner.launch(req), None
         except StepError as e:
+            self.metrics.failures.inc()
             return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}")
         except Exception as e:  # noqa: BLE001 - report, don't hang the scheduler
+            self.metrics.failures.inc()
             log.exception("step %d failed", req.step_id)
             return None, (grpc.StatusCode.INTERNAL, f"step {req.step_id}: {type(e).__name__}: {e}")
 
     def _finish(self, pending, context):
         try:
             with self.lock:
-                return self.runner.finish(pending)
+                resp = self.runner.finish(pending)
+            self.metrics.stepped(resp.step_ms, resp.gpu_ms)
+            return resp
         except Exception as e:  # noqa: BLE001
+            self.metrics.failures.inc()
             log.exception("step %d failed", pending.step_id)
             context.abort(grpc.StatusCode.INTERNAL, f"step {pending.step_id}: {type(e).__name__}: {e}")
 

@@ -1,0 +1,48 @@
+"""Prometheus metrics of one worker process (one TP rank), on its own `--metrics-port`.
+
+Recorded once per step (two histogram observes and nothing per token) and at Init; the
+control plane has its own endpoint (scheduler_service/metrics.py). Every series carries
+the rank, so one dashboard query covers a TP group.
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_STEP = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2,
+         0.5, 1.0, 2.0, 5.0)
+
+STEP_SECONDS = Histogram("nanoserve_worker_step_seconds",
+                         "Step time on the worker: request taken up to answer ready",
+                         ["rank"], buckets=_STEP)
+GPU_SECONDS = Histogram("nanoserve_worker_gpu_seconds",
+                        "Device time of a step (CUDA events; the emulated time on --null)",
+                        ["rank"], buckets=_STEP)
+STEP_FAILURES = Counter("nanoserve_worker_step_failures", "Steps answered with an error",
+                        ["rank"])
+KV_BLOCKS = Gauge("nanoserve_worker_kv_blocks", "KV cache blocks allocated by the last Init",
+                  ["rank"])
+KV_CAPACITY_TOKENS = Gauge("nanoserve_worker_kv_capacity_tokens",
+                           "Tokens the allocated KV cache holds (blocks x block size)", ["rank"])
+
+
+class WorkerMetrics:
+    """The series of one rank, bound once so a step pays two observes."""
+
+    def __init__(self, rank: int = 0):
+        r = str(rank)
+        self.step, self.gpu = STEP_SECONDS.labels(r), GPU_SECONDS.labels(r)
+        self.failures = STEP_FAILURES.labels(r)
+        self.kv_blocks, self.kv_tokens = KV_BLOCKS.labels(r), KV_CAPACITY_TOKENS.labels(r)
+
+    def stepped(self, step_ms: float, gpu_ms: float) -> None:
+        self.step.observe(step_ms / 1e3)
+        self.gpu.observe(gpu_ms / 1e3)
+
+    def initialized(self, num_blocks: int, block_size: int) -> None:
+        self.kv_blocks.set(num_blocks)
+        self.kv_tokens.set(num_blocks * block_size)
+
+
+def serve(port: int, host: str) -> None:
+    """/metrics on host:port, from a background thread."""
+    start_http_server(port, addr=host)
