@@ -21,6 +21,7 @@ from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, check_sampling,
                                           invalid)
+from scheduler_service.security import AsyncGuard, OPEN_PUBLIC, add_port, server_credentials
 from scheduler_service.sequence import SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
 
@@ -129,10 +130,13 @@ _STATS_FIELDS = frozenset(f.name for f in generate_pb2.Stats.DESCRIPTOR.fields)
 
 
 async def build_server(service: GenerationService, host: str, port: int, max_message_bytes: int,
-                       reuse_port: bool = False
+                       reuse_port: bool = False, api_key: str | None = None,
+                       credentials: grpc.ServerCredentials | None = None
                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """The public server, serving; reuse_port lets several frontends share one port."""
-    server = grpc.aio.server(options=[
+    """The public server, serving; reuse_port lets several frontends share one port.
+    api_key: calls other than health and reflection need it (`authorization: Bearer`);
+    credentials: TLS (security.server_credentials), None = plaintext."""
+    server = grpc.aio.server(interceptors=[AsyncGuard(api_key, OPEN_PUBLIC)], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port))])
@@ -142,9 +146,7 @@ async def build_server(service: GenerationService, host: str, port: int, max_mes
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = add_port(server, f"{host}:{port}", credentials)
     await server.start()
     await set_serving(health_servicer, service.gen.engine.serving)
     return server, bound, health_servicer
@@ -170,6 +172,10 @@ class FrontendConfig:
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
     log_level: str = "INFO"
+    api_key: str | None = None        # required on every call but health/reflection
+    tls_cert: str | None = None       # PEM paths: TLS on the public port when set
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certs signed by this CA
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -190,8 +196,9 @@ async def serve(cfg: FrontendConfig, ready) -> None:
                     default_max_tokens=cfg.default_max_tokens)
     gen = Generation(engine, tokenizer, limits)
     service = GenerationService(gen, os.path.basename(os.path.normpath(info["model"] or cfg.model)))
-    server, port, health_servicer = await build_server(service, cfg.host, cfg.port,
-                                                       cfg.max_message_mb << 20, cfg.reuse_port)
+    server, port, health_servicer = await build_server(
+        service, cfg.host, cfg.port, cfg.max_message_mb << 20, cfg.reuse_port, cfg.api_key,
+        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

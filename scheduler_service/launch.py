@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +32,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="worker device: cuda (rank i uses cuda:i) or cpu (default: cuda if present)")
     p.add_argument("--worker-args", default="",
                    help="extra flags for every worker, e.g. '--dtype bfloat16 --kv-cache-gb 2'")
+    sec = p.add_argument_group(
+        "security", "passed to the scheduler (see python -m scheduler_service --help)")
+    sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                     help="public API key (default: $NANOSERVE_API_KEY; none = open)")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: public clients must present a certificate it signed")
+    sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
+                     help="secret between the scheduler and its workers (default: "
+                          "$NANOSERVE_WORKER_SECRET, else a random one per launch, so other "
+                          "local users cannot drive the workers)")
     p.add_argument("scheduler_args", nargs=argparse.REMAINDER,
                    help="extra flags for the scheduler, after '--' (e.g. -- --block-size 16)")
     args = p.parse_args(argv)
@@ -56,14 +69,25 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
                     else args.device]
         cmds.append(cmd + args.worker_args.split())
     workers = ",".join(f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tp))
+    tls = [a for flag, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                             ("--tls-client-ca", args.tls_client_ca)) if v for a in (flag, v)]
     cmds.append([py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,
-                 "--host", args.host, "--port", str(args.port), *args.scheduler_args])
+                 "--host", args.host, "--port", str(args.port), *tls, *args.scheduler_args])
     return cmds
+
+
+def secrets_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: secrets travel there, not on command lines (`ps`)."""
+    env = dict(os.environ, NANOSERVE_WORKER_SECRET=args.worker_secret or secrets.token_urlsafe(24))
+    if args.api_key:
+        env["NANOSERVE_API_KEY"] = args.api_key
+    return env
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    procs = [subprocess.Popen(cmd) for cmd in commands(args)]
+    env = secrets_env(args)
+    procs = [subprocess.Popen(cmd, env=env) for cmd in commands(args)]
     stopping = False
 
     def stop(*_):
