@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import socket
 import threading
 
@@ -27,7 +28,7 @@ SECRET = "fuzz-secret"
 AUTH = (("authorization", f"Bearer {SECRET}"),)
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
            grpc.StatusCode.RESOURCE_EXHAUSTED}
-FUZZ = settings(derandomize=True, max_examples=120, deadline=None, database=None,
+FUZZ = settings(derandomize=True, max_examples=int(os.environ.get("FUZZ_EXAMPLES", "120")), deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 SEEN: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # test -> codes
 GENERATION = ["Generate", "Complete", "Tokenize", "GetModelInfo", "GetStats"]
