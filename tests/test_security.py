@@ -20,7 +20,7 @@ from certs import make_pki
 from client import Client, NanoserveError, SamplingParams
 from client.null_model import write_null_model
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from services import ROOT, Proc, start_null_worker
+from services import ROOT, Proc, start_null_worker, start_worker
 from worker_service.null_worker import expected_tokens
 
 pytestmark = pytest.mark.slow
@@ -193,3 +193,40 @@ def test_cli_key_from_environment_and_tls_flags(stack, pki):
                            "--max-tokens", "2", "--ignore-eos", "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert flag.returncode == 0, flag.stderr
+
+
+def test_real_worker_mutual_tls_secret_and_garbage(pki, tmp_path_factory):
+    """The model worker (blocking grpc server, SyncGuard): the same rules as the null one,
+    and undecodable bodies answer INVALID_ARGUMENT (gRPC's own answer would be INTERNAL)."""
+    from tiny_checkpoint import tiny_qwen3_dir
+    model = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=1, seed=5)
+    worker = start_worker(model, extra=[
+        "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+        "--tls-client-ca", str(pki.ca), "--secret", SECRET])
+    good = (("authorization", f"Bearer {SECRET}"),)
+    try:
+        with _worker_channel(pki, worker.port) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            for name, call in _worker_calls(stub, ()):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert not stub.Health(worker_pb2.HealthRequest(), timeout=5).ready
+            assert stub.Info(worker_pb2.InfoRequest(block_size=8), timeout=5,
+                             metadata=good).vocab_size == 389
+            for method in ("Info", "Init"):
+                with pytest.raises(grpc.RpcError) as e:
+                    ch.unary_unary(f"/nanoserve.v1.Worker/{method}")(b"\xff", timeout=5,
+                                                                     metadata=good)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            with pytest.raises(grpc.RpcError) as e:
+                list(ch.stream_stream("/nanoserve.v1.Worker/Step")(iter([b"\x0b"]), timeout=5,
+                                                                   metadata=good))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with _worker_channel(pki, worker.port, cert=False) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                worker_pb2_grpc.WorkerStub(ch).Health(worker_pb2.HealthRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert worker.popen.poll() is None
+    finally:
+        worker.stop()
