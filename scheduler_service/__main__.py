@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                      help="API key every public call but health and reflection must carry "
                           "(authorization: Bearer KEY; else UNAUTHENTICATED). Default: "
-                          "$NANOSERVE_API_KEY (the environment keeps it out of `ps`)")
+                          "$NANOSERVE_API_KEY (the environment keeps it out of `ps`).%(default).0s")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
     sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     sec.add_argument("--tls-client-ca", default=None,
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sec.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
     sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
                      help="the workers' shared secret (their --secret). Default: "
-                          "$NANOSERVE_WORKER_SECRET")
+                          "$NANOSERVE_WORKER_SECRET%(default).0s")
     args = p.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sec = p.add_argument_group(
         "security", "passed to the scheduler (see python -m scheduler_service --help)")
     sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                     help="public API key (default: $NANOSERVE_API_KEY; none = open)")
+                     help="public API key (default: $NANOSERVE_API_KEY; none = open)%(default).0s")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
     sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     sec.add_argument("--tls-client-ca", default=None,
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
                      help="secret between the scheduler and its workers (default: "
                           "$NANOSERVE_WORKER_SECRET, else a random one per launch, so other "
-                          "local users cannot drive the workers)")
+                          "local users cannot drive the workers)%(default).0s")
     p.add_argument("scheduler_args", nargs=argparse.REMAINDER,
                    help="extra flags for the scheduler, after '--' (e.g. -- --block-size 16)")
     args = p.parse_args(argv)

@@ -230,3 +230,26 @@ def test_real_worker_mutual_tls_secret_and_garbage(pki, tmp_path_factory):
         assert worker.popen.poll() is None
     finally:
         worker.stop()
+
+
+def test_help_never_prints_secrets_from_the_environment():
+    env = dict(os.environ, NANOSERVE_API_KEY="leaked-key-1", NANOSERVE_WORKER_SECRET="leaked-2")
+    for module in ("scheduler_service", "worker_service", "scheduler_service.launch"):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+        assert out.returncode == 0 and "--tls-cert" in out.stdout, out.stderr
+        assert "leaked" not in out.stdout, module
+
+
+def test_launch_forwards_tls_and_keeps_secrets_in_the_environment(monkeypatch):
+    from scheduler_service import launch
+    monkeypatch.delenv("NANOSERVE_WORKER_SECRET", raising=False)
+    args = launch.parse_args(["--model", "m", "--tp", "2", "--api-key", "k", "--tls-cert", "c.pem",
+                              "--tls-key", "k.pem", "--", "--block-size", "16"])
+    *workers, sched = launch.commands(args)
+    assert sched[-6:] == ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--block-size", "16"]
+    assert not any("k" == a for cmd in (*workers, sched) for a in cmd)   # no key on a command line
+    env, again = launch.secrets_env(args), launch.secrets_env(args)
+    assert env["NANOSERVE_API_KEY"] == "k"
+    assert len(env["NANOSERVE_WORKER_SECRET"]) >= 24   # random per launch
+    assert env["NANOSERVE_WORKER_SECRET"] != again["NANOSERVE_WORKER_SECRET"]

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           "scheduler --worker-tls-cert/--worker-tls-key)")
     sec.add_argument("--secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
                      help="shared secret every RPC but Health must carry (authorization: Bearer; "
-                          "the scheduler's --worker-secret). Default: $NANOSERVE_WORKER_SECRET")
+                          "the scheduler's --worker-secret). Default: $NANOSERVE_WORKER_SECRET%(default).0s")
     args = p.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
