@@ -177,7 +177,20 @@ def mutated(messages):
     return build()
 
 
-garbage = st.binary(max_size=300) | mutated(generate_requests())
+@st.composite
+def tokenize_requests(draw) -> generate_pb2.TokenizeRequest:
+    req = generate_pb2.TokenizeRequest()
+    kind = draw(st.sampled_from(["none", "text", "chat"]))
+    if kind == "text":
+        req.text = draw(st.text(max_size=300))
+    elif kind == "chat":
+        role = st.sampled_from(["system", "user", "assistant", "tool", ""]) | text
+        for r, c in draw(st.lists(st.tuples(role, text), max_size=4)):
+            req.chat.messages.add(role=r, content=c)
+    return req
+
+
+garbage = st.binary(max_size=300) | mutated(generate_requests()) | mutated(tokenize_requests())
 
 
 # ---------------------------------------------------------------------------- public API
@@ -187,6 +200,15 @@ def test_fuzzed_generate_requests(stack, req):
     _, _, channel, _ = stack
     code = call_raw(channel, "/nanoserve.v1.Generation/Generate", req.SerializeToString(), True)
     SEEN["generate"][code.name] += 1
+    assert code in ALLOWED, (code, req)
+
+
+@FUZZ
+@given(req=tokenize_requests())
+def test_fuzzed_tokenize_requests(stack, req):
+    _, _, channel, _ = stack
+    code = call_raw(channel, "/nanoserve.v1.Generation/Tokenize", req.SerializeToString(), False)
+    SEEN["tokenize"][code.name] += 1
     assert code in ALLOWED, (code, req)
 
 
