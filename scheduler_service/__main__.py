@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
+    from scheduler_service.security import channel_credentials, server_credentials
+    try:   # unreadable PEM files: fail here, not in a child the supervisor keeps restarting
+        server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+    except (OSError, ValueError) as e:
+        p.error(f"TLS: {e}")
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
     if args.frontends < 1:

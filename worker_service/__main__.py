@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
+    try:
+        args.credentials = server_credentials_of(args)
+    except OSError as e:
+        p.error(f"TLS: {e}")
     if not args.model and not args.null:
         p.error("--model is required (or --null)")
     if args.null and args.world_size != 1:
@@ -113,8 +117,7 @@ def serve_null(args: argparse.Namespace) -> int:
         servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
                                       **limits)
-        server, port = await serve(servicer, args.host, args.port, args.secret,
-                                   server_credentials_of(args))
+        server, port = await serve(servicer, args.host, args.port, args.secret, args.credentials)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
               flush=True)
         stop = asyncio.Event()
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
-                         args.port, args.secret, server_credentials_of(args))
+                         args.port, args.secret, args.credentials)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
 
     stop = threading.Event()
