@@ -40,6 +40,17 @@ def _add_connection_args(parser: argparse.ArgumentParser, top_level: bool) -> No
                              "several replicas as HOST:PORT,HOST:PORT are balanced round-robin")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", default=timeout_default,
                         help="deadline for each call (default: none)")
+    keep = {} if top_level else {"default": argparse.SUPPRESS}
+    parser.add_argument("--api-key", metavar="KEY",
+                        **(keep or {"default": os.environ.get("NANOSERVE_API_KEY")}),
+                        help="API key sent with every call (default: $NANOSERVE_API_KEY)")
+    parser.add_argument("--tls", action="store_true", **keep,
+                        help="connect with TLS, trusting the system's root certificates")
+    parser.add_argument("--tls-ca", metavar="PEM", **keep,
+                        help="connect with TLS, trusting this root certificate")
+    parser.add_argument("--tls-cert", metavar="PEM", **keep,
+                        help="client certificate, for servers that require one (with --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", **keep, help="private key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls,
+                    tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             return COMMANDS[args.command](client, args)
     except NanoserveError as e:
         sys.stdout.flush()

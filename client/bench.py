@@ -351,7 +351,8 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
                           ) -> tuple[list[RunOutcome], list[BenchRequest]]:
     from client.client import AsyncClient
 
-    async with AsyncClient(args.target, timeout=args.timeout) as client:
+    async with AsyncClient(args.target, timeout=args.timeout, api_key=args.api_key,
+                           tls_ca=args.tls_ca) as client:
         info = await client.model_info()
         workload = make_workload(wcfg, info.vocab_size, info.max_model_len)
         if args.warmup > 0:
@@ -605,6 +606,10 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_argument_group("where to run (one of)")
     where.add_argument("--target", metavar="HOST:PORT",
                        help="a running nanoserve scheduler (the full gRPC path)")
+    where.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                       help="with --target: API key (default: $NANOSERVE_API_KEY)%(default).0s")
+    where.add_argument("--tls-ca", metavar="PEM",
+                       help="with --target: connect with TLS, trusting this root certificate")
     where.add_argument("--in-process", action="store_true",
                        help="build a ModelRunner here and drive the Engine with it (no gRPC)")
     where.add_argument("--null-worker", action="store_true",

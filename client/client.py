@@ -264,6 +264,27 @@ def _completion(msg: generate_pb2.CompleteResponse) -> Completion:
                       c.usage or Usage())
 
 
+def _channel_credentials(tls: bool, ca: str | None, cert: str | None, key: str | None
+                         ) -> grpc.ChannelCredentials | None:
+    """None = plaintext; TLS when asked for or when any PEM path is given."""
+    if bool(cert) != bool(key):
+        raise ValueError("tls_cert and tls_key go together")
+    if not (tls or ca or cert):
+        return None
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_channel_credentials(root_certificates=read(ca), private_key=read(key),
+                                        certificate_chain=read(cert))
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def _health_status(resp: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
@@ -272,15 +293,22 @@ def _health_status(resp: health_pb2.HealthCheckResponse) -> str:
 class Client:
     """Blocking client. `timeout` (seconds) is the default deadline of every call.
     `target`: one address, or several replicas ("h1:p1,h2:p2" or a list): see
-    channel_target."""
+    channel_target. api_key goes with every call (authorization: Bearer); tls / tls_ca (PEM
+    root, implies tls) / tls_cert + tls_key (client certificate, for servers that require
+    one) select TLS."""
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
                  timeout: float | None = None,
-                 options: list[tuple[str, Any]] | None = None) -> None:
+                 options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
+                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.target, lb_options = channel_target(target)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            self.target, options=CHANNEL_OPTIONS + lb_options + (options or []))
+        self._metadata = _auth_metadata(api_key)
+        creds = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
+        opts = CHANNEL_OPTIONS + lb_options + (options or [])
+        self._channel = (grpc.insecure_channel(self.target, options=opts) if creds is None
+                         else grpc.secure_channel(self.target, creds, options=opts))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -298,7 +326,7 @@ class Client:
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return method(request, timeout=self._timeout(timeout))
+            return method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise NanoserveError.from_rpc_error(e) from None
 
@@ -315,7 +343,7 @@ class Client:
 
     def _stream(self, req: generate_pb2.GenerateRequest,
                 timeout: float | None) -> Iterator[GenerationChunk]:
-        call = self._stub.Generate(req, timeout=self._timeout(timeout))
+        call = self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -356,11 +384,16 @@ class AsyncClient:
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
                  timeout: float | None = None,
-                 options: list[tuple[str, Any]] | None = None) -> None:
+                 options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
+                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         self.target, lb_options = channel_target(target)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(
-            self.target, options=CHANNEL_OPTIONS + lb_options + (options or []))
+        self._metadata = _auth_metadata(api_key)
+        creds = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
+        opts = CHANNEL_OPTIONS + lb_options + (options or [])
+        self._channel = (grpc.aio.insecure_channel(self.target, options=opts) if creds is None
+                         else grpc.aio.secure_channel(self.target, creds, options=opts))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -378,7 +411,7 @@ class AsyncClient:
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, timeout=self._timeout(timeout))
+            return await method(request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:  # grpc.aio.AioRpcError is one
             raise NanoserveError.from_rpc_error(e) from None
 
@@ -395,7 +428,7 @@ class AsyncClient:
         if not stream:
             yield _chunk(await self._unary(self._stub.Complete, req, timeout))
             return
-        call = self._stub.Generate(req, timeout=self._timeout(timeout))
+        call = self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
         try:
             async for msg in call:
                 yield _chunk(msg)

@@ -69,16 +69,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-request-timeout", type=float, default=0.0,
                    help="seconds an HTTP request may run before it is aborted with 504 "
                         "(0 = no limit)")
-    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every call (default: env "
-                        "NANOSERVE_API_KEY; unset = no auth). /health stays open")
     ops = p.add_argument_group("metrics")
     ops.add_argument("--metrics-port", type=int, default=0,
                      help="serve Prometheus metrics at http://<host>:PORT/metrics: the sum over "
                           "the engine core and every frontend (prometheus_client multiprocess "
                           "mode, files under the ipc dir); 0 = none")
     p.add_argument("--log-level", default="INFO")
+    sec = p.add_argument_group(
+        "security",
+        "Defaults: loopback, plaintext, no auth. Before exposing the public port set --api-key "
+        "and TLS; workers on other hosts need --worker-secret and/or mutual TLS.")
+    sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                     help="API key every public call but health and reflection must carry "
+                          "(authorization: Bearer KEY; else UNAUTHENTICATED, HTTP 401; the "
+                          "HTTP API's /health stays open too). Default: "
+                          "$NANOSERVE_API_KEY (the environment keeps it out of `ps`).%(default).0s")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: public clients must present a certificate it signed")
+    sec.add_argument("--worker-tls-ca", default=None,
+                     help="PEM CA that signed the workers' certificates: talk TLS to the workers "
+                          "(their certificates must name the --workers host)")
+    sec.add_argument("--worker-tls-cert", default=None,
+                     help="PEM client certificate for workers that require one (mutual TLS)")
+    sec.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
+    sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
+                     help="the workers' shared secret (their --secret). Default: "
+                          "$NANOSERVE_WORKER_SECRET%(default).0s")
     args = p.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
+    if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
+        p.error("--worker-tls-cert and --worker-tls-key go together")
+    from scheduler_service.security import channel_credentials, server_credentials
+    try:   # unreadable PEM files: fail here, not in a child the supervisor keeps restarting
+        server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+    except (OSError, ValueError) as e:
+        p.error(f"TLS: {e}")
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
     if args.frontends < 1:
@@ -111,14 +140,18 @@ class ControlPlane:
             ipc_dir=self.ipc_dir, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-            overlap=not args.no_overlap, log_level=args.log_level)
+            overlap=not args.no_overlap, log_level=args.log_level,
+            worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
+            worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret)
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
             reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,
             default_max_tokens=args.default_max_tokens, shutdown_grace=args.shutdown_grace,
             log_level=args.log_level, http_port=args.http_port,
             served_model_name=args.served_model_name, api_key=args.api_key or None,
-            http_request_timeout=args.http_request_timeout) for i in range(args.frontends)]
+            http_request_timeout=args.http_request_timeout, tls_cert=args.tls_cert,
+            tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+            for i in range(args.frontends)]
         self.policies = {name: RestartPolicy() for name in
                          ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}
         self.core: multiprocessing.Process | None = None

@@ -27,6 +27,7 @@ import zmq.asyncio
 from scheduler_service import ipc, metrics
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.scheduler import SchedulerConfig
+from scheduler_service.security import channel_credentials
 from scheduler_service.worker_client import WorkerGroup, WorkerGroupError, wait_for_group
 
 log = logging.getLogger("nanoserve.engine")
@@ -44,6 +45,10 @@ class EngineCoreConfig:
     max_waiting: int = 1024
     overlap: bool = True
     log_level: str = "INFO"
+    worker_tls_ca: str | None = None     # PEM paths: TLS to the workers when set
+    worker_tls_cert: str | None = None   # our client cert, for workers that require one
+    worker_tls_key: str | None = None
+    worker_secret: str | None = None     # sent with every worker call
 
 
 class EngineCore:
@@ -57,7 +62,8 @@ class EngineCore:
     async def serve(self, ready) -> None:
         """Connect to the workers, tell the supervisor (`ready`, a Connection), run."""
         cfg = self.config
-        group = WorkerGroup(cfg.workers)
+        group = WorkerGroup(cfg.workers, credentials=channel_credentials(
+            cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key), secret=cfg.worker_secret)
         log.info("connecting to %d worker(s): %s", len(cfg.workers), ", ".join(cfg.workers))
         info = await wait_for_group(group, cfg.block_size, cfg.num_kv_blocks)
         max_model_len = min(cfg.max_model_len or info.max_model_len, info.max_model_len)

@@ -22,6 +22,7 @@ from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, check_sampling,
                                           invalid)
+from scheduler_service.security import AsyncGuard, OPEN_PUBLIC, add_port, server_credentials
 from scheduler_service.sequence import SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
 
@@ -161,10 +162,13 @@ _STATS_FIELDS = frozenset(f.name for f in generate_pb2.Stats.DESCRIPTOR.fields)
 
 
 async def build_server(service: GenerationService, host: str, port: int, max_message_bytes: int,
-                       reuse_port: bool = False
+                       reuse_port: bool = False, api_key: str | None = None,
+                       credentials: grpc.ServerCredentials | None = None
                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """The public server, serving; reuse_port lets several frontends share one port."""
-    server = grpc.aio.server(options=[
+    """The public server, serving; reuse_port lets several frontends share one port.
+    api_key: calls other than health and reflection need it (`authorization: Bearer`);
+    credentials: TLS (security.server_credentials), None = plaintext."""
+    server = grpc.aio.server(interceptors=[AsyncGuard(api_key, OPEN_PUBLIC)], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port))])
@@ -174,9 +178,7 @@ async def build_server(service: GenerationService, host: str, port: int, max_mes
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = add_port(server, f"{host}:{port}", credentials)
     await server.start()
     await set_serving(health_servicer, service.gen.engine.serving)
     return server, bound, health_servicer
@@ -204,8 +206,11 @@ class FrontendConfig:
     log_level: str = "INFO"
     http_port: int | None = None  # the OpenAI-compatible HTTP API (openai_api.py); None = off
     served_model_name: str = ""   # the model id both APIs report ("" = model directory name)
-    api_key: str | None = None    # bearer token the HTTP API requires when set
+    api_key: str | None = None    # required on every call but health/reflection (both APIs)
     http_request_timeout: float = 0.0
+    tls_cert: str | None = None       # PEM paths: TLS on the public port when set
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certs signed by this CA
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -227,8 +232,9 @@ async def serve(cfg: FrontendConfig, ready) -> None:
     gen = Generation(engine, tokenizer, limits)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
     service = GenerationService(gen, name)
-    server, port, health_servicer = await build_server(service, cfg.host, cfg.port,
-                                                       cfg.max_message_mb << 20, cfg.reuse_port)
+    server, port, health_servicer = await build_server(
+        service, cfg.host, cfg.port, cfg.max_message_mb << 20, cfg.reuse_port, cfg.api_key,
+        server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
     http_runner, http_port = None, None
     if cfg.http_port is not None:
         from scheduler_service import openai_api

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -53,6 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sup.add_argument("--metrics-port", type=int, default=0,
                      help="serve Prometheus /metrics: the scheduler on this port, worker rank "
                           "i on this port + 1 + i (0 = no metrics)")
+    sec = p.add_argument_group(
+        "security", "passed to the scheduler (see python -m scheduler_service --help)")
+    sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                     help="public API key (default: $NANOSERVE_API_KEY; none = open)%(default).0s")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: public clients must present a certificate it signed")
+    sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
+                     help="secret between the scheduler and its workers (default: "
+                          "$NANOSERVE_WORKER_SECRET, else a random one per launch, so other "
+                          "local users cannot drive the workers)%(default).0s")
     p.add_argument("scheduler_args", nargs=argparse.REMAINDER,
                    help="extra flags for the scheduler, after '--' (e.g. -- --block-size 16)")
     args = p.parse_args(argv)
@@ -86,6 +99,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         sched += ["--http-port", str(args.http_port)]
     if args.metrics_port:
         sched += ["--metrics-port", str(args.metrics_port)]
+    sched += [a for flag, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                ("--tls-client-ca", args.tls_client_ca)) if v for a in (flag, v)]
     cmds.append(sched + list(args.scheduler_args))
     return cmds
 
@@ -96,11 +111,12 @@ class Unit:
     name: str
     cmds: list[list[str]]
     policy: RestartPolicy
+    env: dict[str, str]                 # secrets travel here, not on command lines (`ps`)
     procs: list[subprocess.Popen] = field(default_factory=list)
     restart_at: float | None = None     # when a stopped unit comes back
 
     def start(self) -> None:
-        self.procs = [subprocess.Popen(cmd) for cmd in self.cmds]
+        self.procs = [subprocess.Popen(cmd, env=self.env) for cmd in self.cmds]
         self.restart_at = None
 
     def exited(self) -> subprocess.Popen | None:
@@ -127,12 +143,21 @@ def _describe(p: subprocess.Popen) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
+def secrets_env(args: argparse.Namespace) -> dict[str, str]:
+    """The children's environment: secrets travel there, not on command lines (`ps`)."""
+    env = dict(os.environ, NANOSERVE_WORKER_SECRET=args.worker_secret or secrets.token_urlsafe(24))
+    if args.api_key:
+        env["NANOSERVE_API_KEY"] = args.api_key
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cmds = commands(args)
+    env = secrets_env(args)   # once: a restarted worker gets the same secret
     policy = lambda: RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
-    workers = Unit("worker group" if args.tp > 1 else "worker", cmds[:-1], policy())
-    scheduler = Unit("scheduler", cmds[-1:], policy())
+    workers = Unit("worker group" if args.tp > 1 else "worker", cmds[:-1], policy(), env)
+    scheduler = Unit("scheduler", cmds[-1:], policy(), env)
     units = [workers, scheduler]
     stopping = False
 

@@ -19,6 +19,7 @@ import grpc
 import grpc.aio
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_service.security import bearer
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -52,11 +53,12 @@ class GroupInfo:
 class _StepStream:
     """One rank's long-lived bidirectional Step stream, fed pre-serialized bytes."""
 
-    def __init__(self, channel: grpc.aio.Channel, rank: int, events: asyncio.Queue | None):
+    def __init__(self, channel: grpc.aio.Channel, rank: int, events: asyncio.Queue | None,
+                 metadata: tuple = ()):
         self.rank = rank
         self.call = channel.stream_stream(
             _STEP, request_serializer=None,   # we pass bytes serialized once for all ranks
-            response_deserializer=worker_pb2.StepResponse.FromString)()
+            response_deserializer=worker_pb2.StepResponse.FromString)(metadata=metadata)
         self.answers: deque = deque()   # this rank's answers not yet matched to a step
         self.reader = None
         if events is not None:
@@ -82,11 +84,16 @@ class _StepStream:
 
 
 class WorkerGroup:
-    def __init__(self, addresses: list[str], connect_timeout: float = 10.0):
+    def __init__(self, addresses: list[str], connect_timeout: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
+        """credentials: TLS to the workers (security.channel_credentials), None = plaintext;
+        secret: the workers' shared secret, sent with every call."""
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses
         self.connect_timeout = connect_timeout
+        self.credentials = credentials
+        self.metadata = bearer(secret)
         self.channels: list[grpc.aio.Channel] = []
         self.stubs: list[worker_pb2_grpc.WorkerStub] = []
         self.streams: list[_StepStream] = []
@@ -97,6 +104,8 @@ class WorkerGroup:
         """aio channels belong to the running event loop: made on first use."""
         if not self.channels:
             self.channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS)
+                             if self.credentials is None else
+                             grpc.aio.secure_channel(a, self.credentials, options=_CHANNEL_OPTIONS)
                              for a in self.addresses]
             self.stubs = [worker_pb2_grpc.WorkerStub(c) for c in self.channels]
 
@@ -127,7 +136,8 @@ class WorkerGroup:
                                                                block_size=block_size),
                              wait, timeout=INIT_TIMEOUT_S)
         self._events = asyncio.Queue() if len(self.channels) > 1 else None
-        self.streams = [_StepStream(c, r, self._events) for r, c in enumerate(self.channels)]
+        self.streams = [_StepStream(c, r, self._events, self.metadata)
+                        for r, c in enumerate(self.channels)]
         self.info = GroupInfo(model=first.model, fingerprint=first.model_fingerprint,
                               world_size=len(infos), num_kv_blocks=blocks, block_size=block_size,
                               vocab_size=first.vocab_size,
@@ -137,7 +147,8 @@ class WorkerGroup:
 
     async def _call(self, method, request, wait: bool, timeout: float | None = None):
         try:
-            return await method(request, timeout=timeout or self.connect_timeout, wait_for_ready=wait)
+            return await method(request, timeout=timeout or self.connect_timeout,
+                                wait_for_ready=wait, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             raise WorkerGroupError(f"worker call failed: {e.code().name}: {e.details()}",
                                    lost=e.code() in (grpc.StatusCode.UNAVAILABLE,
@@ -198,7 +209,8 @@ class WorkerGroup:
         self._open_channels()
         try:
             for stub in self.stubs:
-                if not (await stub.Health(worker_pb2.HealthRequest(), timeout=2.0)).ready:
+                if not (await stub.Health(worker_pb2.HealthRequest(), timeout=2.0,
+                                          metadata=self.metadata)).ready:
                     return False
             return True
         except grpc.aio.AioRpcError:

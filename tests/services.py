@@ -151,6 +151,26 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def named_children(pid: int) -> dict[str, int]:
+    """Child processes of pid by name (the control plane names its own: ns-engine-core,
+    ns-frontend-N)."""
+    out = {}
+    for c in children(pid):
+        try:
+            out[Path(f"/proc/{c}/comm").read_text().strip()] = c
+        except OSError:
+            pass
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of pid (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"no VmRSS for {pid}")
+
+
 def alive(pid: int) -> bool:
     """pid exists and is not a zombie."""
     try:

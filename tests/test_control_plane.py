@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.null_model import write_null_model
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services import alive, children, start_null_worker, start_scheduler, wait_until
+from services import alive, named_children, start_null_worker, start_scheduler, wait_until
 from worker_service.null_worker import expected_tokens
 
 pytestmark = pytest.mark.slow
@@ -45,16 +45,6 @@ def request(prompt, max_tokens, **sampling):
     return generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt),
         sampling=generate_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
-
-
-def named_children(pid: int) -> dict[str, int]:
-    out = {}
-    for c in children(pid):
-        try:
-            out[Path(f"/proc/{c}/comm").read_text().strip()] = c
-        except OSError:
-            pass
-    return out
 
 
 def worker_health(port: int) -> worker_pb2.HealthResponse:

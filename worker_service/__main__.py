@@ -80,7 +80,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="serve Prometheus metrics at http://<host>:PORT/metrics (step and "
                           "device time histograms, KV capacity); 0 = none")
     p.add_argument("--log-level", default="INFO")
+    sec = p.add_argument_group(
+        "security",
+        "By default the worker listens on loopback in plaintext and obeys anyone who reaches "
+        "it. Anyone who can reach its port can drive or reset its KV cache: set --secret "
+        "(and the scheduler's --worker-secret) and/or mutual TLS whenever the port is "
+        "reachable from other hosts.")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
+    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: require client certificates it signed (mutual TLS; give the "
+                          "scheduler --worker-tls-cert/--worker-tls-key)")
+    sec.add_argument("--secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
+                     help="shared secret every RPC but Health must carry (authorization: Bearer; "
+                          "the scheduler's --worker-secret). Default: $NANOSERVE_WORKER_SECRET%(default).0s")
     args = p.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
+    try:
+        args.credentials = server_credentials_of(args)
+    except OSError as e:
+        p.error(f"TLS: {e}")
     if not args.model and not args.null:
         p.error("--model is required (or --null)")
     if args.null and args.world_size != 1:
@@ -98,6 +118,11 @@ def serve_metrics(args: argparse.Namespace) -> None:
                              f"{args.metrics_port}: {e}") from e
 
 
+def server_credentials_of(args: argparse.Namespace):
+    from scheduler_service.security import server_credentials
+    return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 def serve_null(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -110,7 +135,7 @@ def serve_null(args: argparse.Namespace) -> int:
         servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
                                       **limits)
-        server, port = await serve(servicer, args.host, args.port)
+        server, port = await serve(servicer, args.host, args.port, args.secret, args.credentials)
         serve_metrics(args)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
               flush=True)
@@ -162,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)
-    server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host, args.port)
+    server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
+                         args.port, args.secret, args.credentials)
     serve_metrics(args)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
 

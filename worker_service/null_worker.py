@@ -32,6 +32,7 @@ import grpc.aio
 import numpy as np
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_service.security import OPEN_WORKER, AsyncGuard, add_port
 from worker_service.metrics import WorkerMetrics
 from worker_service.step_plan import SeqTable, StepError
 
@@ -170,14 +171,14 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         return tokens, plan.want_logprobs
 
 
-async def serve(servicer: NullWorkerServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[
+async def serve(servicer: NullWorkerServicer, host: str, port: int, secret: str | None = None,
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """secret: every RPC but Health needs it (`authorization: Bearer`); credentials: TLS."""
+    server = grpc.aio.server(interceptors=[AsyncGuard(secret, OPEN_WORKER)], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = add_port(server, f"{host}:{port}", credentials)
     await server.start()
     return server, bound
 

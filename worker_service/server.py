@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from scheduler_service.security import OPEN_WORKER, SyncGuard, add_port
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner, StepError
 
@@ -129,14 +130,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                          steps=self.steps, steps_overlapped=self.steps_overlapped)
 
 
-def serve(runner: ModelRunner, model_name: str, host: str, port: int) -> tuple[grpc.Server, int]:
+def serve(runner: ModelRunner, model_name: str, host: str, port: int, secret: str | None = None,
+          credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+    """secret: every RPC but Health needs it (`authorization: Bearer`); credentials: TLS."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
+        futures.ThreadPoolExecutor(max_workers=8), interceptors=[SyncGuard(secret, OPEN_WORKER)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, model_name), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = add_port(server, f"{host}:{port}", credentials)
     server.start()
     return server, bound
