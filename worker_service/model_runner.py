@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, select_backend
-from models.loader import load_model
+from models.loader import config_dtype, load_config, load_model
 from models.parallel import TPGroup
-from models.qwen3 import kv_cache_layers
+from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.v1 import worker_pb2
 from worker_service.sampler import SamplingBatch, sample
 from worker_service.step_plan import SeqTable, StepError, StepPlan
@@ -75,7 +75,11 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.backend = select_backend(config.attention_backend, self.device)
+        # auto picks flash_attn only when its build has kernels for this model's shapes.
+        hf = load_config(config.model_dir)
+        self.backend = select_backend(config.attention_backend, self.device, head_dim=_head_dim(hf),
+                                      dtype=dtype or config_dtype(hf))
+        log.info("attention backend: %s", self.backend.name)
         self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
                                                 device=self.device, attn_backend=self.backend)
         self.dtype = next(self.model.parameters()).dtype
