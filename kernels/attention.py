@@ -181,25 +181,32 @@ def flash_attn_problem(device: torch.device, block_size: int | None = None,
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu",
                    block_size: int | None = None, head_dim: int | None = None,
-                   dtype: torch.dtype | None = None):
+                   dtype: torch.dtype | None = None, shapes=None):
     """Pick an attention backend: auto|flash_attn|triton|torch.
 
-    auto on CUDA: flash_attn when it can serve the model (installed; block_size % 256 == 0;
-    its build has kernels for head_dim, dtype and this GPU's arch), since it measured faster
-    than triton at Qwen3 shapes on H100 (tests/gpu/RESULTS.md); else triton. On CPU: torch.
-    The choice and its reason are logged. Properties passed as None are not checked. Asking
-    by name for one that cannot run here raises ValueError saying why.
+    auto on CUDA: triton, unless flash_attn can serve the model (installed; block_size %
+    256 == 0; its build has kernels for head_dim, dtype and this GPU's arch) and, when the
+    layer's `shapes` (backend_choice.AttentionShapes) are given, it also measures faster
+    there (backend_choice.time_backends); without shapes a usable flash_attn is taken. On
+    CPU: torch. The choice and its reason are logged. Properties passed as None are not
+    checked. Asking by name for one that cannot run here raises ValueError saying why.
     """
     device = torch.device(device)
+    if shapes is not None:
+        head_dim, dtype = shapes.head_dim, shapes.dtype
+        block_size = block_size or shapes.block_size
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()
         problem = flash_attn_problem(device, block_size, head_dim, dtype)
-        if problem is None:
-            log.info("attention backend auto -> flash_attn (head dim %s, %s)", head_dim, dtype)
+        if problem is not None:
+            log.info("attention backend auto -> triton: flash_attn %s", problem)
+            return TritonBackend()
+        if shapes is None:
+            log.info("attention backend auto -> flash_attn (installed, covers head dim %s, %s; "
+                     "not timed: no shapes given)", head_dim, dtype)
             return FlashAttnBackend()
-        log.info("attention backend auto -> triton: flash_attn %s", problem)
-        return TritonBackend()
+        return _fastest(device, shapes)
     if name == "torch":
         return TorchBackend()
     if name == "triton":
@@ -213,3 +220,20 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
             raise ValueError(f"attention backend 'flash_attn' unavailable: {problem}")
         return FlashAttnBackend()
     raise ValueError(f"unknown attention backend {name!r}: expected auto|flash_attn|triton|torch")
+
+
+def _fastest(device: torch.device, shapes) -> FlashAttnBackend | TritonBackend:
+    """Time flash_attn and triton at `shapes` on `device`, return the faster (logged)."""
+    from kernels.backend_choice import time_backends
+    candidates = {"flash_attn": FlashAttnBackend(), "triton": TritonBackend()}
+    try:
+        times = time_backends(candidates, shapes, device)
+    except Exception as e:                 # a flash_attn build error must not stop the worker
+        log.warning("attention backend auto -> triton: timing the backends failed: %s", e)
+        return candidates["triton"]
+    best = min(times, key=times.get)
+    log.info("attention backend auto -> %s (one decode + one prefill step at Hq=%d Hkv=%d "
+             "D=%d %s: %s)", best, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim,
+             str(shapes.dtype).removeprefix("torch."),
+             ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in sorted(times.items())))
+    return candidates[best]
