@@ -120,7 +120,9 @@ def unpack(sdist: Path, work_dir: Path) -> Path:
         shutil.rmtree(root)
     work_dir.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as tar:
-        tar.extractall(work_dir, filter="data")
+        # The "data" filter refuses links/paths leaving work_dir (Python >= 3.11.4 / 3.12).
+        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(work_dir, **kw)
     if not (root / "setup.py").exists():
         raise BuildError(f"{sdist} has no flash_attn-{VERSION}/setup.py")
     return root
@@ -233,6 +235,7 @@ def build_wheel(root: Path, spec: BuildSpec, out_dir: Path, jobs: int) -> Path:
 def smoke() -> None:
     """Import the installed flash_attn and check one paged varlen + one kvcache call vs torch."""
     import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script too
     from kernels.attention import AttentionMetadata, paged_attention_ref
     from kernels.flash_attn_backend import build_record, flash_decode, flash_prefill
     print(f"flash_attn build record: {build_record()}")
