@@ -9,7 +9,7 @@ MODEL  ?=
 TP     ?= 1
 HTTP_PORT ?=
 
-.PHONY: help setup proto test test-gpu demo serve clean
+.PHONY: help setup proto test test-gpu demo serve flash-attn clean
 
 help:
 	@echo "make demo                 serve an embedded default model on loopback and stream a generation"
@@ -17,6 +17,7 @@ help:
 	@echo "make serve MODEL=dir      serve a Hugging Face Qwen3 directory (GPU host), TP=N for N ranks,"
 	@echo "                          HTTP_PORT=8000 to add the OpenAI-compatible HTTP API"
 	@echo "make proto                regenerate the gRPC stubs from protos/"
+	@echo "make flash-attn           build + install a trimmed flash-attn wheel (GPU host with nvcc, ~6-13 min)"
 
 setup: $(STAMP)
 
@@ -45,6 +46,14 @@ serve: proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
 	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
 		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
+
+# Trimmed flash-attn 2 wheel from PyPI's sdist (only the kernels the worker calls), built
+# against FA_PYTHON's torch with nvcc and installed there. FLASH_ATTN_ARGS: see
+# `python kernels/build_flash_attn.py --help` (e.g. --head-dims 128 --dtypes bf16 --archs 90).
+FA_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+FLASH_ATTN_ARGS ?=
+flash-attn:
+	$(FA_PYTHON) kernels/build_flash_attn.py --install $(FLASH_ATTN_ARGS)
 
 clean:
 	rm -rf $(VENV) $(STUBS) $(PROTOS:.proto=_pb2.pyi) $(PROTOS:.proto=_pb2_grpc.py)

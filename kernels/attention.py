@@ -16,6 +16,7 @@ device; the KV caches must be contiguous; q/k/v need only a contiguous last dim.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -160,22 +161,52 @@ def _triton_usable(device: torch.device) -> str | None:
     return f"triton needs a CUDA device (or TRITON_INTERPRET=1 set before import), got {device}"
 
 
+log = logging.getLogger("nanoserve.attention")
+
+
+def flash_attn_problem(device: torch.device, block_size: int | None = None,
+                       head_dim: int | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """None if flash_attn can serve this model on `device`, else the reason it cannot."""
+    from kernels import flash_attn_backend as fab
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    if not fab.flash_attn_available():
+        return ("`import flash_attn` failed (not installed: build it with "
+                "`make flash-attn`, see README)")
+    if block_size is not None and block_size % 256 != 0:
+        return f"needs block_size % 256 == 0, got {block_size}"
+    return fab.coverage_problem(fab.build_record(), head_dim, dtype,
+                                torch.cuda.get_device_capability(device))
+
+
 def select_backend(name: str = "auto", device: torch.device | str = "cpu",
-                   block_size: int | None = None):
+                   block_size: int | None = None, head_dim: int | None = None,
+                   dtype: torch.dtype | None = None, shapes=None):
     """Pick an attention backend: auto|flash_attn|triton|torch.
 
-    auto: flash_attn if importable and device is CUDA, else triton on CUDA, else torch.
-    Passing the KV block_size lets auto skip flash_attn when block_size % 256 != 0 (its
-    paged kernels reject that). Asking by name for one that cannot run here raises
-    ValueError saying why.
+    auto on CUDA: triton, unless flash_attn can serve the model (installed; block_size %
+    256 == 0; its build has kernels for head_dim, dtype and this GPU's arch) and, when the
+    layer's `shapes` (backend_choice.AttentionShapes) are given, it also measures faster
+    there (backend_choice.time_backends); without shapes a usable flash_attn is taken. On
+    CPU: torch. The choice and its reason are logged. Properties passed as None are not
+    checked. Asking by name for one that cannot run here raises ValueError saying why.
     """
-    from kernels.flash_attn_backend import flash_attn_available
     device = torch.device(device)
+    if shapes is not None:
+        head_dim, dtype = shapes.head_dim, shapes.dtype
+        block_size = block_size or shapes.block_size
     if name == "auto":
-        if device.type == "cuda":
-            fa_ok = flash_attn_available() and (block_size is None or block_size % 256 == 0)
-            return FlashAttnBackend() if fa_ok else TritonBackend()
-        return TorchBackend()
+        if device.type != "cuda":
+            return TorchBackend()
+        problem = flash_attn_problem(device, block_size, head_dim, dtype)
+        if problem is not None:
+            log.info("attention backend auto -> triton: flash_attn %s", problem)
+            return TritonBackend()
+        if shapes is None:
+            log.info("attention backend auto -> flash_attn (installed, covers head dim %s, %s; "
+                     "not timed: no shapes given)", head_dim, dtype)
+            return FlashAttnBackend()
+        return _fastest(device, shapes)
     if name == "torch":
         return TorchBackend()
     if name == "triton":
@@ -184,13 +215,25 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
             raise ValueError(f"attention backend 'triton' unavailable: {reason}")
         return TritonBackend()
     if name == "flash_attn":
-        if device.type != "cuda":
-            raise ValueError(f"attention backend 'flash_attn' needs a CUDA device, got {device}")
-        if not flash_attn_available():
-            raise ValueError("attention backend 'flash_attn' unavailable: `import flash_attn` "
-                             "failed (no binary wheel; build it on the GPU host)")
-        if block_size is not None and block_size % 256 != 0:
-            raise ValueError(f"attention backend 'flash_attn' needs block_size % 256 == 0, "
-                             f"got {block_size}")
+        problem = flash_attn_problem(device, block_size, head_dim, dtype)
+        if problem:
+            raise ValueError(f"attention backend 'flash_attn' unavailable: {problem}")
         return FlashAttnBackend()
     raise ValueError(f"unknown attention backend {name!r}: expected auto|flash_attn|triton|torch")
+
+
+def _fastest(device: torch.device, shapes) -> FlashAttnBackend | TritonBackend:
+    """Time flash_attn and triton at `shapes` on `device`, return the faster (logged)."""
+    from kernels.backend_choice import time_backends
+    candidates = {"flash_attn": FlashAttnBackend(), "triton": TritonBackend()}
+    try:
+        times = time_backends(candidates, shapes, device)
+    except Exception as e:                 # a flash_attn build error must not stop the worker
+        log.warning("attention backend auto -> triton: timing the backends failed: %s", e)
+        return candidates["triton"]
+    best = min(times, key=times.get)
+    log.info("attention backend auto -> %s (one decode + one prefill step at Hq=%d Hkv=%d "
+             "D=%d %s: %s)", best, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim,
+             str(shapes.dtype).removeprefix("torch."),
+             ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in sorted(times.items())))
+    return candidates[best]

@@ -264,4 +264,10 @@ def test_scheduler_image_is_cpu_only_and_worker_image_has_the_gpu_stack():
     base = next(a for w, a in worker_steps if w == "ARG" and a.startswith("BASE_IMAGE="))
     assert "cuda" in base and "devel" in base, "flash-attn needs nvcc: a CUDA -devel base"
     assert 'pip install ".[worker]"' in worker
-    assert re.search(r"pip install \S*flash-attn\S* --no-build-isolation", worker)
+    # flash-attn: the trimmed build (`make flash-attn`), never pip's hours-long full sdist build.
+    assert "make flash-attn" in worker and not re.search(r"pip install \S*flash-attn", worker)
+    copied = {shlex.split(a)[0] for w, a in worker_steps if w == "COPY"}
+    assert {"Makefile", "kernels/build_flash_attn.py"} <= copied
+    make = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^flash-attn:.*\n\t(.+)$", make, re.M)
+    assert recipe and "kernels/build_flash_attn.py --install" in recipe.group(1)

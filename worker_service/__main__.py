@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weight and KV dtype (auto = the checkpoint's torch_dtype)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash_attn", "triton", "torch"],
-                   help="auto = flash_attn if installed, else triton on GPU, torch on CPU")
+                   help="auto on GPU: flash_attn when its build covers the model (head dim, "
+                        "dtype, GPU arch; `make flash-attn`) and it measures faster than triton "
+                        "at the model's shapes, else triton (logged); torch on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     p.add_argument("--kv-cache-gb", type=float, default=1.0,

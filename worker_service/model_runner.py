@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, select_backend
-from models.loader import load_model
+from kernels.backend_choice import AttentionShapes
+from models.loader import config_dtype, load_config, load_model
 from models.parallel import TPGroup
-from models.qwen3 import kv_cache_layers
+from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.v1 import worker_pb2
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, sample_step
@@ -78,7 +79,15 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.backend = select_backend(config.attention_backend, self.device)
+        # auto times flash_attn (when its build covers the model) and triton on this
+        # rank's attention shapes and keeps the faster: kernels/backend_choice.py.
+        hf = load_config(config.model_dir)
+        kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        shapes = AttentionShapes(num_heads=hf.num_attention_heads // tp.size,
+                                 num_kv_heads=max(1, kv_heads // tp.size),
+                                 head_dim=_head_dim(hf), dtype=dtype or config_dtype(hf))
+        self.backend = select_backend(config.attention_backend, self.device, shapes=shapes)
+        log.info("attention backend: %s", self.backend.name)
         self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
                                                 device=self.device, attn_backend=self.backend)
         self.dtype = next(self.model.parameters()).dtype

@@ -11,9 +11,13 @@
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
+#   flash    build + install the trimmed flash-attn wheel (FLASH_ATTN_ARGS, FLASH_ATTN_TIMEOUT s),
+#            then its --smoke check; put it first so kernels/bench see it
+# BACKENDS="triton flash_attn" makes bench run the in-process benchmark once per backend
+# (default: auto; the worker logs which backend auto chose and why).
 # On the lent device machine: carry .whl (grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf matching the generated stubs) and the generated protos/nanoserve/v1/*_pb2*.py.
-#   bash tests/gpu/run.sh [kernels] [model] [bench]     (default: all)
+#   bash tests/gpu/run.sh [flash] [kernels] [model] [bench]    (default: kernels model bench)
 set -uo pipefail
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -29,12 +33,21 @@ rc=0
 for w in ${*:-kernels model bench}; do
   echo "== $w"
   case $w in
+    flash)
+      # shellcheck disable=SC2086
+      timeout "${FLASH_ATTN_TIMEOUT:-1800}" python3 -m kernels.build_flash_attn --install \
+        ${FLASH_ATTN_ARGS:-} 2>&1 | tee "$OUT/flash_build.log" || rc=1
+      python3 -m kernels.build_flash_attn --smoke 2>&1 | tee "$OUT/flash_smoke.log" || rc=1 ;;
     kernels|model|tp|sampling) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B
-      python3 -m client.bench --in-process --model "$M" --device cuda --max-model-len 4096 \
-        --json "$OUT/bench_inprocess.json" 2>"$OUT/bench_inprocess.err" | tee "$OUT/bench_inprocess.txt" || rc=1
+      for b in ${BACKENDS:-auto}; do
+        python3 -m client.bench --in-process --model "$M" --device cuda --max-model-len 4096 \
+          --attention-backend "$b" --json "$OUT/bench_inprocess_$b.json" \
+          2>"$OUT/bench_inprocess_$b.err" | tee "$OUT/bench_inprocess_$b.txt" || rc=1
+        grep -o "\"attention_backend\": \"[a-z_]*\"" "$OUT/bench_inprocess_$b.json"
+      done
       python3 -m worker_service --model "$M" --port 50061 --max-model-len 4096 --log-level WARNING \
         > "$OUT/worker.log" 2>&1 &
       python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
@@ -43,7 +56,7 @@ for w in ${*:-kernels model bench}; do
       python3 -m client.bench --target 127.0.0.1:50051 --device-name "$GPU" \
         --json "$OUT/bench_grpc.json" 2>"$OUT/bench_grpc.err" | tee "$OUT/bench_grpc.txt" || rc=1
       kill %2 %1 2>/dev/null; wait
-      tail -5 "$OUT/worker.log" "$OUT/scheduler.log" "$OUT/bench_grpc.err" "$OUT/bench_inprocess.err" ;;
+      tail -5 "$OUT/worker.log" "$OUT/scheduler.log" "$OUT/bench_grpc.err" "$OUT"/bench_inprocess_*.err ;;
     service)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B; R=${RATE:-26}

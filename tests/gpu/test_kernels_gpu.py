@@ -291,6 +291,23 @@ def test_flash_attn_backend_selected_by_auto() -> None:
     assert select_backend("auto", "cuda").name == "flash_attn"
 
 
+def test_auto_times_both_backends_at_qwen3_shapes(caplog: pytest.LogCaptureFixture) -> None:
+    """What the worker's `auto` does at startup: time flash_attn and triton, keep the faster."""
+    import logging
+    from kernels.backend_choice import AttentionShapes, time_backends
+    from kernels.flash_attn_backend import flash_attn_available
+    if not flash_attn_available():
+        pytest.skip("flash_attn not importable")
+    shapes = AttentionShapes(HQ, HKV, D, torch.bfloat16, BS)
+    times = time_backends({n: select_backend(n, "cuda") for n in ("flash_attn", "triton")},
+                          shapes, torch.device("cuda"))
+    print(f"decode + prefill step: {times}")
+    assert all(0 < t < 0.1 for t in times.values()), times
+    with caplog.at_level(logging.INFO, logger="nanoserve.attention"):
+        chosen = select_backend("auto", "cuda", shapes=shapes).name
+    assert chosen in times and f"auto -> {chosen}" in caplog.text
+
+
 def main() -> None:
     import triton
     import triton.testing
