@@ -1,14 +1,21 @@
-"""SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output."""
+"""SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output.
+
+On CUDA the fused Triton kernel (kernels/activation.py) runs unless
+NANOSERVE_FUSED_KERNELS=0 (kept for before/after comparisons)."""
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 
 
 class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate then up, as MergedColumnParallelLinear lays them out) -> [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x) if x.is_cuda and FUSED else silu_and_mul_ref(x)
