@@ -3,6 +3,8 @@
 #   kernels  Triton kernels vs torch references at Qwen3-0.6B sizes
 #   model    our Qwen3 vs Hugging Face (bf16 logits; greedy tokens through the real services)
 #   bench    client.bench reference workload, in-process and through gRPC
+#   attn     paged decode attention GB/s and % of HBM peak (batch 256, GQA 2/4/8, config sweep)
+#   profile  per-kernel GPU time of one decode step at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 # On the lent device machine: carry .whl (grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf matching the generated stubs) and the generated protos/nanoserve/v1/*_pb2*.py.
@@ -23,6 +25,8 @@ for w in ${*:-kernels model bench}; do
   echo "== $w"
   case $w in
     kernels|model|tp) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
+    attn) python3 tests/gpu/bench_decode_attention.py 2>&1 | tee "$OUT/attn.md" || rc=1 ;;
+    profile) python3 tests/gpu/profile_decode.py 2>&1 | tee "$OUT/profile.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B
