@@ -1,7 +1,8 @@
 """SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output.
 
 On CUDA the fused Triton kernel (kernels/activation.py) runs unless
-NANOSERVE_FUSED_KERNELS=0 (kept for before/after comparisons)."""
+NANOSERVE_FUSED_KERNELS=0 (kept for before/after comparisons). FUSED is also read by
+models/qwen3.py (fused q/k norm + rotary) and set by tests/gpu/profile_decode.py."""
 from __future__ import annotations
 
 import os

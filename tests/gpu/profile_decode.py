@@ -3,7 +3,8 @@
 Random-weight Qwen3-0.6B (tests/gpu/test_model_gpu.py makes it), bf16, batch 131 (the
 nano-vllm workload's mean decode batch), contexts U[100, 1024], page 256. Prints for each
 variant a markdown table (kernel, calls, total us per step) and the step's GPU busy time
-next to its bandwidth floor: (weight bytes + the batch's KV bytes) / --hbm-tbs.
+next to its bandwidth floor. Fused = Triton SiLU-and-mul and q/k norm + rotary in one
+kernel; unfused = NANOSERVE_FUSED_KERNELS=0: (weight bytes + the batch's KV bytes) / --hbm-tbs.
     python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0]
 """
 from __future__ import annotations
@@ -67,8 +68,8 @@ def main() -> None:
                 per[e.name][1] += e.device_time
         total = sum(t for _, t in per.values()) / args.steps
         calls = sum(c for c, _ in per.values()) / args.steps
-        print(f"\n### {'fused' if fused else 'unfused'} (silu-and-mul "
-              f"{'Triton' if fused else 'torch'}): {calls:.0f} kernels, GPU busy "
+        print(f"\n### {'fused' if fused else 'unfused'} (NANOSERVE_FUSED_KERNELS="
+              f"{int(fused)}): {calls:.0f} kernels, GPU busy "
               f"{total / 1e3:.2f} ms/step = {total / 1e3 / floor_ms:.2f}x floor\n")
         print("| kernel | calls/step | us/step | % |\n|---|---|---|---|")
         for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:

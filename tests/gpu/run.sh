@@ -3,6 +3,7 @@
 #   kernels  Triton kernels vs torch references at Qwen3-0.6B sizes
 #   model    our Qwen3 vs Hugging Face (bf16 logits; greedy tokens through the real services)
 #   bench    client.bench reference workload, in-process and through gRPC
+#   unit     the CPU kernel tests (tests/test_kernels_*.py) on CUDA
 #   attn     paged decode attention GB/s and % of HBM peak (batch 256, GQA 2/4/8, config sweep)
 #   profile  per-kernel GPU time of one decode step at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
@@ -25,6 +26,7 @@ for w in ${*:-kernels model bench}; do
   echo "== $w"
   case $w in
     kernels|model|tp) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
+    unit) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tee "$OUT/unit.md" || rc=1 ;;
     attn) python3 tests/gpu/bench_decode_attention.py 2>&1 | tee "$OUT/attn.md" || rc=1 ;;
     profile) python3 tests/gpu/profile_decode.py 2>&1 | tee "$OUT/profile.md" || rc=1 ;;
     bench)
