@@ -15,8 +15,14 @@ from kernels.activation import silu_and_mul, silu_and_mul_ref
 FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 
 
+def use_fused(x: torch.Tensor) -> bool:
+    """Fused Triton kernels on the decode path: on CUDA unless NANOSERVE_FUSED_KERNELS=0
+    (a CPU test patches this to run them in the Triton interpreter)."""
+    return x.is_cuda and FUSED
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate then up, as MergedColumnParallelLinear lays them out) -> [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x) if x.is_cuda and FUSED else silu_and_mul_ref(x)
+        return silu_and_mul(x) if use_fused(x) else silu_and_mul_ref(x)

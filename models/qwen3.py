@@ -57,7 +57,7 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and q.is_cuda and activation.FUSED:
+        if self.qk_norm and activation.use_fused(q):
             # one kernel for q norm + k norm + rotary (kernels/qk_norm_rotary.py);
             # NANOSERVE_FUSED_KERNELS=0 runs the three kernels below instead
             q, k = qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
