@@ -22,6 +22,8 @@ accumulators. Block ids are widened to int64 before scaling by the page stride.
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -213,14 +215,30 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 256), 16))
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernel (tests/gpu/bench_decode_attention.py sweeps it).
+    block_n=None: 64 keys per tile for head_dim <= 128, else 32 (the historical default)."""
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# NANOSERVE_DECODE_BLOCK_N overrides the key-tile size, to compare configs end to end.
+DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=int(os.environ.get("NANOSERVE_DECODE_BLOCK_N", "0"))
+                                     or None)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                 num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                 num_splits: int = 1, out: torch.Tensor | None = None,
+                 config: DecodeConfig | None = None) -> torch.Tensor:
     """Decode attention: q [num_seqs, Hq, D] (one token per sequence) -> [num_seqs, Hq, D].
 
     block_tables [num_seqs, max_blocks] and context_lens [num_seqs] are int32. A sequence
     with context_len 0 (batch padding) yields zeros.
     """
+    cfg = config or DEFAULT_DECODE_CONFIG
     num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     assert context_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
@@ -243,9 +261,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=64 if head_dim <= 128 else 32,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_N=cfg.block_n or (64 if head_dim <= 128 else 32),
         NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

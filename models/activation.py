@@ -1,14 +1,28 @@
-"""SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output."""
+"""SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output.
+
+On CUDA the fused Triton kernel (kernels/activation.py) runs unless
+NANOSERVE_FUSED_KERNELS=0 (kept for before/after comparisons). FUSED is also read by
+models/qwen3.py (fused q/k norm + rotary) and set by tests/gpu/profile_decode.py."""
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Fused Triton kernels on the decode path: on CUDA unless NANOSERVE_FUSED_KERNELS=0
+    (a CPU test patches this to run them in the Triton interpreter)."""
+    return x.is_cuda and FUSED
 
 
 class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate then up, as MergedColumnParallelLinear lays them out) -> [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x) if use_fused(x) else silu_and_mul_ref(x)

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata, select_backend
+from kernels.qk_norm_rotary import qk_norm_rotary
+from models import activation
 from models.activation import SiluAndMul
 from models.attention import Attention
 from models.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -54,10 +56,16 @@ class Qwen3Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm and activation.use_fused(q):
+            # one kernel for q norm + k norm + rotary (kernels/qk_norm_rotary.py);
+            # NANOSERVE_FUSED_KERNELS=0 runs the three kernels below instead
+            q, k = qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
+                                  self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, q_size))
 

@@ -84,3 +84,26 @@ def test_rotary_ref_is_neox_rotate_half() -> None:
     rotate_half = torch.cat([-q[..., 8:], q[..., :8]], -1)
     q_ref, _ = apply_rotary_ref(q, q[:, :1], pos, cache)
     torch.testing.assert_close(q_ref, q * cos + rotate_half * sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_norm_rotary_matches_ref(dtype: torch.dtype) -> None:
+    """Strided q/k views of a fused qkv output, normalized + rotated in place."""
+    from kernels.qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_ref
+    g = torch.Generator().manual_seed(3)
+    t, hq, hk, d = 5, 4, 2, 32
+    qkv = (2 * torch.randn(t, (hq + 2 * hk) * d, generator=g)).to(dtype).to(DEVICE)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    qw = torch.rand(d, generator=g).to(dtype).to(DEVICE)
+    kw = torch.rand(d, generator=g).to(dtype).to(DEVICE)
+    pos = torch.tensor([0, 7, 3, 60, 1], device=DEVICE)
+    v_before = qkv[:, (hq + hk) * d:].clone()
+    ref_q, ref_k = qk_norm_rotary_ref(q, k, qw, kw, 1e-6, pos, cos_sin_cache(64, d))
+    out_q, out_k = qk_norm_rotary(q, k, qw, kw, 1e-6, pos, cos_sin_cache(64, d))
+    assert out_q.data_ptr() == qkv.data_ptr()                         # in place
+    # bf16: the fp32 sum of squares may round the normed value one ulp apart, and
+    # x1 cos - x2 sin can cancel, so an absolute bound of ~2 ulps at |x| ~ 1
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out_q, ref_q, **tol)
+    torch.testing.assert_close(out_k, ref_k, **tol)
+    assert torch.equal(qkv[:, (hq + hk) * d:], v_before)             # v untouched

@@ -88,6 +88,31 @@ def test_batched_prefill_matches_hf(checkpoint):
     assert (top2[:, 0] - top2[:, 1]).median() > 1e-2
 
 
+def test_fused_kernels_match_unfused(checkpoint, monkeypatch):
+    """The fused decode-path kernels (q/k norm + rotary, SiLU-and-mul; Triton interpreter
+    here) give the logits of the unfused modules, prefill then decode."""
+    import models.activation
+    import models.qwen3
+    calls = []
+    kernel = models.qwen3.qk_norm_rotary
+    monkeypatch.setattr(models.qwen3, "qk_norm_rotary",
+                        lambda *a: calls.append(1) or kernel(*a))
+    path, prompts, _ = checkpoint
+    model, _ = load_model(str(path))
+    steps = [[(i, 0, len(p) - 1) for i, p in enumerate(prompts)],
+             [(i, len(p) - 1, len(p)) for i, p in enumerate(prompts)]]
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(models.activation, "use_fused", lambda x, f=fused: f)
+        cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
+        runs.append([run_step(model, cache, prompts, s, is_decode=k == 1)
+                     for k, s in enumerate(steps)])
+    for step_unfused, step_fused in zip(*runs):
+        for i, (a, b) in enumerate(zip(step_unfused, step_fused)):
+            assert_close(b, a, f"fused vs unfused, seq {i}")
+    assert calls or not model.model.layers[0].self_attn.qk_norm    # llama has no q/k norm
+
+
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_chunked_prefill_then_decode_matches_hf(checkpoint, block_size):
     """Prefill in two chunks (the second over a cached prefix), then decode one token per

@@ -1,0 +1,91 @@
+"""Qwen3's per-head q/k RMSNorm and neox rotary in one Triton pass, in place.
+
+Unfused, a decode layer runs three kernels here (q norm, k norm, rotary), each a round trip
+of q/k through HBM. This kernel reads every head of one token once, normalizes it (numerics
+of kernels/rmsnorm.py: fp32 statistics, rounded to the activation dtype, times the weight,
+rounded), rotates it (kernels/rotary.py: fp32 math), and writes it back. Reference:
+`qk_norm_rotary_ref` = rms_norm_ref then apply_rotary_ref. Needs rot_dim == head_dim.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.rmsnorm import rms_norm_ref
+from kernels.rotary import apply_rotary_ref
+
+
+def qk_norm_rotary_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rotary_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps),
+                            positions, cos_sin_cache)
+
+
+@triton.jit
+def _norm_rotate_heads(X, W, token, stride_t, stride_h, cos, sin, eps,
+                       NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    mask = (offs_h[:, None] < NUM_HEADS) & d_mask[None, :]
+    p1 = X + token * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    p2 = p1 + HALF
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p2, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
+    w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(W + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    y1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+    y2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    tl.store(p1, (y1 * cos - y2 * sin).to(X.dtype.element_ty), mask=mask)
+    tl.store(p2, (y2 * cos + y1 * sin).to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    Q, K, QW, KW, Positions, CosSin, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Positions + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cos = tl.load(CosSin + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(CosSin + pos * stride_cache + HALF + offs_d, mask=d_mask, other=0.0)
+    cos, sin = cos[None, :], sin.to(tl.float32)[None, :]
+    _norm_rotate_heads(Q, QW, token, stride_qt, stride_qh, cos, sin, eps,
+                       NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    _norm_rotate_heads(K, KW, token, stride_kt, stride_kh, cos, sin, eps,
+                       NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF)
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalize and rotate q [T, Hq, D] and k [T, Hkv, D] in place (strided views of a
+    fused qkv output are fine: last dim contiguous); returns (q, k)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    assert cos_sin_cache.shape[-1] == head_dim, "fused q/k norm + rotary needs rot_dim == head_dim"
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim and head_dim % 2 == 0
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.is_contiguous()
+    assert positions.shape == (num_tokens,)
+    assert q_weight.shape == k_weight.shape == (head_dim,)
+    if num_tokens:
+        half = head_dim // 2
+        _qk_norm_rotary_kernel[(num_tokens,)](
+            q, k, q_weight, k_weight, positions, cos_sin_cache, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(num_k_heads),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        )
+    return q, k

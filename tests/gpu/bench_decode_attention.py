@@ -1,0 +1,84 @@
+"""Paged decode attention bandwidth: bytes the kernel must move / time, vs HBM peak.
+
+Batch 256 (default), contexts 100..2048, head_dim 128, 8 KV heads, GQA group 2 (Qwen3-0.6B:
+16 q heads), 4 and 8 (larger Qwen3s); page size 256 with shuffled block tables. Bytes
+counted: every context token's K and V rows of the sequence's KV heads, q in, out out,
+and the block table / context lengths. Sweeps DecodeConfig (key tile, warps, stages) and
+prints one markdown table.
+    python tests/gpu/bench_decode_attention.py [--batch 256] [--peak-tbs 3.35]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from kernels.paged_attention import DecodeConfig, paged_decode
+
+CONTEXTS = {"100": (100, 100), "512": (512, 512), "1024": (1024, 1024), "2048": (2048, 2048),
+            "U[100,2048]": (100, 2048)}
+
+
+def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, page: int = 256,
+              dtype=torch.bfloat16, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(lo, hi + 1, (batch,), generator=g, dtype=torch.int32)
+    need = (ctx + page - 1) // page
+    num_blocks = int(need.sum())
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.zeros(batch, int(need.max()), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need.tolist()):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    k = torch.randn(num_blocks, page, hkv, d, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
+    esz = k.element_size()
+    nbytes = (int(ctx.sum()) * hkv * d * 2 * esz + 2 * q.numel() * esz
+              + table.numel() * 4 + batch * 4)
+    return dict(q=q, k=k, v=v, table=table.cuda(), ctx=ctx.cuda(), bytes=nbytes,
+                scale=d ** -0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--peak-tbs", type=float, default=0.0,
+                    help="HBM peak in TB/s for the %% column (default: 3.35 H100 SXM, 4.8 H200)")
+    args = ap.parse_args()
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tbs or (4.8 if "H200" in name else 3.35)
+    configs = [DecodeConfig(None, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
+               DecodeConfig(128, 8, 2), DecodeConfig(128, 4, 3), DecodeConfig(256, 8, 2)]
+    print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16; "
+          f"peak {peak} TB/s\n")
+    print("| group | contexts | config (block_n, warps, stages) | us | GB/s | % peak |")
+    print("|---|---|---|---|---|---|")
+    best: dict = {}
+    for group in (2, 4, 8):
+        for label, (lo, hi) in CONTEXTS.items():
+            c = make_case(args.batch, lo, hi, 8 * group, 8)
+            ref = None
+            for cfg in configs:
+                fn = lambda: paged_decode(c["q"], c["k"], c["v"], c["table"], c["ctx"],
+                                          c["scale"], num_splits=1, config=cfg)
+                out = fn()
+                if ref is None:
+                    ref = out
+                else:   # every config computes the same attention
+                    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                gbs = c["bytes"] / ms / 1e6
+                pct = 100 * gbs / (peak * 1e3)
+                best[(group, label)] = max(best.get((group, label), (0, None)), (pct, cfg))
+                print(f"| {group} | {label} | ({cfg.block_n or 'default'}, {cfg.num_warps}, "
+                      f"{cfg.num_stages}) | {ms * 1e3:.1f} | {gbs:.0f} | {pct:.1f} |")
+    print("\nBest config per case:\n\n| group | contexts | % peak | config |\n|---|---|---|---|")
+    for (group, label), (pct, cfg) in best.items():
+        print(f"| {group} | {label} | {pct:.1f} | {cfg} |")
+
+
+if __name__ == "__main__":
+    main()

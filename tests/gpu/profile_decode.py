@@ -1,0 +1,81 @@
+"""Per-kernel GPU time of one decode step (torch.profiler), fused vs unfused kernels.
+
+Random-weight Qwen3-0.6B (tests/gpu/test_model_gpu.py makes it), bf16, batch 131 (the
+nano-vllm workload's mean decode batch), contexts U[100, 1024], page 256. Prints for each
+variant a markdown table (kernel, calls, total us per step) and the step's GPU busy time
+next to its bandwidth floor. Fused = Triton SiLU-and-mul and q/k norm + rotary in one
+kernel; unfused = NANOSERVE_FUSED_KERNELS=0: (weight bytes + the batch's KV bytes) / --hbm-tbs.
+    python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=131)
+    ap.add_argument("--hbm-tbs", type=float, default=3.0)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    import models.activation
+    from kernels.attention import select_backend
+    from models.loader import load_model
+    from paged_kv import PagedKV
+    from test_model_gpu import main_checkpoint
+    model, _ = load_model(str(main_checkpoint()), dtype=torch.bfloat16, device="cuda",
+                          attn_backend=select_backend("triton", "cuda"))
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, 1025, (args.batch,), generator=g).tolist()
+    kv = PagedKV(model, ctx, block_size=256)
+    kv.kv.normal_()
+    pos, meta = kv.metadata([(i, n - 1, n) for i, n in enumerate(ctx)], is_decode=True)
+    ids = torch.randint(0, 10000, (args.batch,), generator=g).cuda()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    attn0 = kv.kv.shape
+    kv_bytes = sum(ctx) * 2 * attn0[1] * attn0[4] * attn0[5] * kv.kv.element_size()
+    floor_ms = (weight_bytes + kv_bytes) / (args.hbm_tbs * 1e12) * 1e3
+    print(f"{torch.cuda.get_device_name()}, batch {args.batch}, contexts U[100,1024] "
+          f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB + KV "
+          f"{kv_bytes / 1e9:.2f} GB -> floor {floor_ms:.2f} ms at {args.hbm_tbs} TB/s")
+
+    def step():
+        return model.compute_logits(model(ids, pos, meta))
+
+    for fused in (False, True):
+        models.activation.FUSED = fused
+        with torch.inference_mode():
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    step()
+                torch.cuda.synchronize()
+        per = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name][0] += 1
+                per[e.name][1] += e.device_time
+        total = sum(t for _, t in per.values()) / args.steps
+        calls = sum(c for c, _ in per.values()) / args.steps
+        print(f"\n### {'fused' if fused else 'unfused'} (NANOSERVE_FUSED_KERNELS="
+              f"{int(fused)}): {calls:.0f} kernels, GPU busy "
+              f"{total / 1e3:.2f} ms/step = {total / 1e3 / floor_ms:.2f}x floor\n")
+        print("| kernel | calls/step | us/step | % |\n|---|---|---|---|")
+        for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
+            print(f"| {name[:90]} | {c / args.steps:.0f} | {t / args.steps:.0f} | "
+                  f"{100 * t / args.steps / total:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
