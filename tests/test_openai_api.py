@@ -65,7 +65,9 @@ def null(tmp_path_factory):
         sched = start_scheduler(model_dir, [worker.port], block_size=16, extra=[
             "--http-port", "0", "--frontends", "2", "--api-key", KEY,
             "--http-request-timeout", str(TIMEOUT), "--max-waiting", "6"])
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
+        # --api-key guards the gRPC API too: the stub sends the same bearer token
+        channel = grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{sched.port}"),
+                                         _Bearer(KEY))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{sched.http_port}/v1", api_key=KEY,
                                max_retries=0, timeout=30)
         yield sched, client, generate_pb2_grpc.GenerationStub(channel), model_dir.name
@@ -74,6 +76,15 @@ def null(tmp_path_factory):
         if sched:
             sched.stop()
         worker.stop()
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, key: str):
+        self.metadata = [("authorization", f"Bearer {key}")]
+
+    def intercept_unary_unary(self, continuation, details, request):
+        details = details._replace(metadata=list(details.metadata or []) + self.metadata)
+        return continuation(details, request)
 
 
 def grpc_complete(stub, prompt, **sampling) -> generate_pb2.CompleteResponse:
