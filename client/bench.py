@@ -522,7 +522,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
         device = "cuda:0"   # ModelRunner's torch.cuda.set_device wants an index
     runner = ModelRunner(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager))
@@ -586,6 +586,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
                 breakdown=DecodeBreakdown.diff(before, after),
                 extra={"dtype": str(runner.dtype).removeprefix("torch."),
                        "attention_backend": runner.backend.name,
+                       "kv_cache_dtype": runner.kv_cache_dtype_name,
                        "num_kv_blocks": info.num_kv_blocks}))
     finally:
         runner_thread.stop()
@@ -645,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ip.add_argument("--attention-backend", default="auto",
                     choices=["auto", "flash_attn", "triton", "torch"])
+    ip.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ip.add_argument("--block-size", type=int, default=256)
     ip.add_argument("--num-kv-blocks", type=int, default=0, help="0 = all that fit")
     ip.add_argument("--gpu-memory-utilization", type=float, default=0.9)

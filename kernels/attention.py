@@ -12,6 +12,10 @@ backend's forward(q, k, v, k_cache, v_cache, meta, scale) first writes this step
 meta.slot_mapping, then attends q [T, Hq, D] over the paged cache -> [T, Hq, D].
 Index tensors (slot_mapping, block_tables, context_lens, cu_seqlens_*) are int32 on q's
 device; the KV caches must be contiguous; q/k/v need only a contiguous last dim.
+
+An fp8 KV cache (`--kv-cache-dtype fp8`) is e4m3 pages plus one float32 scale per slot
+for K and for V (k_scale/v_scale [num_blocks, block_size]; kernels/kv_quant.py); the
+torch and triton backends read it, flash-attn 2 cannot.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from kernels.kv_quant import FP8_DTYPE, quantize_ref
 
 
 @dataclass
@@ -41,17 +47,28 @@ class AttentionMetadata:
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Reference: write k/v [T, Hkv, D] into the caches at slot_mapping (skip -1)."""
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+    """Reference: write k/v [T, Hkv, D] into the caches at slot_mapping (skip -1),
+    quantized with per-token scales when the caches are fp8."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    k, v = k[keep], v[keep]
+    if k_cache.dtype == FP8_DTYPE:
+        (k, ks), (v, vs) = quantize_ref(k), quantize_ref(v)
+        k_scale.view(-1)[slots] = ks
+        v_scale.view(-1)[slots] = vs
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Reference: q [T, Hq, D] over the paged caches -> [T, Hq, D]. Slow, exact, any device."""
+                        meta: AttentionMetadata, scale: float,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: q [T, Hq, D] over the paged caches -> [T, Hq, D]. Slow, exact, any device.
+    fp8 caches are dequantized with their per-slot scales."""
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -68,6 +85,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_i = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:ctx_len]
         k_i = k_i.repeat_interleave(group, dim=1).float()          # [Lk, Hq, D]
         v_i = v_i.repeat_interleave(group, dim=1).float()
+        if k_scale is not None:
+            k_i = k_i * k_scale[blocks].reshape(-1)[:ctx_len, None, None]
+            v_i = v_i * v_scale[blocks].reshape(-1)[:ctx_len, None, None]
         scores = torch.einsum("qhd,khd->hqk", q_i.float(), k_i) * scale
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         k_pos = torch.arange(ctx_len, device=q.device)
@@ -83,9 +103,11 @@ class TorchBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+                meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 class TritonBackend:
@@ -111,19 +133,23 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+                meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_decode:
             splits = self.decode_splits
             if splits is None:
                 splits = self._default_splits(meta.num_seqs, k_cache.shape[2],
                                               meta.max_seqlen_k, q.device)
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                scale, num_splits=splits)
-        if meta.prefix_free and self._varlen.usable(q, k, scale):
+                                scale, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+        # fp8: attention always reads the (quantized) cache, prefill included
+        if meta.prefix_free and k_scale is None and self._varlen.usable(q, k, scale):
             return self._varlen.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
         return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                             meta.cu_seqlens_q, meta.max_seqlen_q, scale)
+                             meta.cu_seqlens_q, meta.max_seqlen_q, scale,
+                             k_scale=k_scale, v_scale=v_scale)
 
 
 class FlashAttnBackend:
@@ -139,7 +165,11 @@ class FlashAttnBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if k_scale is not None:
+            raise ValueError("flash-attn 2 cannot read an fp8 KV cache: use the triton backend")
         self._fa.check_supported(q, k_cache)
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
@@ -165,11 +195,14 @@ log = logging.getLogger("nanoserve.attention")
 
 
 def flash_attn_problem(device: torch.device, block_size: int | None = None,
-                       head_dim: int | None = None, dtype: torch.dtype | None = None) -> str | None:
+                       head_dim: int | None = None, dtype: torch.dtype | None = None,
+                       kv_fp8: bool = False) -> str | None:
     """None if flash_attn can serve this model on `device`, else the reason it cannot."""
     from kernels import flash_attn_backend as fab
     if device.type != "cuda":
         return f"needs a CUDA device, got {device}"
+    if kv_fp8:
+        return "cannot read an fp8 KV cache (flash-attn 2 has no fp8 path)"
     if not fab.flash_attn_available():
         return ("`import flash_attn` failed (not installed: build it with "
                 "`make flash-attn`, see README)")
@@ -181,7 +214,7 @@ def flash_attn_problem(device: torch.device, block_size: int | None = None,
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu",
                    block_size: int | None = None, head_dim: int | None = None,
-                   dtype: torch.dtype | None = None, shapes=None):
+                   dtype: torch.dtype | None = None, shapes=None, kv_fp8: bool = False):
     """Pick an attention backend: auto|flash_attn|triton|torch.
 
     auto on CUDA: triton, unless flash_attn can serve the model (installed; block_size %
@@ -190,6 +223,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
     there (backend_choice.time_backends); without shapes a usable flash_attn is taken. On
     CPU: torch. The choice and its reason are logged. Properties passed as None are not
     checked. Asking by name for one that cannot run here raises ValueError saying why.
+    kv_fp8 (an fp8 KV cache) rules flash_attn out, and needs sm_89+ for triton.
     """
     device = torch.device(device)
     if shapes is not None:
@@ -198,10 +232,10 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()
-        problem = flash_attn_problem(device, block_size, head_dim, dtype)
+        problem = flash_attn_problem(device, block_size, head_dim, dtype, kv_fp8)
         if problem is not None:
             log.info("attention backend auto -> triton: flash_attn %s", problem)
-            return TritonBackend()
+            return select_backend("triton", device, kv_fp8=kv_fp8)
         if shapes is None:
             log.info("attention backend auto -> flash_attn (installed, covers head dim %s, %s; "
                      "not timed: no shapes given)", head_dim, dtype)
@@ -211,11 +245,14 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
         return TorchBackend()
     if name == "triton":
         reason = _triton_usable(device)
+        if reason is None and kv_fp8 and device.type == "cuda" \
+                and torch.cuda.get_device_capability(device) < (8, 9):
+            reason = "an fp8 KV cache needs an sm_89+ GPU (Ada, Hopper or newer)"
         if reason:
             raise ValueError(f"attention backend 'triton' unavailable: {reason}")
         return TritonBackend()
     if name == "flash_attn":
-        problem = flash_attn_problem(device, block_size, head_dim, dtype)
+        problem = flash_attn_problem(device, block_size, head_dim, dtype, kv_fp8)
         if problem:
             raise ValueError(f"attention backend 'flash_attn' unavailable: {problem}")
         return FlashAttnBackend()

@@ -17,7 +17,10 @@ Reference: `kernels.attention.paged_attention_ref`. Two kernels:
   (query token, group head) pairs so the group shares K/V tiles here too.
 
 Both use an online softmax in base 2 (exp2, scale folded with log2(e)) and fp32
-accumulators. Block ids are widened to int64 before scaling by the page stride.
+accumulators. Block ids are widened to int64 before scaling by the page stride. Both
+read an fp8 cache too (kernels/kv_quant.py): e4m3 tiles are widened to q's dtype
+(exact), each key's scale multiplies its score column, each value's scale the
+probability column that weighs it.
 """
 from __future__ import annotations
 
@@ -29,13 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import check_cache
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi, kv_head,
-                 stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table, start, hi,
+                 kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) ∩ [0, hi) gathered through the
     block table, folded into the online softmax of the query rows (row r sees keys up to
     q_pos[r]). Returns the new (m_i, l_i, acc)."""
@@ -45,7 +51,12 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi, kv_h
     row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    slot = page * PAGE_SIZE + offs_n % PAGE_SIZE                            # fp8 scales
+    if FP8:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [rows, N]
+    if FP8:
+        s = s * tl.load(KScale + slot, mask=n_mask, other=0.0)[None, :]
     visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
     # Every tile a caller walks holds a key visible to every row (decode: all of them;
@@ -55,13 +66,18 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi, kv_h
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if FP8:
+        p_v = p * tl.load(VScale + slot, mask=n_mask, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_kernel(
-    Q, KCache, VCache, Out, BlockTables, ContextLens, PartOut, PartLse,
+    Q, KCache, VCache, KScale, VScale, Out, BlockTables, ContextLens, PartOut, PartLse,
     num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,      # page, slot-in-page, kv-head strides of the caches
     stride_bt,
@@ -69,7 +85,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,9 +110,10 @@ def _decode_kernel(
     table = BlockTables + seq.to(tl.int64) * stride_bt
     q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)   # the one query sees all keys
     for start in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi,
-                                     kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                                     qk_scale_log2, PAGE_SIZE, BLOCK_N, PRECISION)
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
+                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
+                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
+                                     PRECISION, FP8)
 
     # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -138,13 +155,14 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    Q, KCache, VCache, Out, BlockTables, ContextLens, CuSeqlensQ,
+    Q, KCache, VCache, KScale, VScale, Out, BlockTables, ContextLens, CuSeqlensQ,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     qk_scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS: tl.constexpr, PRECISION: tl.constexpr,   # TOKENS = BLOCK_M // GROUP query tokens
+    FP8: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -173,9 +191,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     for start in range(0, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, table, start, hi,
-                                     kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask,
-                                     qk_scale_log2, PAGE_SIZE, BLOCK_N, PRECISION)
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
+                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
+                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
+                                     PRECISION, FP8)
 
     out = acc / l_i[:, None]
     dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -232,14 +251,17 @@ DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=int(os.environ.get("NANOSERVE_DECOD
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  num_splits: int = 1, out: torch.Tensor | None = None,
-                 config: DecodeConfig | None = None) -> torch.Tensor:
+                 config: DecodeConfig | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: q [num_seqs, Hq, D] (one token per sequence) -> [num_seqs, Hq, D].
 
     block_tables [num_seqs, max_blocks] and context_lens [num_seqs] are int32. A sequence
-    with context_len 0 (batch padding) yields zeros.
+    with context_len 0 (batch padding) yields zeros. fp8 caches come with their
+    per-slot scales k_scale/v_scale [num_blocks, block_size] float32.
     """
     cfg = config or DEFAULT_DECODE_CONFIG
     num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
+    fp8 = check_cache(q.dtype, k_cache, v_cache, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     assert context_lens.shape == (num_seqs,) and block_tables.shape[0] == num_seqs
     out = torch.empty_like(q) if out is None else out
@@ -255,7 +277,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_out = part_lse = out                     # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, block_tables, context_lens, part_out, part_lse,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, block_tables, context_lens, part_out, part_lse,
         num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E,
@@ -263,7 +285,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_N=cfg.block_n or (64 if head_dim <= 128 else 32),
-        NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype),
+        NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -279,13 +301,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill (or any ragged batch): q [T, Hq, D] -> [T, Hq, D], causal over the paged context.
 
     cu_seqlens_q [num_seqs + 1], context_lens [num_seqs], block_tables: int32.
-    max_seqlen_q is a host int (no device sync); it only sizes the grid.
+    max_seqlen_q is a host int (no device sync); it only sizes the grid. fp8 caches: as
+    paged_decode.
     """
     num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
+    fp8 = check_cache(q.dtype, k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     assert cu_seqlens_q.shape == (num_seqs + 1,)
@@ -296,13 +321,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_d = triton.next_power_of_2(head_dim)
     grid = (triton.cdiv(max_seqlen_q, block_m // group), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens, cu_seqlens_q,
+        q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, block_tables,
+        context_lens, cu_seqlens_q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32, TOKENS=block_m // group,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), FP8=fp8,
         num_warps=4, num_stages=2,
     )
     return out

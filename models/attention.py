@@ -25,6 +25,8 @@ class Attention(nn.Module):
         # plain attributes, not buffers: the runner owns these tensors, state_dict must not
         self.k_cache = torch.tensor([])   # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache = torch.tensor([])
+        self.k_scale: torch.Tensor | None = None   # [num_blocks, block_size] fp32: fp8 caches
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -32,7 +34,8 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache not assigned: set layer.k_cache / layer.v_cache "
                                "(see models.qwen3.kv_cache_layers) before running the model")
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                    self.k_scale, self.v_scale)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

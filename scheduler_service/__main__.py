@@ -249,7 +249,8 @@ class ControlPlane:
                 port, http_port = self.start_frontend(i)
             http = "" if http_port is None else f"; OpenAI HTTP API on {self.args.host}:{http_port}"
             print(f"nanoserve scheduler listening on {self.args.host}:{port} (model "
-                  f"{info['model']}, {info['num_kv_blocks']} KV blocks of {info['block_size']}, "
+                  f"{info['model']}, {info['num_kv_blocks']} KV blocks of {info['block_size']}"
+                  f"{' ' + info['kv_cache_dtype'] if info.get('kv_cache_dtype') else ''}, "
                   f"TP={info['world_size']}, {len(self.frontends)} frontend(s)){http}", flush=True)
             code = self.watch()
         except ChildFailed as e:

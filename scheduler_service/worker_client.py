@@ -48,6 +48,7 @@ class GroupInfo:
     vocab_size: int
     max_model_len: int
     eos_token_id: int
+    kv_cache_dtype: str = ""
 
 
 class _StepStream:
@@ -126,6 +127,10 @@ class WorkerGroup:
             if info.model_fingerprint != first.model_fingerprint:
                 raise WorkerGroupError(
                     f"ranks serve different models: {first.model} vs {info.model}", lost=False)
+            if info.kv_cache_dtype != first.kv_cache_dtype:
+                raise WorkerGroupError(
+                    f"ranks use different KV cache dtypes: {first.kv_cache_dtype} (rank 0) vs "
+                    f"{info.kv_cache_dtype} (rank {rank})", lost=False)
         capacity = min(i.num_kv_blocks for i in infos)
         blocks = num_kv_blocks or capacity
         if blocks == 0 or blocks > capacity:
@@ -142,7 +147,8 @@ class WorkerGroup:
                               world_size=len(infos), num_kv_blocks=blocks, block_size=block_size,
                               vocab_size=first.vocab_size,
                               max_model_len=min(i.max_model_len for i in infos),
-                              eos_token_id=first.eos_token_id)
+                              eos_token_id=first.eos_token_id,
+                              kv_cache_dtype=first.kv_cache_dtype)
         return self.info
 
     async def _call(self, method, request, wait: bool, timeout: float | None = None):

@@ -4,13 +4,15 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.kv_quant import FP8_DTYPE
 from models.qwen3 import kv_cache_layers
 
 
 class PagedKV:
     """A small paged KV cache wired into a model, with shuffled per-sequence block tables."""
 
-    def __init__(self, model, seq_lens: list[int], block_size: int, seed: int = 0) -> None:
+    def __init__(self, model, seq_lens: list[int], block_size: int, seed: int = 0,
+                 fp8: bool = False) -> None:
         self.block_size = block_size
         layers = kv_cache_layers(model)
         attn = layers[0]
@@ -20,9 +22,12 @@ class PagedKV:
         self.device = next(model.parameters()).device
         self.kv = torch.full((2, len(layers), num_blocks, block_size, attn.num_kv_heads,
                               attn.head_dim), float("nan"), dtype=dtype,
-                             device=self.device)  # junk reads show
+                             device=self.device).to(FP8_DTYPE if fp8 else dtype)  # junk shows
+        self.scales = torch.full((2, len(layers), num_blocks, block_size), float("nan"),
+                                 device=self.device) if fp8 else None
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv[0, i], self.kv[1, i]
+            layer.k_scale, layer.v_scale = (self.scales[0, i], self.scales[1, i]) if fp8 else (None, None)
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables, start = [], 0
         for n in need:

@@ -237,3 +237,54 @@ def test_tp2_gloo_matches_hf(tmp_path_factory, tmp_path):
     for rank in range(2):
         for i, (ours, ref) in enumerate(zip(torch.load(f"{out}.{rank}"), refs)):
             assert_close(ours, ref, f"gloo rank {rank} seq {i}")
+
+
+
+def hf_logits_fp8_kv(model_dir, prompts: list[torch.Tensor], monkeypatch) -> list[torch.Tensor]:
+    """Hugging Face's logits with every key and value rounded as an fp8 KV cache stores
+    them (kernels.kv_quant.quantize_ref: per-token scale over the kv heads) right before
+    attention reads them: the independent reference of our fp8 path."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from kernels.kv_quant import dequantize_ref, quantize_ref
+
+    def fake_quant(x):                      # [B, Hkv, T, D], one token's heads share a scale
+        rows = x[0].transpose(0, 1)         # [T, Hkv, D]
+        return dequantize_ref(*quantize_ref(rows), x.dtype).transpose(0, 1)[None]
+
+    for mod in (modeling_qwen3, modeling_llama):
+        eager = mod.eager_attention_forward
+        monkeypatch.setattr(mod, "eager_attention_forward",
+                            lambda m, q, k, v, *a, f=eager, **kw: f(m, q, fake_quant(k),
+                                                                     fake_quant(v), *a, **kw))
+    return hf_logits(model_dir, prompts)
+
+
+def test_fp8_kv_cache_matches_hf_with_fp8_rounded_kv(checkpoint, monkeypatch):
+    """Chunked prefill + decode over an fp8 KV cache (torch backend) give Hugging Face's
+    logits when HF's keys and values are rounded the same way; and those stay near the
+    unquantized logits (what e4m3's 3 mantissa bits cost on this tiny random model)."""
+    path, prompts, refs = checkpoint
+    fp8_refs = hf_logits_fp8_kv(path, prompts, monkeypatch)
+    model, _ = load_model(str(path))
+    cache = PagedKV(model, [len(p) for p in prompts], 4, seed=3, fp8=True)
+    assert cache.kv.dtype == torch.float8_e4m3fn
+    first = [2, 3, 5]
+    outs = run_step(model, cache, prompts, [(i, 0, n) for i, n in enumerate(first)])
+    logits = [[o] for o in outs]
+    pos = list(first)
+    while active := [i for i, p in enumerate(prompts) if pos[i] < len(p)]:
+        outs = run_step(model, cache, prompts, [(i, pos[i], pos[i] + 1) for i in active],
+                        is_decode=True)
+        for i, ours in zip(active, outs):
+            logits[i].append(ours)
+            pos[i] += 1
+    ours = torch.cat([torch.cat(x) for x in logits])
+    fp8_ref, ref = torch.cat(fp8_refs), torch.cat(refs)
+    err = ((ours - fp8_ref).norm() / fp8_ref.norm()).item()
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"fp8 KV: vs HF fp8-rounded {err:.2e}; vs HF {rel:.4f}, greedy agreement {agree:.3f}")
+    assert err < 1e-3
+    assert rel < 0.1 and agree >= 0.85

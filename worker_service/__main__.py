@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto on GPU: flash_attn when its build covers the model (head dim, "
                         "dtype, GPU arch; `make flash-attn`) and it measures faster than triton "
                         "at the model's shapes, else triton (logged); torch on CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto = the model's dtype; fp8 = e4m3 with one scale per token "
+                        "(about twice the KV blocks; triton or torch backend, sm_89+ GPUs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         tp, runner_class = group.tp, distributed.TPModelRunner
     runner = runner_class(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)

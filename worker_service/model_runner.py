@@ -25,6 +25,7 @@ import torch
 
 from kernels.attention import AttentionMetadata, select_backend
 from kernels.backend_choice import AttentionShapes
+from kernels.kv_quant import FP8_DTYPE
 from models.loader import config_dtype, load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
@@ -40,6 +41,7 @@ class RunnerConfig:
     device: str = "cpu"
     dtype: str = "auto"                   # auto = config's torch_dtype
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"          # auto = the model's dtype; fp8 = e4m3 + per-token scales
     gpu_memory_utilization: float = 0.9   # CUDA: fraction of total memory for weights+activations+KV
     kv_cache_gb: float = 1.0              # CPU: KV cache size
     max_num_batched_tokens: int = 8192    # largest prefill the profiler plans for
@@ -63,6 +65,7 @@ class PendingStep:
 log = logging.getLogger("nanoserve.worker")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def _i32(buf: bytes) -> np.ndarray:
@@ -79,6 +82,10 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r}: expected "
+                             f"{' or '.join(KV_CACHE_DTYPES)}")
+        self.kv_fp8 = config.kv_cache_dtype == "fp8"
         # auto times flash_attn (when its build covers the model) and triton on this
         # rank's attention shapes and keeps the faster: kernels/backend_choice.py.
         hf = load_config(config.model_dir)
@@ -86,7 +93,8 @@ class ModelRunner:
         shapes = AttentionShapes(num_heads=hf.num_attention_heads // tp.size,
                                  num_kv_heads=max(1, kv_heads // tp.size),
                                  head_dim=_head_dim(hf), dtype=dtype or config_dtype(hf))
-        self.backend = select_backend(config.attention_backend, self.device, shapes=shapes)
+        self.backend = select_backend(config.attention_backend, self.device, shapes=shapes,
+                                      kv_fp8=self.kv_fp8)
         log.info("attention backend: %s", self.backend.name)
         self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
                                                 device=self.device, attn_backend=self.backend)
@@ -102,6 +110,7 @@ class ModelRunner:
         self.num_kv_heads = self.attn_layers[0].num_kv_heads   # this rank's share
         self.head_dim = self.attn_layers[0].head_dim
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None   # fp8: [2, layers, blocks, block_size] fp32
         self.block_size = 0
         self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
         self.penalties: PenaltyState | None = None   # rank 0 (it samples): penalized seqs
@@ -114,9 +123,15 @@ class ModelRunner:
 
     # ---- sizing ---------------------------------------------------------------------
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return "fp8_e4m3" if self.kv_fp8 else str(self.dtype).removeprefix("torch.")
+
     def block_bytes(self, block_size: int) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * block_size * self.num_kv_heads * self.head_dim * elem
+        """K and V bytes of one block over all layers (fp8: values + a 4-byte scale per token)."""
+        values = self.num_kv_heads * self.head_dim
+        per_token = values + 4 if self.kv_fp8 else values * self.dtype.itemsize
+        return 2 * len(self.attn_layers) * block_size * per_token
 
     def kv_capacity(self, block_size: int) -> int:
         """How many KV blocks of `block_size` tokens fit in this rank's budget."""
@@ -140,7 +155,7 @@ class ModelRunner:
         lens = [seq_len] * (n_tokens // seq_len) + ([n_tokens % seq_len] if n_tokens % seq_len else [])
         blocks_per_seq = -(-seq_len // block_size)
         self.init_kv(blocks_per_seq * len(lens), block_size)
-        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        kv_bytes = self.block_bytes(block_size) * self.num_blocks
         req = worker_pb2.StepRequest(step_id=0)
         for i, n in enumerate(lens):
             req.seqs.add(seq_id=i, num_tokens=n, start_pos=0, reset_block_table=True, sample=True,
@@ -150,26 +165,35 @@ class ModelRunner:
         self._forward_and_sample(self.table.plan(req))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
-        self.kv_cache = self.table = None
+        self.kv_cache = self.kv_scales = self.table = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_scale = layer.v_scale = None
         torch.cuda.empty_cache()
         return int(peak)
 
     def init_kv(self, num_blocks: int, block_size: int) -> None:
         """(Re)allocate the KV cache; forgets every sequence."""
         self._bind_device()
-        self.kv_cache = None
+        self.kv_cache = self.kv_scales = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_scale = layer.v_scale = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, block_size,
+        num_layers = len(self.attn_layers)
+        self.kv_cache = torch.empty(2, num_layers, num_blocks, block_size,
                                     self.num_kv_heads, self.head_dim,
-                                    dtype=self.dtype, device=self.device)
+                                    dtype=FP8_DTYPE if self.kv_fp8 else self.dtype,
+                                    device=self.device)
+        if self.kv_fp8:
+            self.kv_scales = torch.ones(2, num_layers, num_blocks, block_size,
+                                        dtype=torch.float32, device=self.device)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+            if self.kv_fp8:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
         self.block_size = block_size
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None

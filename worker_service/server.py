@@ -40,7 +40,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_fingerprint=r.fingerprint, num_kv_blocks=r.kv_capacity(block_size),
             block_size=block_size, vocab_size=r.vocab_size, max_model_len=r.max_model_len,
             eos_token_id=r.eos_token_id, device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
-            attention_backend=r.backend.name)
+            attention_backend=r.backend.name, kv_cache_dtype=r.kv_cache_dtype_name)
 
     def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:
@@ -54,7 +54,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.runner.init_kv(request.num_kv_blocks, request.block_size)
             self.steps = self.steps_overlapped = 0
         self.metrics.initialized(request.num_kv_blocks, request.block_size)
-        log.info("KV cache: %d blocks of %d tokens", request.num_kv_blocks, request.block_size)
+        log.info("KV cache: %d blocks of %d tokens, %s", request.num_kv_blocks,
+                 request.block_size, self.runner.kv_cache_dtype_name)
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
     def Step(self, request_iterator, context):
