@@ -3,9 +3,9 @@
 Batch 256 (default), contexts 100..2048, head_dim 128, 8 KV heads, GQA group 2 (Qwen3-0.6B:
 16 q heads), 4 and 8 (larger Qwen3s); page size 256 with shuffled block tables. Bytes
 counted: every context token's K and V rows of the sequence's KV heads, q in, out out,
-and the block table / context lengths. Sweeps DecodeConfig (key tile, warps, stages) and
-prints one markdown table.
-    python tests/gpu/bench_decode_attention.py [--batch 256] [--peak-tbs 3.35]
+and the block table / context lengths (fp8 KV: 1-byte K/V plus each token's two fp32
+scales). Sweeps DecodeConfig (key tile, warps, stages) and prints one markdown table.
+    python tests/gpu/bench_decode_attention.py [--batch 256] [--peak-tbs 3.35] [--kv bf16,fp8]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import argparse
 import torch
 import triton
 
+from kernels.kv_quant import quantize_ref
 from kernels.paged_attention import DecodeConfig, paged_decode
 
 CONTEXTS = {"100": (100, 100), "512": (512, 512), "1024": (1024, 1024), "2048": (2048, 2048),
@@ -21,7 +22,7 @@ CONTEXTS = {"100": (100, 100), "512": (512, 512), "1024": (1024, 1024), "2048": 
 
 
 def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, page: int = 256,
-              dtype=torch.bfloat16, seed: int = 0) -> dict:
+              dtype=torch.bfloat16, seed: int = 0, fp8: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(lo, hi + 1, (batch,), generator=g, dtype=torch.int32)
     need = (ctx + page - 1) // page
@@ -36,10 +37,17 @@ def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, pag
     v = torch.randn_like(k)
     q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
     esz = k.element_size()
-    nbytes = (int(ctx.sum()) * hkv * d * 2 * esz + 2 * q.numel() * esz
+    scales = {}
+    if fp8:
+        for name, x in (("k", k), ("v", v)):
+            xq, xs = quantize_ref(x.view(-1, hkv, d))
+            scales[name], scales[name + "_scale"] = xq.view(x.shape), xs.view(num_blocks, page)
+        k, v = scales.pop("k"), scales.pop("v")
+    kv_row = hkv * d * k.element_size() + (4 if fp8 else 0)       # one token's K (or V)
+    nbytes = (int(ctx.sum()) * kv_row * 2 + 2 * q.numel() * esz
               + table.numel() * 4 + batch * 4)
     return dict(q=q, k=k, v=v, table=table.cuda(), ctx=ctx.cuda(), bytes=nbytes,
-                scale=d ** -0.5)
+                scale=d ** -0.5, **scales)
 
 
 def main() -> None:
@@ -47,23 +55,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--peak-tbs", type=float, default=0.0,
                     help="HBM peak in TB/s for the %% column (default: 3.35 H100 SXM, 4.8 H200)")
+    ap.add_argument("--kv", default="bf16,fp8", help="KV cache dtypes to run")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     peak = args.peak_tbs or (4.8 if "H200" in name else 3.35)
     configs = [DecodeConfig(None, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
                DecodeConfig(128, 8, 2), DecodeConfig(128, 4, 3), DecodeConfig(256, 8, 2)]
-    print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16; "
+    print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16 q; "
           f"peak {peak} TB/s\n")
-    print("| group | contexts | config (block_n, warps, stages) | us | GB/s | % peak |")
-    print("|---|---|---|---|---|---|")
+    print("| KV | group | contexts | config (block_n, warps, stages) | us | GB/s | % peak |")
+    print("|---|---|---|---|---|---|---|")
     best: dict = {}
-    for group in (2, 4, 8):
+    for kv, group in [(kv, g) for kv in args.kv.split(",") for g in (2, 4, 8)]:
         for label, (lo, hi) in CONTEXTS.items():
-            c = make_case(args.batch, lo, hi, 8 * group, 8)
+            c = make_case(args.batch, lo, hi, 8 * group, 8, fp8=kv == "fp8")
             ref = None
             for cfg in configs:
                 fn = lambda: paged_decode(c["q"], c["k"], c["v"], c["table"], c["ctx"],
-                                          c["scale"], num_splits=1, config=cfg)
+                                          c["scale"], num_splits=1, config=cfg,
+                                          k_scale=c.get("k_scale"), v_scale=c.get("v_scale"))
                 out = fn()
                 if ref is None:
                     ref = out
@@ -72,12 +82,14 @@ def main() -> None:
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100)
                 gbs = c["bytes"] / ms / 1e6
                 pct = 100 * gbs / (peak * 1e3)
-                best[(group, label)] = max(best.get((group, label), (0, None)), (pct, cfg))
-                print(f"| {group} | {label} | ({cfg.block_n or 'default'}, {cfg.num_warps}, "
-                      f"{cfg.num_stages}) | {ms * 1e3:.1f} | {gbs:.0f} | {pct:.1f} |")
-    print("\nBest config per case:\n\n| group | contexts | % peak | config |\n|---|---|---|---|")
-    for (group, label), (pct, cfg) in best.items():
-        print(f"| {group} | {label} | {pct:.1f} | {cfg} |")
+                key = (kv, group, label)
+                best[key] = max(best.get(key, (0, 0, None)), (pct, -ms, cfg), key=lambda t: t[0])
+                print(f"| {kv} | {group} | {label} | ({cfg.block_n or 'default'}, {cfg.num_warps}, "
+                      f"{cfg.num_stages}) | {ms * 1e3:.1f} | {gbs:.0f} | {pct:.1f} |", flush=True)
+    print("\nBest config per case:\n\n| KV | group | contexts | us | % peak | config |"
+          "\n|---|---|---|---|---|---|")
+    for (kv, group, label), (pct, neg_ms, cfg) in best.items():
+        print(f"| {kv} | {group} | {label} | {-neg_ms * 1e3:.1f} | {pct:.1f} | {cfg} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Per-kernel GPU time of one decode step (torch.profiler), fused vs unfused kernels.
+"""Per-kernel GPU time of one decode step (torch.profiler): unfused, fused, fused + fp8 KV.
 
 Random-weight Qwen3-0.6B (tests/gpu/test_model_gpu.py makes it), bf16, batch 131 (the
 nano-vllm workload's mean decode batch), contexts U[100, 1024], page 256. Prints for each
 variant a markdown table (kernel, calls, total us per step) and the step's GPU busy time
 next to its bandwidth floor. Fused = Triton SiLU-and-mul and q/k norm + rotary in one
-kernel; unfused = NANOSERVE_FUSED_KERNELS=0: (weight bytes + the batch's KV bytes) / --hbm-tbs.
+kernel; unfused = NANOSERVE_FUSED_KERNELS=0; fp8 = an fp8 KV cache (kernels/kv_quant.py).
+The floor is (weight bytes + the batch's KV bytes, of the variant's KV dtype) / --hbm-tbs.
     python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0]
 """
 from __future__ import annotations
@@ -36,22 +37,28 @@ def main() -> None:
                           attn_backend=select_backend("triton", "cuda"))
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 1025, (args.batch,), generator=g).tolist()
-    kv = PagedKV(model, ctx, block_size=256)
-    kv.kv.normal_()
-    pos, meta = kv.metadata([(i, n - 1, n) for i, n in enumerate(ctx)], is_decode=True)
     ids = torch.randint(0, 10000, (args.batch,), generator=g).cuda()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    attn0 = kv.kv.shape
-    kv_bytes = sum(ctx) * 2 * attn0[1] * attn0[4] * attn0[5] * kv.kv.element_size()
-    floor_ms = (weight_bytes + kv_bytes) / (args.hbm_tbs * 1e12) * 1e3
     print(f"{torch.cuda.get_device_name()}, batch {args.batch}, contexts U[100,1024] "
-          f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB + KV "
-          f"{kv_bytes / 1e9:.2f} GB -> floor {floor_ms:.2f} ms at {args.hbm_tbs} TB/s")
+          f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB")
 
-    def step():
-        return model.compute_logits(model(ids, pos, meta))
+    for name, fused, fp8 in (("unfused", False, False), ("fused", True, False),
+                             ("fused, fp8 KV", True, True)):
+        kv = PagedKV(model, ctx, block_size=256, fp8=fp8)
+        if fp8:
+            kv.kv.copy_(torch.randn(kv.kv.shape, device="cuda").to(kv.kv.dtype))
+            kv.scales.fill_(1.0)
+        else:
+            kv.kv.normal_()
+        pos, meta = kv.metadata([(i, n - 1, n) for i, n in enumerate(ctx)], is_decode=True)
+        shape = kv.kv.shape       # [2, layers, blocks, page, kv heads, head dim]
+        row = shape[4] * shape[5] * kv.kv.element_size() + (4 if fp8 else 0)
+        kv_bytes = sum(ctx) * 2 * shape[1] * row
+        floor_ms = (weight_bytes + kv_bytes) / (args.hbm_tbs * 1e12) * 1e3
 
-    for fused in (False, True):
+        def step():
+            return model.compute_logits(model(ids, pos, meta))
+
         models.activation.FUSED = fused
         with torch.inference_mode():
             for _ in range(3):
@@ -68,9 +75,9 @@ def main() -> None:
                 per[e.name][1] += e.device_time
         total = sum(t for _, t in per.values()) / args.steps
         calls = sum(c for c, _ in per.values()) / args.steps
-        print(f"\n### {'fused' if fused else 'unfused'} (NANOSERVE_FUSED_KERNELS="
-              f"{int(fused)}): {calls:.0f} kernels, GPU busy "
-              f"{total / 1e3:.2f} ms/step = {total / 1e3 / floor_ms:.2f}x floor\n")
+        print(f"\n### {name} (NANOSERVE_FUSED_KERNELS={int(fused)}): {calls:.0f} kernels, "
+              f"GPU busy {total / 1e3:.2f} ms/step; KV {kv_bytes / 1e9:.2f} GB -> floor "
+              f"{floor_ms:.2f} ms at {args.hbm_tbs} TB/s: {total / 1e3 / floor_ms:.2f}x floor\n")
         print("| kernel | calls/step | us/step | % |\n|---|---|---|---|")
         for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
             print(f"| {name[:90]} | {c / args.steps:.0f} | {t / args.steps:.0f} | "

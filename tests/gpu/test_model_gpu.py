@@ -64,19 +64,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def logits_check(path) -> dict:
+def logits_check(path, kv_fp8: bool = False) -> dict:
     import transformers
     from kernels.attention import select_backend
     from models.loader import load_model
     from paged_kv import PagedKV
     ours, _ = load_model(str(path), dtype=torch.bfloat16, device="cuda",
-                         attn_backend=select_backend("triton", "cuda"))
+                         attn_backend=select_backend("triton", "cuda", kv_fp8=kv_fp8))
     hf16 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     gen = torch.Generator().manual_seed(1)
     lens = [300, 517, 64]
     prompts = [torch.randint(0, 10000, (n + 1,), generator=gen) for n in lens]
-    kv = PagedKV(ours, [n + 1 for n in lens], block_size=256)
+    kv = PagedKV(ours, [n + 1 for n in lens], block_size=256, fp8=kv_fp8)
     with torch.inference_mode():
         # prefill of n tokens each, then one decode step for the (n+1)-th token
         ids = torch.cat([p[:-1] for p in prompts]).cuda()
@@ -100,14 +100,15 @@ def logits_check(path) -> dict:
     return {k: max(v) for k, v in r.items()}
 
 
-def greedy_check(path) -> list[dict]:
+def greedy_check(path, kv_fp8: bool = False) -> list[dict]:
     import grpc
     import transformers
     from nanoserve.v1 import generate_pb2, generate_pb2_grpc
     from services import Proc
     worker = Proc("worker", ["worker_service", "--model", str(path), "--device", "cuda",
                              "--port", "0", "--attention-backend", "triton",
-                             "--gpu-memory-utilization", "0.5"]).start(timeout=600)
+                             "--gpu-memory-utilization", "0.5",
+                             *(["--kv-cache-dtype", "fp8"] if kv_fp8 else [])]).start(timeout=600)
     sched = Proc("scheduler", ["scheduler_service", "--model", str(path), "--workers",
                                f"127.0.0.1:{worker.port}", "--port", "0"]).start(timeout=120)
     gen = torch.Generator().manual_seed(2)
@@ -138,7 +139,7 @@ def greedy_check(path) -> list[dict]:
             # teacher-forced: HF's logits given our history; our pick vs HF's best
             logits = hf(torch.tensor([p + ours]).cuda()).logits[0, len(p) - 1:-1].float()
             gap = (logits.max(-1).values - logits.gather(1, torch.tensor(ours).cuda()[:, None])[:, 0])
-            rows.append({"prompt_len": len(p), "tokens": len(ours), "agree_prefix": agree,
+            rows.append({"prompt_len": len(p), "tokens": len(ours), "agree_prefix": agree, "ids": ours,
                          "max_logit_gap": float(gap.max()), "logit_scale": float(logits.abs().max())})
     return rows
 
@@ -167,22 +168,38 @@ def test_greedy_tokens_match_hf(checkpoint):
         assert row["max_logit_gap"] <= 4 * bf16_ulp(row["logit_scale"]), row
 
 
+def test_fp8_kv_stays_near_bf16(checkpoint):
+    """fp8 KV: logits within a few times bf16's own error of the fp32 reference; greedy
+    starts like the bf16 KV run and every pick stays near HF's best (teacher-forced)."""
+    r = logits_check(checkpoint, kv_fp8=True)
+    assert r["prefill_ours"] <= 8 * r["prefill_hf16"] + 1e-2, r
+    assert r["decode_ours"] <= 8 * r["decode_hf16"] + 1e-2, r
+    for a, b in zip(greedy_check(checkpoint), greedy_check(checkpoint, kv_fp8=True)):
+        assert b["tokens"] == GREEDY_STEPS and b["ids"][0] == a["ids"][0], (a, b)
+        assert b["max_logit_gap"] <= 0.05 * b["logit_scale"], b
+
+
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     if sys.argv[1:] == ["--make-checkpoint-only"]:
         print(main_checkpoint())
         return
     path = main_checkpoint()
-    if True:
-        r = logits_check(path)
-        print("\n| logits (rel. L2 err vs HF fp32) | ours bf16 | HF bf16 |\n|---|---|---|")
-        for phase in ("prefill", "decode"):
-            print(f"| {phase} | {r[phase + '_ours']:.4f} | {r[phase + '_hf16']:.4f} |")
-        print("\n| prompt len | tokens | agree with HF generate (prefix) | max logit gap (teacher-forced) | max |logit| |"
-              "\n|---|---|---|---|---|")
-        for row in greedy_check(path):
-            print(f"| {row['prompt_len']} | {row['tokens']} | {row['agree_prefix']} | "
-                  f"{row['max_logit_gap']:.4f} | {row['logit_scale']:.2f} |")
+    r, r8 = logits_check(path), logits_check(path, kv_fp8=True)
+    print("\n| logits (rel. L2 err vs HF fp32) | ours, bf16 KV | ours, fp8 KV | HF bf16 |"
+          "\n|---|---|---|---|")
+    for phase in ("prefill", "decode"):
+        print(f"| {phase} | {r[phase + '_ours']:.4f} | {r8[phase + '_ours']:.4f} "
+              f"| {r[phase + '_hf16']:.4f} |")
+    rows = {kv: greedy_check(path, kv_fp8=kv == "fp8") for kv in ("bf16", "fp8")}
+    print("\n| KV | prompt len | tokens | agree with HF generate (prefix) | agree with bf16 KV "
+          "(prefix) | max logit gap (teacher-forced) | max |logit| |\n|---|---|---|---|---|---|---|")
+    for kv, kv_rows in rows.items():
+        for row, base in zip(kv_rows, rows["bf16"]):
+            same = next((i for i, (a, b) in enumerate(zip(row["ids"], base["ids"])) if a != b),
+                        len(row["ids"]))
+            print(f"| {kv} | {row['prompt_len']} | {row['tokens']} | {row['agree_prefix']} | "
+                  f"{same} | {row['max_logit_gap']:.4f} | {row['logit_scale']:.2f} |")
 
 
 if __name__ == "__main__":
