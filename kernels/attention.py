@@ -9,7 +9,8 @@ every key of its own sequence up to its own position (cached prefix included).
 Backends (`select_backend`): `torch` (this file's reference; CPU), `triton` (own kernels in
 store_kvcache.py / paged_attention.py), `flash_attn` (flash_attn_backend.py). Every
 backend's forward(q, k, v, k_cache, v_cache, meta, scale) first writes this step's k/v at
-meta.slot_mapping, then attends q [T, Hq, D] over the paged cache -> [T, Hq, D].
+meta.slot_mapping (unless kv_stored: a fused kernel already did), then attends
+q [T, Hq, D] over the paged cache -> [T, Hq, D].
 Index tensors (slot_mapping, block_tables, context_lens, cu_seqlens_*) are int32 on q's
 device; the KV caches must be contiguous; q/k/v need only a contiguous last dim.
 
@@ -104,9 +105,10 @@ class TorchBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
@@ -134,9 +136,10 @@ class TritonBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.is_decode:
             splits = self.decode_splits
             if splits is None:
@@ -166,12 +169,13 @@ class FlashAttnBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         if k_scale is not None:
             raise ValueError("flash-attn 2 cannot read an fp8 KV cache: use the triton backend")
         self._fa.check_supported(q, k_cache)
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             return self._fa.flash_decode(q, k_cache, v_cache, meta.context_lens,
                                          meta.block_tables, scale)

@@ -66,9 +66,20 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def quantize_rows(x):
-    """One token's row x (any shape, fp32) -> (e4m3 values, scale), as quantize_ref."""
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-8), 448.0)
+def e4m3_scale(amax):
+    """The scale of a row whose largest |value| is amax (as quantize_ref)."""
+    return tl.math.div_rn(tl.maximum(amax, 1e-8), 448.0)
+
+
+@triton.jit
+def to_e4m3(x, scale):
+    """fp32 x / scale as e4m3 (as quantize_ref)."""
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-    return _round_to_e4m3(y).to(tl.float8e4nv), scale
+    return _round_to_e4m3(y).to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(x):
+    """One token's 2-D row x (fp32) -> (e4m3 values, scale), as quantize_ref."""
+    scale = e4m3_scale(tl.max(tl.max(tl.abs(x), 1), 0))
+    return to_e4m3(x, scale), scale

@@ -1,10 +1,13 @@
-"""Qwen3's per-head q/k RMSNorm and neox rotary in one Triton pass, in place.
+"""Qwen3's per-head q/k RMSNorm and neox rotary in one Triton pass, in place, optionally
+also storing the token's K and V into the paged KV cache.
 
-Unfused, a decode layer runs three kernels here (q norm, k norm, rotary), each a round trip
-of q/k through HBM. This kernel reads every head of one token once, normalizes it (numerics
-of kernels/rmsnorm.py: fp32 statistics, rounded to the activation dtype, times the weight,
-rounded), rotates it (kernels/rotary.py: fp32 math), and writes it back. Reference:
-`qk_norm_rotary_ref` = rms_norm_ref then apply_rotary_ref. Needs rot_dim == head_dim.
+Unfused, a decode layer runs four kernels here (q norm, k norm, rotary, KV store), each a
+round trip through HBM. This kernel reads every head of one token once, normalizes it
+(numerics of kernels/rmsnorm.py: fp32 statistics, rounded to the activation dtype, times
+the weight, rounded), rotates it (kernels/rotary.py: fp32 math), writes it back, and, given
+the caches, writes K and V at the token's slot (quantized as kernels/kv_quant.py for an
+fp8 cache) as kernels/store_kvcache.py would. Reference: `qk_norm_rotary_ref` =
+rms_norm_ref then apply_rotary_ref (then store_kvcache_ref). Needs rot_dim == head_dim.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 
@@ -41,17 +45,41 @@ def _norm_rotate_heads(X, W, token, stride_t, stride_h, cos, sin, eps,
     w2 = tl.load(W + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     y1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
     y2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    tl.store(p1, (y1 * cos - y2 * sin).to(X.dtype.element_ty), mask=mask)
-    tl.store(p2, (y2 * cos + y1 * sin).to(X.dtype.element_ty), mask=mask)
+    o1 = (y1 * cos - y2 * sin).to(X.dtype.element_ty)
+    o2 = (y2 * cos + y1 * sin).to(X.dtype.element_ty)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p2, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _store_halves(Cache, Scale, slot, x1, x2, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr):
+    """Write one token's [heads, 2 * HALF] row, given as its two halves, at `slot`."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    dst = Cache + slot * (NUM_HEADS * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    if FP8:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        scale = e4m3_scale(tl.maximum(tl.max(tl.max(tl.abs(f1), 1), 0),
+                                      tl.max(tl.max(tl.abs(f2), 1), 0)))
+        tl.store(dst, to_e4m3(f1, scale), mask=mask)
+        tl.store(dst + HALF, to_e4m3(f2, scale), mask=mask)
+        tl.store(Scale + slot, scale)
+    else:
+        tl.store(dst, x1, mask=mask)
+        tl.store(dst + HALF, x2, mask=mask)
 
 
 @triton.jit
 def _qk_norm_rotary_kernel(
     Q, K, QW, KW, Positions, CosSin, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    V, KCache, VCache, KScale, VScale, SlotMapping, stride_vt, stride_vh,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
@@ -62,15 +90,33 @@ def _qk_norm_rotary_kernel(
     cos, sin = cos[None, :], sin.to(tl.float32)[None, :]
     _norm_rotate_heads(Q, QW, token, stride_qt, stride_qh, cos, sin, eps,
                        NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
-    _norm_rotate_heads(K, KW, token, stride_kt, stride_kh, cos, sin, eps,
-                       NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF)
+    k1, k2 = _norm_rotate_heads(K, KW, token, stride_kt, stride_kh, cos, sin, eps,
+                                NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF)
+    if STORE:
+        slot = tl.load(SlotMapping + token).to(tl.int64)
+        if slot >= 0:                        # -1: padding, or KV already cached
+            offs_h = tl.arange(0, BLOCK_HK)
+            offs_d = tl.arange(0, BLOCK_HALF)
+            mask = (offs_h[:, None] < NUM_K_HEADS) & (offs_d[None, :] < HALF)
+            src = V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+            v1 = tl.load(src, mask=mask, other=0.0)
+            v2 = tl.load(src + HALF, mask=mask, other=0.0)
+            _store_halves(KCache, KScale, slot, k1, k2, NUM_K_HEADS, BLOCK_HK, HALF,
+                          BLOCK_HALF, FP8)
+            _store_halves(VCache, VScale, slot, v1, v2, NUM_K_HEADS, BLOCK_HK, HALF,
+                          BLOCK_HALF, FP8)
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   cos_sin_cache: torch.Tensor, v: torch.Tensor | None = None,
+                   k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                   slot_mapping: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalize and rotate q [T, Hq, D] and k [T, Hkv, D] in place (strided views of a
-    fused qkv output are fine: last dim contiguous); returns (q, k)."""
+    fused qkv output are fine: last dim contiguous); returns (q, k). Given v [T, Hkv, D]
+    and the caches, also stores K and V as store_kvcache(k, v, k_cache, v_cache,
+    slot_mapping, k_scale, v_scale) would."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert cos_sin_cache.shape[-1] == head_dim, "fused q/k norm + rotary needs rot_dim == head_dim"
@@ -78,14 +124,23 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert positions.shape == (num_tokens,)
     assert q_weight.shape == k_weight.shape == (head_dim,)
+    store = v is not None
+    fp8 = False
+    if store:
+        assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (num_tokens,)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.shape[2:] == (num_k_heads, head_dim) and v_cache.shape == k_cache.shape
+        fp8 = check_cache(k.dtype, k_cache, v_cache, k_scale, v_scale)
     if num_tokens:
         half = head_dim // 2
         _qk_norm_rotary_kernel[(num_tokens,)](
             q, k, q_weight, k_weight, positions, cos_sin_cache, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            *((v, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
+               slot_mapping, v.stride(0), v.stride(1)) if store else (k, k, k, k, k, positions, 0, 0)),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_k_heads),
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), STORE=store, FP8=fp8,
         )
     return q, k

@@ -28,14 +28,21 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None   # [num_blocks, block_size] fp32: fp8 caches
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    def cache(self, meta: AttentionMetadata) -> dict:
+        """Where this step's K/V go, for a kernel that stores them itself
+        (kernels/qk_norm_rotary.py): pass kv_stored=True to forward then."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache not assigned: set layer.k_cache / layer.v_cache "
                                "(see models.qwen3.kv_cache_layers) before running the model")
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                    self.k_scale, self.v_scale)
+        return dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping,
+                    k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        c = self.cache(meta)
+        return self.backend.forward(q, k, v, c["k_cache"], c["v_cache"], meta, self.scale,
+                                    c["k_scale"], c["v_scale"], kv_stored=kv_stored)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

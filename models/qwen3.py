@@ -57,16 +57,18 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and activation.use_fused(q):
-            # one kernel for q norm + k norm + rotary (kernels/qk_norm_rotary.py);
-            # NANOSERVE_FUSED_KERNELS=0 runs the three kernels below instead
+        fused = self.qk_norm and activation.use_fused(q)
+        if fused:
+            # one kernel for q norm + k norm + rotary + K/V store (kernels/qk_norm_rotary.py);
+            # NANOSERVE_FUSED_KERNELS=0 runs the four kernels below instead
             q, k = qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
-                                  self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache)
+                                  self.q_norm.eps, positions, self.rotary_emb.cos_sin_cache,
+                                  v=v, **self.attn.cache(meta))
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        out = self.attn(q, k, v, meta, kv_stored=fused)
         return self.o_proj(out.reshape(-1, q_size))
 
 

@@ -107,3 +107,34 @@ def test_fused_qk_norm_rotary_matches_ref(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out_q, ref_q, **tol)
     torch.testing.assert_close(out_k, ref_k, **tol)
     assert torch.equal(qkv[:, (hq + hk) * d:], v_before)             # v untouched
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_qk_norm_rotary_stores_kv(fp8: bool) -> None:
+    """With the caches given, the kernel also stores K (normed + rotated, as it writes it
+    back) and V at the slots, as store_kvcache_ref does with its outputs; slot -1 skipped."""
+    from kernels.attention import store_kvcache_ref
+    from kernels.kv_quant import FP8_DTYPE
+    from kernels.qk_norm_rotary import qk_norm_rotary
+    g = torch.Generator().manual_seed(4)
+    t, hq, hk, d, blocks, bs = 6, 4, 2, 32, 5, 4
+    qkv = (3 * torch.randn(t, (hq + 2 * hk) * d, generator=g)).to(DEVICE)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+    qw, kw = torch.rand(d, generator=g).to(DEVICE), torch.rand(d, generator=g).to(DEVICE)
+    pos = torch.tensor([0, 7, 3, 60, 1, 2], device=DEVICE)
+    slots = torch.tensor([3, 17, -1, 0, 9, 12], dtype=torch.int32, device=DEVICE)
+    shape = (blocks, bs, hk, d)
+    caches = [torch.zeros(shape, device=DEVICE).to(FP8_DTYPE if fp8 else torch.float32)
+              for _ in range(2)]
+    scales = [torch.zeros(blocks, bs, device=DEVICE) for _ in range(2)] if fp8 else [None, None]
+    ref = [c.clone() for c in caches], [s.clone() if fp8 else None for s in scales]
+    qk_norm_rotary(q, k, qw, kw, 1e-6, pos, cos_sin_cache(64, d), v=v, k_cache=caches[0],
+                   v_cache=caches[1], slot_mapping=slots, k_scale=scales[0], v_scale=scales[1])
+    store_kvcache_ref(k, v, *ref[0], slots, *ref[1])      # k: the kernel's own output
+    for ours, want in zip(caches, ref[0]):
+        assert torch.equal(ours.float(), want.float())
+    if fp8:
+        for ours, want in zip(scales, ref[1]):
+            assert torch.equal(ours, want)
+    assert caches[0].float().abs().sum() > 0 and caches[1].float().abs().sum() > 0

@@ -96,7 +96,7 @@ def test_fused_kernels_match_unfused(checkpoint, monkeypatch):
     calls = []
     kernel = models.qwen3.qk_norm_rotary
     monkeypatch.setattr(models.qwen3, "qk_norm_rotary",
-                        lambda *a: calls.append(1) or kernel(*a))
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     path, prompts, _ = checkpoint
     model, _ = load_model(str(path))
     steps = [[(i, 0, len(p) - 1) for i, p in enumerate(prompts)],
@@ -261,10 +261,14 @@ def hf_logits_fp8_kv(model_dir, prompts: list[torch.Tensor], monkeypatch) -> lis
     return hf_logits(model_dir, prompts)
 
 
-def test_fp8_kv_cache_matches_hf_with_fp8_rounded_kv(checkpoint, monkeypatch):
-    """Chunked prefill + decode over an fp8 KV cache (torch backend) give Hugging Face's
-    logits when HF's keys and values are rounded the same way; and those stay near the
-    unquantized logits (what e4m3's 3 mantissa bits cost on this tiny random model)."""
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_fp8_kv_cache_matches_hf_with_fp8_rounded_kv(checkpoint, monkeypatch, fused):
+    """Chunked prefill + decode over an fp8 KV cache (torch backend; fused: the q/k
+    norm + rotary kernel quantizes and stores K/V) give Hugging Face's logits when HF's
+    keys and values are rounded the same way; and those stay near the unquantized logits
+    (what e4m3's 3 mantissa bits cost on this tiny random model)."""
+    import models.activation
+    monkeypatch.setattr(models.activation, "use_fused", lambda x: fused)
     path, prompts, refs = checkpoint
     fp8_refs = hf_logits_fp8_kv(path, prompts, monkeypatch)
     model, _ = load_model(str(path))
