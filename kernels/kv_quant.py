@@ -28,7 +28,9 @@ MIN_AMAX = 1e-8            # an all-zero row still gets a finite, positive scale
 def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H, D] -> (e4m3 [T, H, D], float32 scale [T]) with one scale per token."""
     xf = x.float()
-    scale = xf.abs().amax(dim=(1, 2)).clamp(min=MIN_AMAX) / FP8_MAX
+    amax = xf.abs().amax(dim=(1, 2)).clamp(min=MIN_AMAX)
+    scale = amax / torch.full_like(amax, FP8_MAX)   # a tensor divisor: CUDA divides a tensor
+                                                    # by a scalar as times its reciprocal
     q = (xf / scale[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

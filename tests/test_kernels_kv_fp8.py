@@ -13,7 +13,7 @@ import torch
 
 from kernels.attention import TorchBackend, TritonBackend, paged_attention_ref, store_kvcache_ref
 from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize_ref, quantize_ref
-from kernels.paged_attention import paged_decode, paged_prefill
+from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill
 from kernels.store_kvcache import store_kvcache
 from tests.test_kernels_attention import DEVICE, INTERPRET, boundary_contexts, make_batch
 
@@ -80,10 +80,10 @@ def test_decode_fp8_matches_ref(block_size: int, head_dim: int, group: int) -> N
     m = b["meta"]
     ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], m, b["scale"],
                               b["k_scale"], b["v_scale"])
-    for splits in (1, 3):
+    for splits, cfg in ((1, None), (3, None), (1, DecodeConfig(block_n=16, k_transposed=True))):
         out = paged_decode(b["q"], b["k_cache"], b["v_cache"], m.block_tables, m.context_lens,
                            b["scale"], num_splits=splits, k_scale=b["k_scale"],
-                           v_scale=b["v_scale"])
+                           v_scale=b["v_scale"], config=cfg)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
