@@ -42,25 +42,20 @@ LOG2E = 1.4426950408889634
 def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table, start, hi,
                  kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                 FP8: tl.constexpr, K_T: tl.constexpr):
+                 FP8: tl.constexpr):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) ∩ [0, hi) gathered through the
     block table, folded into the online softmax of the query rows (row r sees keys up to
-    q_pos[r]). Returns the new (m_i, l_i, acc). K_T: load the key tile as [D, N] (a
-    layout the compiler may convert more cheaply when the tile must be widened)."""
+    q_pos[r]). Returns the new (m_i, l_i, acc)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
     page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
     kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     slot = page * PAGE_SIZE + offs_n % PAGE_SIZE                            # fp8 scales
-    if K_T:
-        k_t = tl.load(KCache + row[None, :] + offs_d[:, None],
-                      mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-    else:
-        k_t = tl.trans(tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0))
     if FP8:
-        k_t = k_t.to(q.dtype)
-    s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale_log2           # [rows, N]
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [rows, N]
     if FP8:
         s = s * tl.load(KScale + slot, mask=n_mask, other=0.0)[None, :]
     visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -92,7 +87,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-    Q_FP16: tl.constexpr, K_T: tl.constexpr,
+    Q_FP16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -122,7 +117,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
                                      table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
                                      offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
-                                     PRECISION, FP8, K_T)
+                                     PRECISION, FP8)
 
     # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -205,7 +200,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
                                      table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
                                      offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
-                                     PRECISION, FP8, False)
+                                     PRECISION, FP8)
 
     out = acc / l_i[:, None]
     dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -253,7 +248,6 @@ class DecodeConfig:
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    k_transposed: bool = False      # load key tiles as [D, N] (see _attend_tile)
 
 
 # NANOSERVE_DECODE_BLOCK_N overrides the key-tile size, to compare configs end to end.
@@ -299,7 +293,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_N=cfg.block_n or (32 if head_dim > 128 else 128 if fp8 else 64),
         NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), FP8=fp8,
-        Q_FP16=fp8 and q.dtype != torch.float32, K_T=cfg.k_transposed,
+        Q_FP16=fp8 and q.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

@@ -60,8 +60,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     peak = args.peak_tbs or (4.8 if "H200" in name else 3.35)
     configs = [DecodeConfig(None, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
-               DecodeConfig(128, 4, 3), DecodeConfig(64, 4, 2, True), DecodeConfig(128, 4, 2, True),
-               DecodeConfig(128, 4, 3, True), DecodeConfig(64, 2, 2), DecodeConfig(32, 4, 2)]
+               DecodeConfig(128, 4, 3), DecodeConfig(64, 2, 2), DecodeConfig(32, 4, 2)]
     print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16 q; "
           f"peak {peak} TB/s\n")
     print("| KV | group | contexts | config (block_n, warps, stages) | us | GB/s | % peak |")
@@ -86,7 +85,7 @@ def main() -> None:
                 key = (kv, group, label)
                 best[key] = max(best.get(key, (0, 0, None)), (pct, -ms, cfg), key=lambda t: t[0])
                 print(f"| {kv} | {group} | {label} | ({cfg.block_n or 'default'}, {cfg.num_warps}, "
-                      f"{cfg.num_stages}{', K^T' if cfg.k_transposed else ''}) | {ms * 1e3:.1f} "
+                      f"{cfg.num_stages}) | {ms * 1e3:.1f} "
                       f"| {gbs:.0f} | {pct:.1f} |", flush=True)
     print("\nBest config per case:\n\n| KV | group | contexts | us | % peak | config |"
           "\n|---|---|---|---|---|---|")
