@@ -8,6 +8,7 @@ STUBS  := $(PROTOS:.proto=_pb2.py)
 MODEL  ?=
 TP     ?= 1
 HTTP_PORT ?=
+KV_DTYPE ?=
 
 .PHONY: help setup proto test test-gpu demo serve flash-attn clean
 
@@ -15,7 +16,8 @@ help:
 	@echo "make demo                 serve an embedded default model on loopback and stream a generation"
 	@echo "make test                 run the CPU test suite (what CI runs)"
 	@echo "make serve MODEL=dir      serve a Hugging Face Qwen3 directory (GPU host), TP=N for N ranks,"
-	@echo "                          HTTP_PORT=8000 to add the OpenAI-compatible HTTP API"
+	@echo "                          HTTP_PORT=8000 to add the OpenAI-compatible HTTP API,"
+	@echo "                          KV_DTYPE=fp8 for an fp8 KV cache (~2x the blocks)"
 	@echo "make proto                regenerate the gRPC stubs from protos/"
 	@echo "make flash-attn           build + install a trimmed flash-attn wheel (GPU host with nvcc, ~6-13 min)"
 
@@ -45,7 +47,7 @@ demo: proto
 serve: proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
 	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
-		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),)
+		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),)
 
 # Trimmed flash-attn 2 wheel from PyPI's sdist (only the kernels the worker calls), built
 # against FA_PYTHON's torch with nvcc and installed there. FLASH_ATTN_ARGS: see

@@ -80,3 +80,12 @@ def test_fp8_greedy_through_services_matches_hf_with_fp8_kv(model_dir, monkeypat
         if sched:
             sched.stop()
         worker.stop()
+
+
+def test_launch_gives_every_worker_the_kv_cache_dtype():
+    from scheduler_service.launch import commands, parse_args
+    *workers, sched = commands(parse_args(["--model", "m", "--tp", "2", "--kv-cache-dtype", "fp8"]))
+    for cmd in workers:
+        assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in sched
+    assert all("--kv-cache-dtype" not in c for c in commands(parse_args(["--model", "m"])))
