@@ -146,7 +146,7 @@ def test_worker_metrics_over_http(tmp_path_factory):
 
 
 def test_grafana_dashboard_queries_only_metrics_that_exist():
-    """grafana/nanoserve-dashboard.json is valid JSON and each series it queries is one the
+    """scheduler_service/grafana_dashboard.json is valid JSON and each series it queries is one the
     servers export (a renamed metric would otherwise leave a silently empty panel)."""
     import json
     import re
@@ -159,7 +159,7 @@ def test_grafana_dashboard_queries_only_metrics_that_exist():
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
     exported = {f.name + s for f in REGISTRY.collect() if f.name.startswith("nanoserve_")
                 for s in suffixes[f.type]}
-    dash = json.loads((ROOT / "grafana" / "nanoserve-dashboard.json").read_text())
+    dash = json.loads((ROOT / "scheduler_service" / "grafana_dashboard.json").read_text())
     used = {name for panel in dash["panels"] for t in panel["targets"]
             for name in re.findall(r"nanoserve_\w+", t["expr"])}
     assert used and used <= exported, sorted(used - exported)
