@@ -20,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No service process outlives the run, even one whose test failed before cleanup."""
+    import sys
+    services = sys.modules.get("services")    # imported only if some test started services
+    if services is not None:
+        left = services.stop_all()
+        if left:
+            print(f"\nstopped {len(left)} process(es) left running by tests: {', '.join(left)}")

@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
 _HTTP = re.compile(r"OpenAI HTTP API on [\w.:]+:(\d+)")
+_LAUNCHED: list["Proc"] = []   # every process a test started: stop_all() at session end
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Proc:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.popen = subprocess.Popen([sys.executable, "-m", *self.args], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _LAUNCHED.append(self)
         found = self._found = threading.Event()
 
         def pump():
@@ -78,6 +80,15 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             return self.popen.wait()
+
+
+def stop_all() -> list[str]:
+    """Stop every process a test started and left running (a test that failed before its
+    own cleanup); returns their names."""
+    left = [p for p in _LAUNCHED if p.popen is not None and p.popen.poll() is None]
+    for p in left:
+        p.stop(timeout=5.0)
+    return [p.name for p in left]
 
 
 def free_port() -> int:
