@@ -257,9 +257,6 @@ class ModelRunner:
             pending.events[1].record()
         return pending
 
-    def is_done(self, pending: PendingStep) -> bool:
-        return pending.events is None or pending.events[1].query()
-
     def finish(self, pending: PendingStep) -> worker_pb2.StepResponse:
         """Wait for a launched step and answer it."""
         resp = worker_pb2.StepResponse(step_id=pending.step_id)

@@ -1,12 +1,16 @@
 """gRPC server for the internal Worker API (protos/nanoserve/v1/worker.proto).
 
-One scheduler drives a worker; the Step stream is processed strictly in order on the
-thread that serves it, so the ModelRunner needs no locking beyond Init vs Step.
+One scheduler drives a worker. Its Step stream is launched strictly in order on one
+thread and answered strictly in order on another (the one serving the stream), so the
+ModelRunner needs no locking beyond Init vs launch. The answering thread waits on CUDA
+events without the GIL and needs it back quickly while a launch runs: `serve` shortens
+the interpreter's switch interval for that.
 """
 from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 from concurrent import futures
 
@@ -20,8 +24,9 @@ from worker_service.model_runner import ModelRunner, StepError
 log = logging.getLogger("nanoserve.worker")
 
 MAX_MESSAGE_BYTES = 256 << 20
-_POLL_S = 0.0002     # how often a waiting step loop checks whether the GPU finished
-_DONE = object()     # "the pending step completed before the next request arrived"
+# Python's 5 ms default would let a launching thread hold the GIL for up to 5 ms while a
+# finished step's answer waits.
+SWITCH_INTERVAL_S = 0.0005
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -30,6 +35,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_name = model_name
         self.lock = threading.Lock()   # Init and Step never overlap
         self.steps = self.steps_overlapped = 0
+        self._launched = self._answered = 0   # steps (each counter written by one thread)
         self.metrics = WorkerMetrics(runner.tp.rank)
 
     def Info(self, request, context):
@@ -59,47 +65,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
     def Step(self, request_iterator, context):
-        """Launch step N+1 before finishing step N whenever N+1 has already arrived, so the
-        GPU goes from one step to the next without waiting for our answer's round trip."""
-        requests: queue.Queue = queue.Queue()
+        """Launch each step on a thread of its own the moment it arrives, so the GPU goes
+        from one step to the next without waiting for our answer's round trip, and answer
+        each here, in order, the moment its GPU work is done. Launching and answering never
+        wait for each other: a long launch (an eager prefill's hundreds of kernels) does
+        not hold back the answer of the step before it, which the scheduler needs to send
+        the next one."""
+        launched: queue.Queue = queue.Queue()   # pending steps, or (status, message), None: end
 
-        def read() -> None:
+        def launch_all() -> None:
             try:
                 for req in request_iterator:
-                    requests.put(req)
+                    self.steps += 1
+                    self.steps_overlapped += self._answered < self._launched
+                    pending, error = self._launch(req)
+                    self._launched += 1
+                    launched.put(error or pending)
+                    if error:
+                        return
             except Exception:  # noqa: BLE001 - the stream was cancelled; end as if closed
                 pass
-            requests.put(None)
+            finally:
+                launched.put(None)
 
-        threading.Thread(target=read, name="step-reader", daemon=True).start()
-        pending = None
-        while True:
-            req = requests.get() if pending is None else self._next_unless_done(requests, pending)
-            if req is _DONE:
-                yield self._finish(pending, context)
-                pending = None
-                continue
-            if req is None:
-                if pending is not None:
-                    yield self._finish(pending, context)
-                return
-            self.steps += 1
-            self.steps_overlapped += pending is not None
-            launched, error = self._launch(req)
-            if pending is not None:   # owed its answer even when the next step is bad
-                yield self._finish(pending, context)
-            if error:
-                context.abort(*error)
-            pending = launched
-
-    def _next_unless_done(self, requests: queue.Queue, pending):
-        """The next request if it arrives before the pending step completes, else _DONE."""
-        while True:
-            try:
-                return requests.get(timeout=_POLL_S)
-            except queue.Empty:
-                if self.runner.is_done(pending):
-                    return _DONE
+        threading.Thread(target=launch_all, name="step-launcher", daemon=True).start()
+        while (item := launched.get()) is not None:
+            if isinstance(item, tuple):   # a bad step: the ones before it were answered
+                context.abort(*item)
+            yield self._finish(item, context)
+            self._answered += 1
 
     def _launch(self, req):
         """(pending step, None) or (None, (status code, message))."""
@@ -115,9 +109,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return None, (grpc.StatusCode.INTERNAL, f"step {req.step_id}: {type(e).__name__}: {e}")
 
     def _finish(self, pending, context):
+        """No lock: finishing reads only the pending step (its events and host copies), so
+        it runs while the next step launches."""
         try:
-            with self.lock:
-                resp = self.runner.finish(pending)
+            resp = self.runner.finish(pending)
             self.metrics.stepped(resp.step_ms, resp.gpu_ms)
             return resp
         except Exception as e:  # noqa: BLE001
@@ -134,6 +129,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 def serve(runner: ModelRunner, model_name: str, host: str, port: int, secret: str | None = None,
           credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
     """secret: every RPC but Health needs it (`authorization: Bearer`); credentials: TLS."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8), interceptors=[SyncGuard(secret, OPEN_WORKER)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
