@@ -10,15 +10,39 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.attention import TorchBackend, TritonBackend, paged_attention_ref, store_kvcache_ref
 from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize_ref, quantize_ref
-from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill
+from kernels.paged_attention import DecodeConfig, _e4m3_pairs_to_f16, paged_decode, paged_prefill
 from kernels.store_kvcache import store_kvcache
 from tests.test_kernels_attention import DEVICE, INTERPRET, boundary_contexts, make_batch
 
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                 reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+@triton.jit
+def _widen_pairs_kernel(X, Even, Odd, N: tl.constexpr):
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    even, odd = _e4m3_pairs_to_f16(tl.load(X + offs))
+    tl.store(Even + offs, even)
+    tl.store(Odd + offs, odd)
+
+
+def test_e4m3_pairs_widen_exactly() -> None:
+    """Every pair of e4m3 bytes (NaN aside) -> the two fp16 values torch's cast gives: the
+    decode kernel's widening (PTX cvt on CUDA, moved bits in the interpreter)."""
+    pairs = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).to(DEVICE)
+    even, odd = torch.empty(1 << 16, dtype=torch.float16, device=DEVICE), torch.empty(
+        1 << 16, dtype=torch.float16, device=DEVICE)
+    _widen_pairs_kernel[((1 << 16) // 1024,)](pairs, even, odd, N=1024)
+    ref = pairs.view(FP8_DTYPE).view(-1, 2).to(torch.float16)   # little-endian: low byte first
+    finite = ~ref.isnan().any(dim=1)
+    assert finite.sum() == 254 * 254
+    torch.testing.assert_close(even[finite], ref[finite, 0], rtol=0, atol=0)
+    torch.testing.assert_close(odd[finite], ref[finite, 1], rtol=0, atol=0)
 
 
 def fp8_caches(b: dict) -> dict:
