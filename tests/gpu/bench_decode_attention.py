@@ -56,17 +56,19 @@ def main() -> None:
     ap.add_argument("--peak-tbs", type=float, default=0.0,
                     help="HBM peak in TB/s for the %% column (default: 3.35 H100 SXM, 4.8 H200)")
     ap.add_argument("--kv", default="bf16,fp8", help="KV cache dtypes to run")
+    ap.add_argument("--groups", default="2,4,8", help="GQA groups (q heads per kv head) to run")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     peak = args.peak_tbs or (4.8 if "H200" in name else 3.35)
-    configs = [DecodeConfig(None, 4, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
-               DecodeConfig(128, 4, 3), DecodeConfig(64, 2, 2), DecodeConfig(32, 4, 2)]
+    configs = [DecodeConfig(None, 4, 2), DecodeConfig(32, 4, 2), DecodeConfig(64, 4, 2),
+               DecodeConfig(64, 8, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
+               DecodeConfig(128, 8, 2), DecodeConfig(64, 2, 2)]
     print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16 q; "
           f"peak {peak} TB/s\n")
     print("| KV | group | contexts | config (block_n, warps, stages) | us | GB/s | % peak |")
     print("|---|---|---|---|---|---|---|")
     best: dict = {}
-    for kv, group in [(kv, g) for kv in args.kv.split(",") for g in (2, 4, 8)]:
+    for kv, group in [(kv, int(g)) for kv in args.kv.split(",") for g in args.groups.split(",")]:
         for label, (lo, hi) in CONTEXTS.items():
             c = make_case(args.batch, lo, hi, 8 * group, 8, fp8=kv == "fp8")
             ref = None

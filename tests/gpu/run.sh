@@ -3,8 +3,9 @@
 #   kernels  Triton kernels vs torch references at Qwen3-0.6B sizes
 #   model    our Qwen3 vs Hugging Face (bf16 logits; greedy tokens through the real services)
 #   bench    client.bench reference workload, in-process and through gRPC
-#   unit     the CPU kernel tests (tests/test_kernels_*.py) on CUDA
-#   attn     paged decode attention GB/s and % of HBM peak (batch 256, GQA 2/4/8, config sweep)
+#   unit     the CPU kernel tests (tests/test_kernels_*.py, or UNIT_ARGS) on CUDA
+#   attn     paged decode attention GB/s and % of HBM peak (batch 256, GQA 2/4/8, config sweep;
+#            ATTN_ARGS, e.g. "--kv fp8 --groups 2")
 #   profile  per-kernel GPU time of one decode step at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
@@ -42,8 +43,8 @@ for w in ${*:-kernels model bench}; do
         ${FLASH_ATTN_ARGS:-} 2>&1 | tee "$OUT/flash_build.log" || rc=1
       python3 -m kernels.build_flash_attn --smoke 2>&1 | tee "$OUT/flash_smoke.log" || rc=1 ;;
     kernels|model|tp|sampling) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
-    unit) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tee "$OUT/unit.md" || rc=1 ;;
-    attn) python3 tests/gpu/bench_decode_attention.py 2>&1 | tee "$OUT/attn.md" || rc=1 ;;
+    unit) python3 -m pytest -q -p no:cacheprovider ${UNIT_ARGS:-tests/test_kernels_*.py} 2>&1 | tee "$OUT/unit.md" || rc=1 ;;
+    attn) python3 tests/gpu/bench_decode_attention.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.md" || rc=1 ;;
     profile) python3 tests/gpu/profile_decode.py 2>&1 | tee "$OUT/profile.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
