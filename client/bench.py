@@ -14,7 +14,9 @@
 
 The workload is nano-vllm's bench.py, draw for draw (256 sequences, prompt lengths and
 max_tokens uniform in [100, 1024], token ids randint(0, 10000), ignore_eos, temperature
-0.6): seed 0 gives its 133,966 output tokens. Running it both ways prices the service
+0.6): seed 0 gives its 133,966 output tokens. With --runs N, runs after the first keep
+the lengths but shift every prompt id, so none finds its prompt in the prefix cache (as
+nano-vllm's runs, each a fresh process, never do). Running it both ways prices the service
 boundary; the decode breakdown (the engine's per-step timers) says where a decode step's
 wall time goes and how long the GPU sits idle in each (idle = step wall - GPU busy).
 
@@ -89,6 +91,19 @@ def make_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int) -> l
         ids = [t if t < vocab_size else t % vocab_size for t in ids]
         out.append(BenchRequest(ids, min(n, max_model_len - len(ids))))
     return out
+
+
+def for_run(workload: list[BenchRequest], run: int, vocab_size: int) -> list[BenchRequest]:
+    """Run `run` of a series: the same lengths, every prompt id shifted (run 0: nano-vllm's
+    own ids). A repeat of the same prompts would find them in the prefix cache, left there
+    by the run before: prefill would be cheaper than in nano-vllm's bench, whose every run
+    is a fresh process with an empty cache."""
+    if run == 0:
+        return workload
+    high = min(vocab_size, PROMPT_ID_HIGH + 1)
+    shift = run * 3571   # (a tiny test vocabulary may map a run onto another: no matter)
+    return [BenchRequest([(t + shift) % high for t in r.prompt_ids], r.max_tokens)
+            for r in workload]
 
 
 def warmup_workload(n: int, cfg: WorkloadConfig, vocab_size: int) -> list[BenchRequest]:
@@ -354,7 +369,7 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
     async with AsyncClient(args.target, timeout=args.timeout, api_key=args.api_key,
                            tls_ca=args.tls_ca) as client:
         info = await client.model_info()
-        workload = make_workload(wcfg, info.vocab_size, info.max_model_len)
+        workload = run_0 = make_workload(wcfg, info.vocab_size, info.max_model_len)
         if args.warmup > 0:
             warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
             traces = [Trace() for _ in warm]
@@ -362,7 +377,8 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
                                    for r, t in zip(warm, traces)))
             _raise_if_failed(traces, "warm-up")
         outcomes = []
-        for _ in range(args.runs):
+        for run in range(args.runs):
+            workload = for_run(run_0, run, info.vocab_size)
             before = await _settled_stats(client)
             progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
             offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
@@ -570,9 +586,10 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
         if args.warmup > 0:
             warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
             _raise_if_failed(submit_all(warm, [0.0] * len(warm), None), "warm-up")
-        workload = make_workload(wcfg, info.vocab_size, max_model_len)
+        workload = run_0 = make_workload(wcfg, info.vocab_size, max_model_len)
         outcomes = []
-        for _ in range(args.runs):
+        for run in range(args.runs):
+            workload = for_run(run_0, run, info.vocab_size)
             before = _settled_engine_stats(engine)
             progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
             traces = submit_all(workload, arrival_offsets(len(workload), wcfg.request_rate,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from client.bench import (DecodeBreakdown, Trace, WorkloadConfig, arrival_offsets, make_workload,
-                          percentiles)
+from client.bench import (DecodeBreakdown, Trace, WorkloadConfig, arrival_offsets, for_run,
+                          make_workload, percentiles)
 from services import ROOT, start_scheduler, start_worker
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -94,6 +94,24 @@ def check_report(report: dict, mode: str) -> None:
 
 
 @pytest.mark.slow
+def test_runs_after_the_first_reuse_no_prompt() -> None:
+    """Repeated runs keep the lengths but never the ids of the run before: the prefix cache
+    must not serve a second run's prefill (nano-vllm runs each time with an empty cache)."""
+    base = make_workload(WorkloadConfig(), 151936, 4096)
+    assert for_run(base, 0, 151936) is base
+    runs = [for_run(base, k, 151936) for k in range(1, 5)]
+    for run in runs:
+        assert [len(r.prompt_ids) for r in run] == [len(r.prompt_ids) for r in base]
+        assert [r.max_tokens for r in run] == [r.max_tokens for r in base]
+        assert all(0 <= t <= 10000 for r in run for t in r.prompt_ids)
+    firsts = [tuple(tuple(r.prompt_ids[:16]) for r in run) for run in [base, *runs]]
+    assert len(set(firsts)) == 5
+    for a, b in zip([base, *runs], runs):   # not one 16-token block shared between runs
+        blocks = {tuple(r.prompt_ids[i:i + 16]) for r in a for i in range(0, len(r.prompt_ids) - 15, 16)}
+        assert not any(tuple(r.prompt_ids[i:i + 16]) in blocks
+                       for r in b for i in range(0, len(r.prompt_ids) - 15, 16))
+
+
 def test_bench_grpc(scheduler_port, tmp_path):
     report = run_bench(["--target", f"127.0.0.1:{scheduler_port}", *TINY], tmp_path / "g.json",
                        check_no_torch=True)
