@@ -10,7 +10,7 @@
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
-#            at RATE req/s, default 26 = ~80% of saturation) both ways; FRONTENDS, KV_DTYPE,
+#            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways; FRONTENDS, KV_DTYPE,
 #            BACKEND pass through
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
@@ -71,14 +71,14 @@ for w in ${*:-kernels model bench}; do
       B=(python3 -m client.bench --no-progress --device-name "$GPU")
       L=(--in-process --model "$M" --device cuda --max-model-len 4096 "${EXTRA[@]}")
       "${B[@]}" "${L[@]}" --runs "${LOCAL_RUNS:-3}" --json "$OUT/svc_local.json" 2>"$OUT/svc_local.err" || rc=1
-      "${B[@]}" "${L[@]}" --request-rate "$R" --runs 2 --json "$OUT/svc_local_online.json" 2>>"$OUT/svc_local.err" || rc=1
+      "${B[@]}" "${L[@]}" --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_local_online.json" 2>>"$OUT/svc_local.err" || rc=1
       python3 -m worker_service --model "$M" --port 50061 --max-model-len 4096 --log-level WARNING \
         "${EXTRA[@]}" > "$OUT/svc_worker.log" 2>&1 &
       python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
         --max-model-len 4096 --frontends "${FRONTENDS:-1}" --log-level WARNING > "$OUT/svc_scheduler.log" 2>&1 &
       for i in $(seq 300); do grep -q listening "$OUT/svc_scheduler.log" && break; sleep 1; done
       "${B[@]}" --target 127.0.0.1:50051 --runs "${GRPC_RUNS:-5}" --json "$OUT/svc_grpc.json" 2>"$OUT/svc_grpc.err" || rc=1
-      "${B[@]}" --target 127.0.0.1:50051 --request-rate "$R" --runs 2 --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
+      "${B[@]}" --target 127.0.0.1:50051 --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
       kill %2 %1 2>/dev/null; wait
       tail -n 3 "$OUT"/svc_*.err "$OUT"/svc_*.log ;;
     peer)
