@@ -43,6 +43,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs, stride_ch,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cache row offsets (of this kv head) and slots (fp8 scales) of the tile's keys. Tiles
+    start at multiples of BLOCK_N, so when pages hold whole tiles (page 256 on GPUs) a tile
+    is one page: one scalar block-table load and contiguous rows, nothing the K/V loads
+    must wait for per key. Smaller pages are looked up per key."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
+        in_page = start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    else:
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+    return (page * stride_cb + in_page * stride_cs + kv_head * stride_ch,
+            page * PAGE_SIZE + in_page)
+
+
+@triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table, start, hi,
                  kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -52,11 +69,10 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table,
     q_pos[r]). Returns the new (m_i, l_i, acc)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
-    page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-    row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    row, slot = _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs,
+                           stride_ch, PAGE_SIZE, BLOCK_N)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    slot = page * PAGE_SIZE + offs_n % PAGE_SIZE                            # fp8 scales
     if FP8:
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [rows, N]
@@ -112,10 +128,9 @@ def _attend_tile_fp8(q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, V
     moves a transposed fp8 tile byte by byte and holds twice the registers."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
-    page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-    row = page * stride_cb + (offs_n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    row, slot = _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs,
+                           stride_ch, PAGE_SIZE, BLOCK_N)
     kv_mask = n_mask[:, None] & h_mask[None, :]
-    slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
     k_e, k_o = _e4m3_pairs_to_f16(tl.load(KCache + row[:, None] + offs_h[None, :], mask=kv_mask, other=0))
     s = tl.dot(q_e, tl.trans(k_e.to(q_e.dtype)), input_precision=PRECISION)
     s = tl.dot(q_o, tl.trans(k_o.to(q_e.dtype)), s, input_precision=PRECISION)

@@ -104,7 +104,8 @@ def test_decode_fp8_matches_ref(block_size: int, head_dim: int, group: int) -> N
     m = b["meta"]
     ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], m, b["scale"],
                               b["k_scale"], b["v_scale"])
-    for splits, cfg in ((1, None), (3, None), (1, DecodeConfig(block_n=16, num_warps=2))):
+    for splits, cfg in ((1, None), (3, None), (1, DecodeConfig(block_n=16, num_warps=2)),
+                        (3, DecodeConfig(block_n=16, num_warps=2))):   # block 16: one page a tile
         out = paged_decode(b["q"], b["k_cache"], b["v_cache"], m.block_tables, m.context_lens,
                            b["scale"], num_splits=splits, k_scale=b["k_scale"],
                            v_scale=b["v_scale"], config=cfg)
