@@ -5,8 +5,8 @@ Reference: `kernels.attention.paged_attention_ref`. Two kernels:
 * `paged_decode`: one query token per sequence. One program per (sequence, kv head,
   split) holds all `group = Hq // Hkv` query heads of that kv head, so each K/V tile is
   loaded once for the whole group (decode is memory-bound: K/V bytes are the cost).
-  Keys are walked in tiles of BLOCK_N tokens whose pages are looked up per token, so the
-  tile size is independent of the page size (16 or 256 both work). With num_splits > 1
+  Keys are walked in tiles of BLOCK_N tokens, so the tile size is independent of the
+  page size (16 or 256 both work): a tile inside one page looks it up once, else per key. With num_splits > 1
   the context is cut into that many chunks (flash-decoding) and a second kernel merges
   the partial results by their log-sum-exp; the chunk length is derived in-kernel from
   the real context length, so a fixed num_splits is correct for any context (CUDA-graph
