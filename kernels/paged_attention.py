@@ -6,8 +6,9 @@ Reference: `kernels.attention.paged_attention_ref`. Two kernels:
   split) holds all `group = Hq // Hkv` query heads of that kv head, so each K/V tile is
   loaded once for the whole group (decode is memory-bound: K/V bytes are the cost).
   Keys are walked in tiles of BLOCK_N tokens, so the tile size is independent of the
-  page size (16 or 256 both work): a tile inside one page looks it up once, else per key. With num_splits > 1
-  the context is cut into that many chunks (flash-decoding) and a second kernel merges
+  page size (16 or 256 both work): a tile inside one page looks it up once, else per key.
+  With num_splits > 1 the context is cut into that many chunks (flash-decoding) and a
+  second kernel merges
   the partial results by their log-sum-exp; the chunk length is derived in-kernel from
   the real context length, so a fixed num_splits is correct for any context (CUDA-graph
   safe).
@@ -60,6 +61,18 @@ def _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs, stri
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Fold one tile's base-2 scores s [rows, N] into the online softmax: (new running
+    max, the factor rescaling what was accumulated, the tile's weights p, new running
+    sum). Every tile a caller walks holds a key visible to every row (decode: all of
+    them; prefill: key 0 in the first tile), so the max is finite from the first tile on."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table, start, hi,
                  kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -80,12 +93,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table,
         s = s * tl.load(KScale + slot, mask=n_mask, other=0.0)[None, :]
     visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
-    # Every tile a caller walks holds a key visible to every row (decode: all of them;
-    # prefill: key 0 in the first tile), so m_new is finite from the first tile on.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     if FP8:
         p_v = p * tl.load(VScale + slot, mask=n_mask, other=0.0)[None, :]
@@ -131,16 +139,15 @@ def _attend_tile_fp8(q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, V
     row, slot = _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs,
                            stride_ch, PAGE_SIZE, BLOCK_N)
     kv_mask = n_mask[:, None] & h_mask[None, :]
-    k_e, k_o = _e4m3_pairs_to_f16(tl.load(KCache + row[:, None] + offs_h[None, :], mask=kv_mask, other=0))
+    k_e, k_o = _e4m3_pairs_to_f16(tl.load(KCache + row[:, None] + offs_h[None, :],
+                                          mask=kv_mask, other=0))
     s = tl.dot(q_e, tl.trans(k_e.to(q_e.dtype)), input_precision=PRECISION)
     s = tl.dot(q_o, tl.trans(k_o.to(q_e.dtype)), s, input_precision=PRECISION)
     s = s * (tl.load(KScale + slot, mask=n_mask, other=0.0) * qk_scale_log2)[None, :]
     s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v_e, v_o = _e4m3_pairs_to_f16(tl.load(VCache + row[:, None] + offs_h[None, :], mask=kv_mask, other=0))
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+    v_e, v_o = _e4m3_pairs_to_f16(tl.load(VCache + row[:, None] + offs_h[None, :],
+                                          mask=kv_mask, other=0))
     p_v = (p * tl.load(VScale + slot, mask=n_mask, other=0.0)[None, :]).to(q_e.dtype)
     acc_e = acc_e * alpha[:, None] + tl.dot(p_v, v_e.to(q_e.dtype), input_precision=PRECISION)
     acc_o = acc_o * alpha[:, None] + tl.dot(p_v, v_o.to(q_e.dtype), input_precision=PRECISION)
@@ -194,10 +201,10 @@ def _decode_kernel(
                 PAGE_SIZE, BLOCK_N, PRECISION)
         # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        _emit(acc_e / denom, 2 * offs_h, g_mask[:, None] & h_mask[None, :], Out, PartOut, seq,
-              heads, split, num_heads, stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
-        _emit(acc_o / denom, 2 * offs_h + 1, g_mask[:, None] & h_mask[None, :], Out, PartOut,
-              seq, heads, split, num_heads, stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
+        _emit(acc_e / denom, 2 * offs_h, q_mask, Out, PartOut, seq, heads, split, num_heads,
+              stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
+        _emit(acc_o / denom, 2 * offs_h + 1, q_mask, Out, PartOut, seq, heads, split, num_heads,
+              stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM

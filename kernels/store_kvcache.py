@@ -71,4 +71,3 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8,
     )
-

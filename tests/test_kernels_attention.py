@@ -105,7 +105,8 @@ def test_decode_matches_ref(block_size: int, head_dim: int, group: int, num_spli
 
 
 @pytest.mark.parametrize("block_size,block_n,num_splits", [(16, 16, 1), (32, 16, 1), (32, 16, 3)])
-def test_decode_tiles_within_pages_match_ref(block_size: int, block_n: int, num_splits: int) -> None:
+def test_decode_tiles_within_pages_match_ref(block_size: int, block_n: int,
+                                              num_splits: int) -> None:
     """Pages holding whole key tiles (page 256 on GPUs): one block-table load per tile."""
     seqs = [(c, 1) for c in boundary_contexts(block_size)] + [(130, 1)]
     b = make_batch(seqs, block_size, num_kv_heads=2, group=2, head_dim=32, seed=block_size)
