@@ -4,8 +4,12 @@ Batch 256 (default), contexts 100..2048, head_dim 128, 8 KV heads, GQA group 2 (
 16 q heads), 4 and 8 (larger Qwen3s); page size 256 with shuffled block tables. Bytes
 counted: every context token's K and V rows of the sequence's KV heads, q in, out out,
 and the block table / context lengths (fp8 KV: 1-byte K/V plus each token's two fp32
-scales). Sweeps DecodeConfig (key tile, warps, stages) and prints one markdown table.
+scales). Sweeps DecodeConfig (key tile, warps, stages), and on request num_splits and the
+batch order, and prints one markdown table. Each call is timed as the model runs it:
+replayed from a CUDA graph (no Python launch cost), L2 flushed before each replay. A
+streaming read (torch.sum) is timed first: what this machine's HBM gives in practice.
     python tests/gpu/bench_decode_attention.py [--batch 256] [--peak-tbs 3.35] [--kv bf16,fp8]
+        [--contexts "U[100,2048];100"] [--splits 1,2] [--orders random,longest]
 """
 from __future__ import annotations
 
@@ -17,14 +21,17 @@ import triton
 from kernels.kv_quant import quantize_ref
 from kernels.paged_attention import DecodeConfig, paged_decode
 
-CONTEXTS = {"100": (100, 100), "512": (512, 512), "1024": (1024, 1024), "2048": (2048, 2048),
-            "U[100,2048]": (100, 2048)}
+CONTEXTS = {"1": (1, 1), "100": (100, 100), "512": (512, 512), "1024": (1024, 1024), "2048": (2048, 2048),
+            "U[100,2048]": (100, 2048), "U[100,1024]": (100, 1024)}
 
 
 def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, page: int = 256,
-              dtype=torch.bfloat16, seed: int = 0, fp8: bool = False) -> dict:
+              dtype=torch.bfloat16, seed: int = 0, fp8: bool = False,
+              longest_first: bool = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(lo, hi + 1, (batch,), generator=g, dtype=torch.int32)
+    if longest_first:   # program i gets the i-th longest context (the GPU starts low ids first)
+        ctx = ctx.sort(descending=True).values
     need = (ctx + page - 1) // page
     num_blocks = int(need.sum())
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
@@ -50,6 +57,32 @@ def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, pag
                 scale=d ** -0.5, **scales)
 
 
+def gpu_time_ms(fn, reps: int = 50) -> float:
+    """Median GPU time of fn replayed from a CUDA graph (as the model runs it: no launch
+    overhead from Python), L2 flushed before each replay (the caches here exceed L2, but
+    a short-context batch would otherwise fit)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in times)[reps // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -57,42 +90,62 @@ def main() -> None:
                     help="HBM peak in TB/s for the %% column (default: 3.35 H100 SXM, 4.8 H200)")
     ap.add_argument("--kv", default="bf16,fp8", help="KV cache dtypes to run")
     ap.add_argument("--groups", default="2,4,8", help="GQA groups (q heads per kv head) to run")
+    ap.add_argument("--contexts", default=";".join(CONTEXTS),
+                    help="context ranges to run, separated by ;")
+    ap.add_argument("--splits", default="1", help="num_splits values to run (flash-decoding)")
+    ap.add_argument("--orders", default="random",
+                    help="batch orders to run: random, longest (longest context first)")
+    ap.add_argument("--configs", default="all", help="'all' or 'default': DecodeConfigs to run")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
     peak = args.peak_tbs or (4.8 if "H200" in name else 3.35)
     configs = [DecodeConfig(None, 4, 2), DecodeConfig(32, 4, 2), DecodeConfig(64, 4, 2),
                DecodeConfig(64, 8, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
                DecodeConfig(128, 8, 2), DecodeConfig(64, 2, 2)]
+    if args.configs == "default":
+        configs = configs[:1]
     print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16 q; "
           f"peak {peak} TB/s\n")
-    print("| KV | group | contexts | config (block_n, warps, stages) | us | GB/s | % peak |")
-    print("|---|---|---|---|---|---|---|")
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")   # what a plain read reaches
+    ms = triton.testing.do_bench(lambda: x.sum(), warmup=10, rep=100)
+    print(f"Reference, a streaming read (torch.sum over 2 GiB of bf16): {x.nbytes / ms / 1e9:.2f}"
+          f" TB/s = {100 * x.nbytes / ms / 1e9 / peak:.1f}% of peak\n")
+    del x
+    print("| KV | group | contexts | order | splits | config (block_n, warps, stages) | us "
+          "| GB/s | % peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
     best: dict = {}
-    for kv, group in [(kv, int(g)) for kv in args.kv.split(",") for g in args.groups.split(",")]:
-        for label, (lo, hi) in CONTEXTS.items():
-            c = make_case(args.batch, lo, hi, 8 * group, 8, fp8=kv == "fp8")
-            ref = None
-            for cfg in configs:
-                fn = lambda: paged_decode(c["q"], c["k"], c["v"], c["table"], c["ctx"],
-                                          c["scale"], num_splits=1, config=cfg,
-                                          k_scale=c.get("k_scale"), v_scale=c.get("v_scale"))
-                out = fn()
-                if ref is None:
-                    ref = out
-                else:   # every config computes the same attention
-                    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
-                gbs = c["bytes"] / ms / 1e6
-                pct = 100 * gbs / (peak * 1e3)
-                key = (kv, group, label)
-                best[key] = max(best.get(key, (0, 0, None)), (pct, -ms, cfg), key=lambda t: t[0])
-                print(f"| {kv} | {group} | {label} | ({cfg.block_n or 'default'}, {cfg.num_warps}, "
-                      f"{cfg.num_stages}) | {ms * 1e3:.1f} "
-                      f"| {gbs:.0f} | {pct:.1f} |", flush=True)
-    print("\nBest config per case:\n\n| KV | group | contexts | us | % peak | config |"
-          "\n|---|---|---|---|---|---|")
-    for (kv, group, label), (pct, neg_ms, cfg) in best.items():
-        print(f"| {kv} | {group} | {label} | {-neg_ms * 1e3:.1f} | {pct:.1f} | {cfg} |")
+    cases = [(kv, int(g), label, order) for kv in args.kv.split(",")
+             for g in args.groups.split(",") for label in args.contexts.split(";")
+             for order in args.orders.split(",")]
+    for kv, group, label, order in cases:
+        lo, hi = CONTEXTS[label]
+        c = make_case(args.batch, lo, hi, 8 * group, 8, fp8=kv == "fp8",
+                      longest_first=order == "longest")
+        ref = None
+        for cfg, splits in [(cfg, int(n)) for cfg in configs for n in args.splits.split(",")]:
+            fn = lambda: paged_decode(c["q"], c["k"], c["v"], c["table"], c["ctx"],
+                                      c["scale"], num_splits=splits, config=cfg,
+                                      k_scale=c.get("k_scale"), v_scale=c.get("v_scale"))
+            out = fn()
+            if ref is None:
+                ref = out
+            else:   # every config computes the same attention
+                torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+            ms = gpu_time_ms(fn)
+            gbs = c["bytes"] / ms / 1e6
+            pct = 100 * gbs / (peak * 1e3)
+            key = (kv, group, label, order)
+            best[key] = max(best.get(key, (0, 0, None, 1)), (pct, -ms, cfg, splits),
+                            key=lambda t: t[0])
+            print(f"| {kv} | {group} | {label} | {order} | {splits} | "
+                  f"({cfg.block_n or 'default'}, {cfg.num_warps}, {cfg.num_stages}) | "
+                  f"{ms * 1e3:.1f} | {gbs:.0f} | {pct:.1f} |", flush=True)
+    print("\nBest per case:\n\n| KV | group | contexts | order | us | % peak | splits | config |"
+          "\n|---|---|---|---|---|---|---|---|")
+    for (kv, group, label, order), (pct, neg_ms, cfg, splits) in best.items():
+        print(f"| {kv} | {group} | {label} | {order} | {-neg_ms * 1e3:.1f} | {pct:.1f} | "
+              f"{splits} | {cfg} |")
 
 
 if __name__ == "__main__":
