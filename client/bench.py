@@ -283,6 +283,9 @@ def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, An
         "total_tok_per_s": (output_tokens + prompt_tokens) / wall if wall > 0 else 0.0,
         "ttft_ms": _ms(percentiles(ttft)),
         "itl_ms": _ms(percentiles(itl)),
+        # > 1: the server put several tokens in one message (it coalesces when it falls
+        # behind); each message costs gRPC CPU on both ends (python -m client.grpc_floor).
+        "tokens_per_message": output_tokens / max(sum(len(t.chunks) for t in traces), 1),
         "decode": outcome.breakdown.summary(),
     }
 
@@ -310,6 +313,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"total tok/s    {r['total_tok_per_s']:,.1f}",
         f"TTFT ms        {pct(r['ttft_ms'])}",
         f"ITL ms         {pct(r['itl_ms'])}",
+        f"streamed       {r['tokens_per_message']:.2f} tokens per message",
         f"decode steps   {d['steps']}   mean batch {d['mean_batch']:.1f}",
     ]
     if d["gpu_timed"]:
@@ -692,6 +696,7 @@ SPREAD_METRICS = {   # name in the spread table -> where it is in a run's result
     "idle %": ("decode", "idle_pct"),
     "TTFT p99 ms": ("ttft_ms", "p99"),
     "ITL p99 ms": ("itl_ms", "p99"),
+    "tokens/message": ("tokens_per_message",),
 }
 
 

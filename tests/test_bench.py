@@ -78,6 +78,8 @@ def check_report(report: dict, mode: str) -> None:
     assert r["num_requests"] == 6
     assert r["wall_s"] > 0 and r["output_tok_per_s"] > 0
     assert r["total_tok_per_s"] > r["output_tok_per_s"]
+    # every streamed message carries at least one token, and no more than a request has
+    assert 1 <= r["tokens_per_message"] <= max(q.max_tokens for q in expected)
     for key in ("ttft_ms", "itl_ms"):
         p = r[key]
         assert 0 <= p["p50"] <= p["p90"] <= p["p99"], (key, p)
@@ -182,3 +184,31 @@ def test_idle_share_never_exceeds_100_percent_when_nothing_is_gpu_timed():
         d = DecodeBreakdown(steps=steps, seqs=steps, wall_ms=wall, schedule_ms=0, rpc_ms=0,
                             worker_ms=0, gpu_ms=0, postprocess_ms=0).summary()
         assert d["idle_pct"] == 100.0
+
+
+def test_tokens_per_message_counts_coalesced_chunks():
+    from client.bench import RunOutcome, summarize
+    reqs = make_workload(WorkloadConfig(num_seqs=2, min_input_len=3, max_input_len=3,
+                                        min_output_len=4, max_output_len=4), VOCAB, MAX_POS)
+    traces = [Trace(submit=0.0, chunks=[(1.0, 1), (2.0, 3)], finish=2.0),   # 4 tokens, 2 messages
+              Trace(submit=0.0, chunks=[(1.0, 4)], finish=1.0)]             # 4 tokens, 1 message
+    outcome = RunOutcome(mode="grpc", model="m", device="d", max_model_len=MAX_POS,
+                         traces=traces, wall_s=2.0,
+                         breakdown=DecodeBreakdown())
+    assert summarize(outcome, reqs)["tokens_per_message"] == pytest.approx(8 / 3)
+
+
+def test_grpc_floor_measures_both_ends(tmp_path):
+    """client.grpc_floor times real RPCs over loopback: positive costs on both ends, and the
+    tokens/s bound is the cores over the per-message cost."""
+    out = tmp_path / "floor.json"
+    proc = subprocess.run([sys.executable, "-m", "client.grpc_floor", "--rpcs", "128",
+                           "--messages", "8", "--cores", "2", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["rpc_client_us"] > 0 and r["rpc_server_us"] > 0
+    per_token = r["message_client_us"] + r["message_server_us"]
+    assert per_token > 0
+    assert r["max_tokens_per_s"] == pytest.approx(2 / per_token * 1e6)
+    assert "output tok/s (gRPC alone)" in proc.stdout
