@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -370,8 +371,13 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
                           ) -> tuple[list[RunOutcome], list[BenchRequest]]:
     from client.client import AsyncClient
 
-    async with AsyncClient(args.target, timeout=args.timeout, api_key=args.api_key,
-                           tls_ca=args.tls_ca) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        # One channel is one HTTP/2 connection, which the kernel hands to one frontend
+        # process: requests go round-robin over --connections channels.
+        channels = [await stack.enter_async_context(AsyncClient(
+            args.target, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca))
+            for _ in range(args.connections)]
+        client = channels[0]
         info = await client.model_info()
         workload = run_0 = make_workload(wcfg, info.vocab_size, info.max_model_len)
         if args.warmup > 0:
@@ -388,9 +394,9 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
             offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
             traces = [Trace() for _ in workload]
             start = time.perf_counter()
-            tasks = [asyncio.create_task(_grpc_request(client, r, wcfg.temperature, t, progress,
-                                                       start + off))
-                     for r, t, off in zip(workload, traces, offsets)]
+            tasks = [asyncio.create_task(_grpc_request(channels[i % len(channels)], r,
+                                                       wcfg.temperature, t, progress, start + off))
+                     for i, (r, t, off) in enumerate(zip(workload, traces, offsets))]
             waiter = asyncio.gather(*tasks)
             while not waiter.done():
                 progress.draw()
@@ -632,6 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --target: API key (default: $NANOSERVE_API_KEY)%(default).0s")
     where.add_argument("--tls-ca", metavar="PEM",
                        help="with --target: connect with TLS, trusting this root certificate")
+    where.add_argument("--connections", type=int, default=1, metavar="N",
+                       help="gRPC modes: spread the requests over N channels (connections); "
+                            "the server pins a connection to one frontend process, so use "
+                            "N >= its --frontends to load them all (default 1)")
     where.add_argument("--in-process", action="store_true",
                        help="build a ModelRunner here and drive the Engine with it (no gRPC)")
     where.add_argument("--null-worker", action="store_true",
@@ -739,6 +749,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("need 1 <= min <= max for input and output lengths, and --num-seqs >= 1")
     if args.runs < 1:
         parser.error("--runs must be >= 1")
+    if args.connections < 1:
+        parser.error("--connections must be >= 1")
     wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
                           max_input_len=args.max_input_len, min_output_len=args.min_output_len,
                           max_output_len=args.max_output_len, temperature=args.temperature,

@@ -117,10 +117,56 @@ def test_runs_after_the_first_reuse_no_prompt() -> None:
 
 
 def test_bench_grpc(scheduler_port, tmp_path):
-    report = run_bench(["--target", f"127.0.0.1:{scheduler_port}", *TINY], tmp_path / "g.json",
-                       check_no_torch=True)
+    report = run_bench(["--target", f"127.0.0.1:{scheduler_port}", "--connections", "2", *TINY],
+                       tmp_path / "g.json", check_no_torch=True)
     check_report(report, "grpc")
     assert report["model_info"]["vocab_size"] == VOCAB
+    assert report["config"]["connections"] == 2
+
+
+def test_connections_spread_requests_round_robin(monkeypatch):
+    """--connections N opens N channels and deals the requests out in turn (a channel is
+    one connection, pinned to one frontend process by the server)."""
+    import asyncio
+
+    import client.client as cc
+    from client.bench import _run_grpc_async, build_parser
+
+    opened: list["FakeChannel"] = []
+
+    class FakeChannel:
+        def __init__(self, target, **kwargs):
+            self.prompts: list[list[int]] = []
+            opened.append(self)
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return None
+
+        async def model_info(self):
+            return cc.ModelInfo(model="fake", vocab_size=VOCAB, max_model_len=MAX_POS)
+
+        async def stats(self):
+            return cc.Stats()
+
+        async def generate(self, prompt, params):
+            self.prompts.append(list(prompt))
+            for _ in range(params.max_tokens):
+                yield cc.GenerationChunk(request_id="r", token_ids=[1], text="", logprobs=[])
+
+    monkeypatch.setattr(cc, "AsyncClient", FakeChannel)
+    args = build_parser().parse_args(["--target", "x:1", "--connections", "3", "--warmup", "0",
+                                      "--no-progress"])
+    cfg = WorkloadConfig(num_seqs=7, min_input_len=5, max_input_len=20, min_output_len=5,
+                         max_output_len=15)
+    outcomes, workload = asyncio.run(_run_grpc_async(args, cfg))
+    assert len(opened) == 3
+    assert [len(c.prompts) for c in opened] == [3, 2, 2]
+    assert [p for i in range(3) for p in opened[i].prompts] == \
+        [r.prompt_ids for i in range(3) for r in workload[i::3]]
+    assert sum(t.num_tokens for t in outcomes[0].traces) == sum(r.max_tokens for r in workload)
 
 
 @pytest.mark.slow
