@@ -8,9 +8,10 @@ carry diffs.
 A step is `launch`ed (inputs copied, kernels queued, sampled ids copied to pinned host
 memory asynchronously) and later `finish`ed (wait, answer). The server launches each step
 as it arrives and finishes steps on another thread (finish touches only its PendingStep),
-so the GPU never waits for the answer round trip and no launch delays an answer. A decode input token of -1 means "the id you sampled for this
-sequence in the previous step": it is taken from the GPU tensor of that step's samples,
-which lets the scheduler send step N+1 before it has read step N's ids.
+so the GPU never waits for the answer round trip and no launch delays an answer. A
+decode input token of -1 means "the id you sampled for this sequence in the previous
+step": it is taken from the GPU tensor of that step's samples, which lets the scheduler
+send step N+1 before it has read step N's ids.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ import triton
 from kernels.kv_quant import quantize_ref
 from kernels.paged_attention import DecodeConfig, paged_decode
 
-CONTEXTS = {"1": (1, 1), "100": (100, 100), "512": (512, 512), "1024": (1024, 1024), "2048": (2048, 2048),
-            "U[100,2048]": (100, 2048), "U[100,1024]": (100, 1024)}
+CONTEXTS = {"1": (1, 1), "100": (100, 100), "512": (512, 512), "1024": (1024, 1024),
+            "2048": (2048, 2048), "U[100,2048]": (100, 2048), "U[100,1024]": (100, 1024)}
 
 
 def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, page: int = 256,

@@ -10,8 +10,8 @@
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
-#            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways; FRONTENDS, KV_DTYPE,
-#            BACKEND pass through
+#            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways;
+#            FRONTENDS, KV_DTYPE, BACKEND pass through
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
