@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frontends", type=int, default=1,
                    help="frontend processes sharing the port (SO_REUSEPORT); more help when "
                         "many clients stream at once and the host has cores to spare")
+    p.add_argument("--stream-deltas-per-turn", type=int, default=8, metavar="N",
+                   help="most stream messages a frontend writes per event-loop turn, so that it "
+                        "keeps accepting new calls while streaming (0 = no limit); a stream "
+                        "that waits sends its tokens together in its next message")
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
                         "/v1/chat/completions, /health) on this port (0 = any free port); off when "
@@ -112,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--block-size must be >= 1")
     if args.frontends < 1:
         p.error("--frontends must be >= 1")
+    if args.stream_deltas_per_turn < 0:
+        p.error("--stream-deltas-per-turn must be >= 0")
     if args.http_request_timeout < 0:
         p.error("--http-request-timeout must be >= 0")
     return args
@@ -150,7 +156,8 @@ class ControlPlane:
             log_level=args.log_level, http_port=args.http_port,
             served_model_name=args.served_model_name, api_key=args.api_key or None,
             http_request_timeout=args.http_request_timeout, tls_cert=args.tls_cert,
-            tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+            tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+            deltas_per_turn=args.stream_deltas_per_turn)
             for i in range(args.frontends)]
         self.policies = {name: RestartPolicy() for name in
                          ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}

@@ -24,6 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from scheduler_service import ipc
 from scheduler_service.sequence import SamplingOptions
+from scheduler_service.turn_budget import TurnBudget
 
 log = logging.getLogger("nanoserve.frontend")
 
@@ -50,13 +51,16 @@ class RequestStream:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def next(self) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]],
-                                  tuple[str, int] | None, tuple[str, str] | None]:
-        """Everything that arrived since the last call (waits for something):
-        (token ids, logprobs, top logprobs, finish, error)."""
+    async def next(self, turns: TurnBudget | None = None
+                   ) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]],
+                              tuple[str, int] | None, tuple[str, str] | None]:
+        """Everything that arrived since the last call (waits for something, then for a
+        grant from `turns`): (token ids, logprobs, top logprobs, finish, error)."""
         while not (self.token_ids or self.finish or self.error):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
+        if turns is not None:
+            await turns.take()
         ids, self.token_ids = self.token_ids, []
         lps, self.logprobs = self.logprobs, []
         top, self.top_logprobs = self.top_logprobs, []

@@ -211,6 +211,7 @@ class FrontendConfig:
     tls_cert: str | None = None       # PEM paths: TLS on the public port when set
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certs signed by this CA
+    deltas_per_turn: int = 8      # stream deltas per event-loop turn (turn_budget.py); 0 = any
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -229,7 +230,7 @@ async def serve(cfg: FrontendConfig, ready) -> None:
     limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
                     default_max_tokens=cfg.default_max_tokens)
-    gen = Generation(engine, tokenizer, limits)
+    gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
     service = GenerationService(gen, name)
     server, port, health_servicer = await build_server(

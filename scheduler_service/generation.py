@@ -22,6 +22,7 @@ from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.sequence import SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.turn_budget import TurnBudget
 
 
 class RequestError(Exception):
@@ -105,10 +106,12 @@ def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: in
 class Generation:
     """The request path shared by every protocol a frontend serves."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, limits: Limits):
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, limits: Limits,
+                 deltas_per_turn: int = 0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
+        self.turns = TurnBudget(deltas_per_turn)   # turn_budget.py: why; 0 = no limit
         self.accepting = True
         # Generations being served: shutdown waits for these, not for long-lived
         # streams such as health watches (which never end by themselves).
@@ -183,9 +186,9 @@ class Generation:
         try:
             while left:
                 if n == 1:
-                    i, got = 0, await handles[0].next()
+                    i, got = 0, await handles[0].next(self.turns)
                 else:
-                    i, got = await self._next_of(handles, released, waits)
+                    i, got = await self._next_of(handles, released, waits, self.turns)
                 token_ids, logprobs, top, finish, error = got
                 if error is not None:
                     released[i] = True   # the core has forgotten it already
@@ -226,12 +229,13 @@ class Generation:
                 self.idle.set()
 
     @staticmethod
-    async def _next_of(handles: list, released: list[bool], waits: dict[asyncio.Future, int]):
+    async def _next_of(handles: list, released: list[bool], waits: dict[asyncio.Future, int],
+                       turns: TurnBudget):
         """(index, next() result) of whichever live completion has something first."""
         live = set(waits.values())
         for i, h in enumerate(handles):
             if not released[i] and i not in live:
-                waits[asyncio.ensure_future(h.next())] = i
+                waits[asyncio.ensure_future(h.next(turns))] = i
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         fut = min(done, key=waits.get)   # lowest index first when several are ready
         return waits.pop(fut), fut.result()

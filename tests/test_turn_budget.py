@@ -1,0 +1,100 @@
+"""TurnBudget: at most N grants per event-loop turn, first come first served, nobody lost."""
+import asyncio
+
+import pytest
+
+from scheduler_service.turn_budget import TurnBudget
+
+
+class TurnCounter:
+    """Counts event-loop turns: a callback that re-schedules itself runs once per turn."""
+
+    def __init__(self):
+        self.turn = 0
+        self.running = True
+        asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self):
+        self.turn += 1
+        if self.running:
+            asyncio.get_running_loop().call_soon(self._tick)
+
+
+async def _grants(per_turn: int, takers: int, rounds: int = 1):
+    """(taker, turn) per grant, in grant order, for `takers` tasks taking `rounds` times."""
+    budget = TurnBudget(per_turn)
+    turns = TurnCounter()
+    got: list[tuple[int, int]] = []
+
+    async def taker(i):
+        for _ in range(rounds):
+            await budget.take()
+            got.append((i, turns.turn))
+            await asyncio.sleep(0)   # a stream writes its delta before it asks again
+
+    await asyncio.gather(*(taker(i) for i in range(takers)))
+    turns.running = False
+    return got
+
+
+def _per_turn(got):
+    counts = {}
+    for _, turn in got:
+        counts[turn] = counts.get(turn, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("per_turn", [1, 3, 8])
+def test_at_most_per_turn_grants_in_a_turn_and_first_come_first_served(per_turn):
+    got = asyncio.run(_grants(per_turn, takers=20))
+    assert sorted(i for i, _ in got) == list(range(20))       # everyone got through
+    assert [i for i, _ in got] == list(range(20))             # in the order they asked
+    counts = _per_turn(got)
+    assert max(counts.values()) <= per_turn
+    assert len(counts) >= 20 // per_turn                      # spread over several turns
+
+
+def test_repeated_takers_all_progress():
+    """Streams that take once per delta: each gets its share, none is starved."""
+    got = asyncio.run(_grants(4, takers=10, rounds=5))
+    assert len(got) == 50
+    assert max(_per_turn(got).values()) <= 4
+    for i in range(10):
+        assert sum(1 for t, _ in got if t == i) == 5
+    first_round = [i for i, _ in got[:10]]
+    assert first_round == list(range(10))
+
+
+def test_zero_means_no_limit():
+    got = asyncio.run(_grants(0, takers=50))
+    assert len(_per_turn(got)) == 1                           # all in one turn
+
+
+def test_a_cancelled_waiter_does_not_hold_up_the_rest():
+    async def main():
+        budget = TurnBudget(1)
+        await budget.take()                 # uses this turn's only grant
+        waiters = [asyncio.ensure_future(budget.take()) for _ in range(4)]
+        await asyncio.sleep(0)              # all four are queued now
+        waiters[1].cancel()
+        await asyncio.wait_for(asyncio.gather(waiters[0], waiters[2], waiters[3]), 1.0)
+        assert waiters[1].cancelled()
+        for _ in range(5):                  # the budget disarms once idle
+            await asyncio.sleep(0)
+        assert not budget.armed and not budget.waiting
+    asyncio.run(main())
+
+
+def test_the_flag_reaches_every_frontend_and_rejects_negatives(tmp_path):
+    import shutil
+
+    from scheduler_service.__main__ import ControlPlane, parse_args
+    base = ["--model", str(tmp_path), "--workers", "127.0.0.1:1"]
+    assert parse_args(base).stream_deltas_per_turn == 8          # the default
+    plane = ControlPlane(parse_args(base + ["--stream-deltas-per-turn", "0", "--frontends", "2"]))
+    try:
+        assert [c.deltas_per_turn for c in plane.frontend_configs] == [0, 0]
+    finally:
+        shutil.rmtree(plane.ipc_dir, ignore_errors=True)
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--stream-deltas-per-turn", "-1"])
