@@ -6,6 +6,8 @@ variant a markdown table (kernel, calls, total us per step) and the step's GPU b
 next to its bandwidth floor. Fused = Triton SiLU-and-mul and q/k norm + rotary in one
 kernel; unfused = NANOSERVE_FUSED_KERNELS=0; fp8 = an fp8 KV cache (kernels/kv_quant.py).
 The floor is (weight bytes + the batch's KV bytes, of the variant's KV dtype) / --hbm-tbs.
+Each variant also replays the step from a CUDA graph (as the worker does) and prints its
+wall time beside the kernels' sum: the difference is what launches and tails cost.
     python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0]
 """
 from __future__ import annotations
@@ -78,10 +80,37 @@ def main() -> None:
         print(f"\n### {name} (NANOSERVE_FUSED_KERNELS={int(fused)}): {calls:.0f} kernels, "
               f"GPU busy {total / 1e3:.2f} ms/step; KV {kv_bytes / 1e9:.2f} GB -> floor "
               f"{floor_ms:.2f} ms at {args.hbm_tbs} TB/s: {total / 1e3 / floor_ms:.2f}x floor\n")
+        graph_ms = _graph_step_ms(step)
+        print(f"CUDA graph replay: {graph_ms:.2f} ms/step = {graph_ms / floor_ms:.2f}x floor; "
+              f"{graph_ms - total / 1e3:+.2f} ms vs the kernels' sum "
+              f"({(graph_ms * 1e3 - total) / calls:+.2f} us per kernel)\n")
         print("| kernel | calls/step | us/step | % |\n|---|---|---|---|")
         for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
             print(f"| {name[:90]} | {c / args.steps:.0f} | {t / args.steps:.0f} | "
                   f"{100 * t / args.steps / total:.1f} |")
+
+
+def _graph_step_ms(step, replays: int = 50) -> float:
+    """Wall time of the step replayed from a CUDA graph, as the worker runs decode: the
+    kernels' sum plus the gaps between them (launch latency, tails)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(5):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 if __name__ == "__main__":
