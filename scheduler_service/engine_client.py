@@ -51,7 +51,7 @@ class RequestStream:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def next(self, turns: TurnBudget | None = None
+    async def next(self, turns: TurnBudget
                    ) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]],
                               tuple[str, int] | None, tuple[str, str] | None]:
         """Everything that arrived since the last call (waits for something, then for a
@@ -59,8 +59,7 @@ class RequestStream:
         while not (self.token_ids or self.finish or self.error):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        if turns is not None:
-            await turns.take()
+        await turns.take()
         ids, self.token_ids = self.token_ids, []
         lps, self.logprobs = self.logprobs, []
         top, self.top_logprobs = self.top_logprobs, []
