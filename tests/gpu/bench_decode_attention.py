@@ -57,11 +57,9 @@ def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, pag
                 scale=d ** -0.5, **scales)
 
 
-def gpu_time_ms(fn, reps: int = 50) -> float:
-    """Median GPU time of fn replayed from a CUDA graph (as the model runs it: no launch
-    overhead from Python), L2 flushed before each replay (the caches here exceed L2, but
-    a short-context batch would otherwise fit)."""
-    fn()
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after the warm-up call on a side stream that capture
+    needs (profile_decode.py replays a whole decode step with it too)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -70,6 +68,15 @@ def gpu_time_ms(fn, reps: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def gpu_time_ms(fn, reps: int = 50) -> float:
+    """Median GPU time of fn replayed from a CUDA graph (as the model runs it: no launch
+    overhead from Python), L2 flushed before each replay (the caches here exceed L2, but
+    a short-context batch would otherwise fit)."""
+    fn()
+    graph = capture_graph(fn)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     times = []
     for _ in range(reps):

@@ -93,15 +93,9 @@ def main() -> None:
 def _graph_step_ms(step, replays: int = 50) -> float:
     """Wall time of the step replayed from a CUDA graph, as the worker runs decode: the
     kernels' sum plus the gaps between them (launch latency, tails)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    from bench_decode_attention import capture_graph
     with torch.inference_mode():
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)
         for _ in range(5):
             graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
