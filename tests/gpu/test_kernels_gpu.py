@@ -284,6 +284,30 @@ def test_store_norm_rotary_kernels(cases: list[Case]) -> None:
             assert _check(case)[1] < REL_TOL, key
 
 
+def test_attention_compiles_once_across_block_table_widths() -> None:
+    """A batch's block-table width (its longest context in pages) must not pick a new
+    kernel variant: widths 1, 16 and 17 (Triton specializes ints equal to 1 and multiples
+    of 16) run one compiled decode and one prefill kernel, so no request waits on a
+    compile after startup."""
+    from kernels.paged_attention import _decode_kernel, _prefill_kernel, paged_decode, paged_prefill
+    dev = torch.cuda.current_device()
+    compiled = lambda k: len(k.device_caches[dev][0]) if dev in k.device_caches else 0  # noqa: E731
+    before = {k: compiled(k) for k in (_decode_kernel, _prefill_kernel)}
+    for pages in (1, 16, 17):
+        ctx = pages * BS - 5
+        b = make_batch([(ctx, 1), (40, 40)])
+        m = b["meta"]
+        assert m.block_tables.stride(0) == pages
+        paged_prefill(b["q"], b["k_cache"], b["v_cache"], m.block_tables, m.context_lens,
+                      m.cu_seqlens_q, m.max_seqlen_q, b["scale"])
+        d = make_batch([(ctx, 1), (40, 1)])
+        paged_decode(d["q"], d["k_cache"], d["v_cache"], d["meta"].block_tables,
+                     d["meta"].context_lens, d["scale"], num_splits=1)
+    torch.cuda.synchronize()
+    new = {k.fn.__name__: compiled(k) - before[k] for k in before}
+    assert all(n <= 1 for n in new.values()), new   # at most the first call compiles
+
+
 def test_flash_attn_backend_selected_by_auto() -> None:
     from kernels.flash_attn_backend import flash_attn_available
     if not flash_attn_available():
