@@ -6,8 +6,7 @@
 #   unit     the CPU kernel tests (tests/test_kernels_*.py, or UNIT_ARGS) on CUDA
 #   attn     paged decode attention GB/s and % of HBM peak (batch 256, GQA 2/4/8, config sweep;
 #            ATTN_ARGS, e.g. "--kv fp8 --groups 2")
-#   linear   decode-sized GEMMs: cuBLAS vs kernels/splitk_gemm.py (tiling sweep, pick, a step's
-#            GEMMs; LINEAR_ARGS)
+#   linear   decode-sized GEMMs through cuBLAS: weights from HBM vs from L2, cuBLASLt (LINEAR_ARGS)
 #   profile  per-kernel GPU time of one decode step at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
