@@ -8,10 +8,9 @@ Reference: `kernels.attention.paged_attention_ref`. Two kernels:
   Keys are walked in tiles of BLOCK_N tokens, so the tile size is independent of the
   page size (16 or 256 both work): a tile inside one page looks it up once, else per key.
   With num_splits > 1 the context is cut into that many chunks (flash-decoding) and a
-  second kernel merges
-  the partial results by their log-sum-exp; the chunk length is derived in-kernel from
-  the real context length, so a fixed num_splits is correct for any context (CUDA-graph
-  safe).
+  second kernel merges the partial results by their log-sum-exp; the chunk length is
+  derived in-kernel from the real context length, so a fixed num_splits is correct for
+  any context (CUDA-graph safe).
 * `paged_prefill`: ragged query blocks (cu_seqlens_q); sequence i's queries sit at
   positions context_len - q_len .. context_len - 1 and attend causally to its whole paged
   context, so a prefix-cache hit only queries the uncached suffix. Rows of a program are
