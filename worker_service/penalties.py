@@ -45,6 +45,21 @@ class PenaltyState:
         self.free: list[int] = []
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        if self.fused:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Run the kernel once on one blank row, with the argument shapes of a real step, so
+        Triton compiles it at startup: compiled at the first penalized request instead, the
+        whole step (every stream in it) would wait for the compiler."""
+        from kernels.penalties import apply_penalties_
+        dev, v = self.device, self.vocab_size
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        apply_penalties_(torch.zeros(1, v, device=dev), zero, zero,
+                         torch.zeros(1, v, dtype=torch.bool, device=dev),
+                         torch.zeros(1, v, dtype=torch.int32, device=dev),
+                         torch.ones(1, device=dev), torch.zeros(1, device=dev),
+                         torch.zeros(1, device=dev))
 
     def __bool__(self) -> bool:
         return bool(self.slot_of)

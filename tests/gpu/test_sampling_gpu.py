@@ -118,6 +118,25 @@ def test_penalties_kernel_cuda_vs_reference():
     assert rep_only == 0.0 and all_three < 1e-5
 
 
+def test_penalties_kernel_compiled_before_the_first_penalized_request():
+    """PenaltyState compiles the kernel when the worker starts (its blank-row call has a
+    real step's specialization), so a penalized request never waits on the compiler."""
+    from kernels.penalties import _penalties_kernel
+    from worker_service.penalties import PenaltyState
+    from worker_service.step_plan import SamplingParams
+    dev = torch.device("cuda", torch.cuda.current_device())
+    _penalties_kernel.device_caches.clear()   # forget what earlier tests compiled
+    compiled = lambda: len(_penalties_kernel.device_caches[dev.index][0])   # noqa: E731
+    state = PenaltyState(151936, dev)
+    assert compiled() == 1
+    state.add(5, np.array([1, 2, 3], dtype="<i4"), np.array([4], dtype="<i4"))
+    params = [SamplingParams(repetition_penalty=1.5)]
+    pr = state.rows([5], params)
+    state.apply(torch.randn(3, 151936, device=dev), pr)
+    torch.cuda.synchronize()
+    assert compiled() == 1   # the real call found the startup compile
+
+
 def test_overlapped_cuda_graph_steps_match_hf():
     r = overlapped_runner("cuda")
     assert r["graphs"], "CUDA graphs were meant to be on"
