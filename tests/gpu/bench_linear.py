@@ -39,7 +39,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, bf16, {LAYERS} weight copies per shape\n")
     print("| shape | N x K | M | HBM us | GB/s | L2 us | cuBLASLt HBM us |\n"
           "|---|---|---|---|---|---|---|")
-    total = {}
+    from_hbm: dict[int, float] = {}   # M -> a step's projections, us
+    from_l2: dict[int, float] = {}
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.05 for _ in range(LAYERS)]
         for m in map(int, args.m.split(",")):
@@ -49,13 +50,14 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             lt = per_call_us([lambda w=w: F.linear(x, w) for w in ws])
             torch.backends.cuda.preferred_blas_library("cublas")
-            total[m] = total.get(m, (0.0, 0.0))
-            total[m] = (total[m][0] + hbm * LAYERS, total[m][1] + l2 * LAYERS)
+            from_hbm[m] = from_hbm.get(m, 0.0) + hbm * LAYERS
+            from_l2[m] = from_l2.get(m, 0.0) + l2 * LAYERS
             print(f"| {name} | {n} x {k} | {m} | {hbm:.2f} | {n * k * 2 / hbm / 1e3:.0f} | "
                   f"{l2:.2f} | {lt:.2f} |")
     floor = sum(n * k * 2 for n, k in SHAPES.values()) * LAYERS / 3.0e12 * 1e6
     print(f"\nA step's projections (x {LAYERS} layers), us: "
-          + ", ".join(f"M={m}: {h:.0f} from HBM, {c:.0f} from L2" for m, (h, c) in total.items())
+          + ", ".join(f"M={m}: {from_hbm[m]:.0f} from HBM, {from_l2[m]:.0f} from L2"
+                      for m in from_hbm)
           + f"; their weights at 3.0 TB/s: {floor:.0f}")
 
 

@@ -19,20 +19,20 @@ import client.bench as bench  # noqa: E402
 T0 = time.time()
 
 
-def _log(line: str) -> None:
-    sys.stderr.write(f"[{line.split()[0]}] t={time.time() - T0:.2f}s {' '.join(line.split()[1:])}\n")
+def _log(tag: str, text: str) -> None:
+    sys.stderr.write(f"[{tag}] t={time.time() - T0:.2f}s {text}\n")
 
 
 def _compiled(*_, **kw) -> bool:
     ours = [f.name for f in traceback.extract_stack()
             if any(d in f.filename for d in ("models/", "kernels/", "worker_service/"))][-6:]
-    _log(f"compile {kw['fn'].name} key={str(kw.get('key'))[:700]} via {'>'.join(ours)}")
+    _log("compile", f"{kw['fn'].name} key={str(kw.get('key'))[:700]} via {'>'.join(ours)}")
     return False   # False: compile and run as usual
 
 
 def _marked(fn, what):
     def wrapper(*a, **k):
-        _log(f"marker {what} {a[1] if what == 'run' else ''}")
+        _log("marker", f"run {a[1]}" if what == "run" else what)
         return fn(*a, **k)
     return wrapper
 
