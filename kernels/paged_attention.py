@@ -1,4 +1,5 @@
-"""Triton paged attention over a [num_blocks, block_size, Hkv, D] KV cache.
+"""Triton paged attention over a [num_blocks, block_size, Hkv, D] KV cache, addressed by its
+strides (the worker's is head-major: kernels.attention.new_kv_cache).
 
 Reference: `kernels.attention.paged_attention_ref`. Two kernels:
 

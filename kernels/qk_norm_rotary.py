@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
+from kernels.store_kvcache import slot_rows
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 
@@ -53,13 +54,14 @@ def _norm_rotate_heads(X, W, token, stride_t, stride_h, cos, sin, eps,
 
 
 @triton.jit
-def _store_halves(Cache, Scale, slot, x1, x2, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-                  HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr):
+def _store_halves(Cache, Scale, slot, x1, x2, stride_cb, stride_cs, stride_ch,
+                  NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr):
     """Write one token's [heads, 2 * HALF] row, given as its two halves, at `slot`."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
-    dst = Cache + slot * (NUM_HEADS * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    dst = Cache + slot_rows(slot, offs_h, stride_cb, stride_cs, stride_ch, PAGE_SIZE) + offs_d[None, :]
     if FP8:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         scale = e4m3_scale(tl.maximum(tl.max(tl.max(tl.abs(f1), 1), 0),
@@ -77,9 +79,10 @@ def _qk_norm_rotary_kernel(
     Q, K, QW, KW, Positions, CosSin, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     V, KCache, VCache, KScale, VScale, SlotMapping, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,     # page, slot-in-page, kv-head strides of the caches
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
@@ -101,10 +104,10 @@ def _qk_norm_rotary_kernel(
             src = V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             v1 = tl.load(src, mask=mask, other=0.0)
             v2 = tl.load(src + HALF, mask=mask, other=0.0)
-            _store_halves(KCache, KScale, slot, k1, k2, NUM_K_HEADS, BLOCK_HK, HALF,
-                          BLOCK_HALF, FP8)
-            _store_halves(VCache, VScale, slot, v1, v2, NUM_K_HEADS, BLOCK_HK, HALF,
-                          BLOCK_HALF, FP8)
+            _store_halves(KCache, KScale, slot, k1, k2, stride_cb, stride_cs, stride_ch,
+                          NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF, PAGE_SIZE, FP8)
+            _store_halves(VCache, VScale, slot, v1, v2, stride_cb, stride_cs, stride_ch,
+                          NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF, PAGE_SIZE, FP8)
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
@@ -128,7 +131,7 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     fp8 = False
     if store:
         assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (num_tokens,)
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
         assert k_cache.shape[2:] == (num_k_heads, head_dim) and v_cache.shape == k_cache.shape
         fp8 = check_cache(k.dtype, k_cache, v_cache, k_scale, v_scale)
     if num_tokens:
@@ -137,10 +140,12 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
             q, k, q_weight, k_weight, positions, cos_sin_cache, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             *((v, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
-               slot_mapping, v.stride(0), v.stride(1)) if store else (k, k, k, k, k, positions, 0, 0)),
+               slot_mapping, v.stride(0), v.stride(1), *k_cache.stride()[:3]) if store
+              else (k, k, k, k, k, positions, 0, 0, 0, 0, 0)),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_k_heads),
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), STORE=store, FP8=fp8,
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+            PAGE_SIZE=k_cache.shape[1] if store else 1, STORE=store, FP8=fp8,
         )
     return q, k

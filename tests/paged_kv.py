@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, new_kv_cache
 from kernels.kv_quant import FP8_DTYPE
 from models.qwen3 import kv_cache_layers
 
@@ -20,9 +20,9 @@ class PagedKV:
         num_blocks = sum(need) + 3                       # a few spare, never-used blocks
         dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.kv = torch.full((2, len(layers), num_blocks, block_size, attn.num_kv_heads,
-                              attn.head_dim), float("nan"), dtype=dtype,
-                             device=self.device).to(FP8_DTYPE if fp8 else dtype)  # junk shows
+        self.kv = new_kv_cache(len(layers), num_blocks, block_size, attn.num_kv_heads,
+                               attn.head_dim, dtype, self.device).fill_(float("nan"))  # junk shows
+        self.kv = self.kv.to(FP8_DTYPE) if fp8 else self.kv    # .to keeps the worker's strides
         self.scales = torch.full((2, len(layers), num_blocks, block_size), float("nan"),
                                  device=self.device) if fp8 else None
         for i, layer in enumerate(layers):

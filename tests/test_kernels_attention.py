@@ -16,7 +16,7 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 import pytest
 import torch
 
-from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend,
+from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend, new_kv_cache,
                                paged_attention_ref, select_backend, store_kvcache_ref)
 from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill
 from kernels.store_kvcache import store_kvcache
@@ -152,6 +152,42 @@ def test_store_kvcache_matches_ref(dtype: torch.dtype) -> None:
     store_kvcache_ref(k, v, kc_ref, vc_ref, slots)
     store_kvcache(k, v, b["k_cache"], b["v_cache"], slots)
     assert torch.equal(b["k_cache"], kc_ref) and torch.equal(b["v_cache"], vc_ref)
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a layer's cache stored as new_kv_cache stores it (head-major): same shape
+    and values, other strides."""
+    out = new_kv_cache(1, *cache.shape, cache.dtype, cache.device)[0, 0]
+    return out.copy_(cache)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_major_cache_gives_what_token_major_gives(fp8: bool) -> None:
+    """The kernels address the cache through its strides: storing, then prefill and decode
+    over a head-major cache give exactly the token-major results."""
+    from tests.test_kernels_kv_fp8 import fp8_caches
+    b = make_batch([(9, 9), (13, 4), (8, 1)], 4, num_kv_heads=2, group=2, head_dim=32)
+    b = fp8_caches(b) if fp8 else b
+    m = b["meta"]
+    names = ("k_cache", "v_cache", "k_scale", "v_scale") if fp8 else ("k_cache", "v_cache")
+    hm = {n: head_major(b[n]) if n.endswith("cache") else b[n].clone() for n in names}
+    assert hm["k_cache"].stride() != b["k_cache"].stride()
+    results = []
+    for c in (b, hm):
+        scales = {n: c[n] for n in ("k_scale", "v_scale") if fp8}
+        store_kvcache(b["k"], b["v"], c["k_cache"], c["v_cache"], m.slot_mapping, **scales)
+        prefill = paged_prefill(b["q"], c["k_cache"], c["v_cache"], m.block_tables,
+                                m.context_lens, m.cu_seqlens_q, m.max_seqlen_q, b["scale"],
+                                **scales)
+        last = b["q"][m.cu_seqlens_q[1:].long() - 1]           # each sequence's newest query
+        decode = [paged_decode(last, c["k_cache"], c["v_cache"], m.block_tables, m.context_lens,
+                               b["scale"], num_splits=n, **scales) for n in (1, 2)]
+        results.append([c[n].float() for n in names] + [prefill] + decode)
+    for ours, want in zip(*results):
+        assert torch.equal(ours, want)
+    ref = paged_attention_ref(b["q"], hm["k_cache"], hm["v_cache"], m, b["scale"],
+                              *(hm[n] for n in ("k_scale", "v_scale") if fp8))
+    torch.testing.assert_close(results[1][len(names)], ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seqs", [[(5, 5), (17, 17), (33, 9)], [(5, 1), (16, 1), (17, 1)]],

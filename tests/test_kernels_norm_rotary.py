@@ -109,11 +109,14 @@ def test_fused_qk_norm_rotary_matches_ref(dtype: torch.dtype) -> None:
     assert torch.equal(qkv[:, (hq + hk) * d:], v_before)             # v untouched
 
 
+@pytest.mark.parametrize("head_major_cache", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_qk_norm_rotary_stores_kv(fp8: bool) -> None:
+def test_fused_qk_norm_rotary_stores_kv(fp8: bool, head_major_cache: bool) -> None:
     """With the caches given, the kernel also stores K (normed + rotated, as it writes it
-    back) and V at the slots, as store_kvcache_ref does with its outputs; slot -1 skipped."""
+    back) and V at the slots, as store_kvcache_ref does with its outputs; slot -1 skipped.
+    Token-major caches and head-major ones (the worker's) alike."""
     from kernels.attention import store_kvcache_ref
+    from tests.test_kernels_attention import head_major
     from kernels.kv_quant import FP8_DTYPE
     from kernels.qk_norm_rotary import qk_norm_rotary
     g = torch.Generator().manual_seed(4)
@@ -127,6 +130,7 @@ def test_fused_qk_norm_rotary_stores_kv(fp8: bool) -> None:
     shape = (blocks, bs, hk, d)
     caches = [torch.zeros(shape, device=DEVICE).to(FP8_DTYPE if fp8 else torch.float32)
               for _ in range(2)]
+    caches = [head_major(c) for c in caches] if head_major_cache else caches
     scales = [torch.zeros(blocks, bs, device=DEVICE) for _ in range(2)] if fp8 else [None, None]
     ref = [c.clone() for c in caches], [s.clone() if fp8 else None for s in scales]
     qk_norm_rotary(q, k, qw, kw, 1e-6, pos, cos_sin_cache(64, d), v=v, k_cache=caches[0],

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, select_backend
+from kernels.attention import AttentionMetadata, new_kv_cache, select_backend
 from kernels.backend_choice import AttentionShapes
 from kernels.kv_quant import FP8_DTYPE
 from models.loader import config_dtype, load_config, load_model
@@ -183,10 +183,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         num_layers = len(self.attn_layers)
-        self.kv_cache = torch.empty(2, num_layers, num_blocks, block_size,
-                                    self.num_kv_heads, self.head_dim,
-                                    dtype=FP8_DTYPE if self.kv_fp8 else self.dtype,
-                                    device=self.device)
+        self.kv_cache = new_kv_cache(num_layers, num_blocks, block_size, self.num_kv_heads,
+                                     self.head_dim, FP8_DTYPE if self.kv_fp8 else self.dtype,
+                                     self.device)
         if self.kv_fp8:
             self.kv_scales = torch.ones(2, num_layers, num_blocks, block_size,
                                         dtype=torch.float32, device=self.device)

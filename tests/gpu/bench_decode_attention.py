@@ -4,12 +4,15 @@ Batch 256 (default), contexts 100..2048, head_dim 128, 8 KV heads, GQA group 2 (
 16 q heads), 4 and 8 (larger Qwen3s); page size 256 with shuffled block tables. Bytes
 counted: every context token's K and V rows of the sequence's KV heads, q in, out out,
 and the block table / context lengths (fp8 KV: 1-byte K/V plus each token's two fp32
-scales). Sweeps DecodeConfig (key tile, warps, stages), and on request num_splits and the
-batch order, and prints one markdown table. Each call is timed as the model runs it:
-replayed from a CUDA graph (no Python launch cost), L2 flushed before each replay. A
-streaming read (torch.sum) is timed first: what this machine's HBM gives in practice.
+scales). The cache is stored head-major as the worker's (kernels.attention.new_kv_cache),
+or on request token-major. Sweeps DecodeConfig (key tile, warps, stages), and on request
+num_splits, the batch order and the layout, and prints one markdown table. Each call is
+timed as the model runs it: replayed from a CUDA graph (no Python launch cost), L2 flushed
+before each replay. A streaming read (torch.sum) is timed first: what this machine's HBM
+gives in practice.
     python tests/gpu/bench_decode_attention.py [--batch 256] [--peak-tbs 3.35] [--kv bf16,fp8]
         [--contexts "U[100,2048];100"] [--splits 1,2] [--orders random,longest]
+        [--layouts head,token]
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import torch
 import triton
 
+from kernels.attention import new_kv_cache
 from kernels.kv_quant import quantize_ref
 from kernels.paged_attention import DecodeConfig, paged_decode
 
@@ -27,7 +31,7 @@ CONTEXTS = {"1": (1, 1), "100": (100, 100), "512": (512, 512), "1024": (1024, 10
 
 def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, page: int = 256,
               dtype=torch.bfloat16, seed: int = 0, fp8: bool = False,
-              longest_first: bool = False) -> dict:
+              longest_first: bool = False, head_major: bool = True) -> dict:
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randint(lo, hi + 1, (batch,), generator=g, dtype=torch.int32)
     if longest_first:   # program i gets the i-th longest context (the GPU starts low ids first)
@@ -50,6 +54,8 @@ def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, pag
             xq, xs = quantize_ref(x.view(-1, hkv, d))
             scales[name], scales[name + "_scale"] = xq.view(x.shape), xs.view(num_blocks, page)
         k, v = scales.pop("k"), scales.pop("v")
+    if head_major:   # stored as the worker stores it (kernels.attention.new_kv_cache)
+        k, v = (new_kv_cache(1, *x.shape, x.dtype, x.device)[0, 0].copy_(x) for x in (k, v))
     kv_row = hkv * d * k.element_size() + (4 if fp8 else 0)       # one token's K (or V)
     nbytes = (int(ctx.sum()) * kv_row * 2 + 2 * q.numel() * esz
               + table.numel() * 4 + batch * 4)
@@ -102,6 +108,9 @@ def main() -> None:
     ap.add_argument("--splits", default="1", help="num_splits values to run (flash-decoding)")
     ap.add_argument("--orders", default="random",
                     help="batch orders to run: random, longest (longest context first)")
+    ap.add_argument("--layouts", default="head",
+                    help="cache layouts to run: head (head-major, the worker's), token "
+                         "(token-major: a token's kv heads side by side)")
     ap.add_argument("--configs", default="all", help="'all' or 'default': DecodeConfigs to run")
     args = ap.parse_args()
     name = torch.cuda.get_device_name()
@@ -118,17 +127,17 @@ def main() -> None:
     print(f"Reference, a streaming read (torch.sum over 2 GiB of bf16): {x.nbytes / ms / 1e9:.2f}"
           f" TB/s = {100 * x.nbytes / ms / 1e9 / peak:.1f}% of peak\n")
     del x
-    print("| KV | group | contexts | order | splits | config (block_n, warps, stages) | us "
+    print("| KV | group | contexts | order | layout | splits | config (block_n, warps, stages) | us "
           "| GB/s | % peak |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     best: dict = {}
-    cases = [(kv, int(g), label, order) for kv in args.kv.split(",")
+    cases = [(kv, int(g), label, order, layout) for kv in args.kv.split(",")
              for g in args.groups.split(",") for label in args.contexts.split(";")
-             for order in args.orders.split(",")]
-    for kv, group, label, order in cases:
+             for order in args.orders.split(",") for layout in args.layouts.split(",")]
+    for kv, group, label, order, layout in cases:
         lo, hi = CONTEXTS[label]
         c = make_case(args.batch, lo, hi, 8 * group, 8, fp8=kv == "fp8",
-                      longest_first=order == "longest")
+                      longest_first=order == "longest", head_major=layout == "head")
         ref = None
         for cfg, splits in [(cfg, int(n)) for cfg in configs for n in args.splits.split(",")]:
             fn = lambda: paged_decode(c["q"], c["k"], c["v"], c["table"], c["ctx"],
@@ -142,16 +151,17 @@ def main() -> None:
             ms = gpu_time_ms(fn)
             gbs = c["bytes"] / ms / 1e6
             pct = 100 * gbs / (peak * 1e3)
-            key = (kv, group, label, order)
+            key = (kv, group, label, order, layout)
             best[key] = max(best.get(key, (0, 0, None, 1)), (pct, -ms, cfg, splits),
                             key=lambda t: t[0])
-            print(f"| {kv} | {group} | {label} | {order} | {splits} | "
+            print(f"| {kv} | {group} | {label} | {order} | {layout} | {splits} | "
                   f"({cfg.block_n or 'default'}, {cfg.num_warps}, {cfg.num_stages}) | "
                   f"{ms * 1e3:.1f} | {gbs:.0f} | {pct:.1f} |", flush=True)
-    print("\nBest per case:\n\n| KV | group | contexts | order | us | % peak | splits | config |"
-          "\n|---|---|---|---|---|---|---|---|")
-    for (kv, group, label, order), (pct, neg_ms, cfg, splits) in best.items():
-        print(f"| {kv} | {group} | {label} | {order} | {-neg_ms * 1e3:.1f} | {pct:.1f} | "
+    print("\nBest per case:\n\n| KV | group | contexts | order | layout | us | % peak | splits "
+          "| config |"
+          "\n|---|---|---|---|---|---|---|---|---|")
+    for (kv, group, label, order, layout), (pct, neg_ms, cfg, splits) in best.items():
+        print(f"| {kv} | {group} | {label} | {order} | {layout} | {-neg_ms * 1e3:.1f} | {pct:.1f} | "
               f"{splits} | {cfg} |")
 
 

@@ -11,6 +11,7 @@ at one shape. Error is reported as max |out - ref| and ||out - ref|| / ||ref||.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import sys
@@ -214,13 +215,17 @@ def flash_cases() -> list[Case]:
     from kernels.flash_attn_backend import flash_attn_available
     if not flash_attn_available():
         return []
+    from tests.test_kernels_attention import head_major
     cases = []
-    for name, seqs in [("flash_attn decode", decode_seqs(64, 4096)),
-                       ("flash_attn prefill", PREFILL_SEQS)]:
+    for (name, seqs), layout in itertools.product(
+            [("flash_attn decode", decode_seqs(64, 4096)), ("flash_attn prefill", PREFILL_SEQS)],
+            ["", " (head-major cache, the worker's)"]):
         b = make_batch(seqs)
+        if layout:
+            b["k_cache"], b["v_cache"] = head_major(b["k_cache"]), head_major(b["v_cache"])
         backend = select_backend("flash_attn", "cuda")
         m = b["meta"]
-        cases.append(Case(name, f"T={b['q'].shape[0]} " + _shape_tag(b),
+        cases.append(Case(name + layout, f"T={b['q'].shape[0]} " + _shape_tag(b),
                           lambda b=b, m=m: backend.forward(b["q"], b["k"], b["v"], b["k_cache"],
                                                            b["v_cache"], m, b["scale"]),
                           lambda b=b, m=m: _ref_forward(b, m)))
