@@ -8,6 +8,12 @@ from kernels.kv_quant import FP8_DTYPE
 from models.qwen3 import kv_cache_layers
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of one layer's cache stored as new_kv_cache stores it (head-major): same shape
+    and values, other strides."""
+    return new_kv_cache(1, *cache.shape, cache.dtype, cache.device)[0, 0].copy_(cache)
+
+
 class PagedKV:
     """A small paged KV cache wired into a model, with shuffled per-sequence block tables."""
 

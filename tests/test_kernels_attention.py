@@ -16,10 +16,11 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 import pytest
 import torch
 
-from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend, new_kv_cache,
+from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend,
                                paged_attention_ref, select_backend, store_kvcache_ref)
 from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill
 from kernels.store_kvcache import store_kvcache
+from paged_kv import head_major
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -152,13 +153,6 @@ def test_store_kvcache_matches_ref(dtype: torch.dtype) -> None:
     store_kvcache_ref(k, v, kc_ref, vc_ref, slots)
     store_kvcache(k, v, b["k_cache"], b["v_cache"], slots)
     assert torch.equal(b["k_cache"], kc_ref) and torch.equal(b["v_cache"], vc_ref)
-
-
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """A copy of a layer's cache stored as new_kv_cache stores it (head-major): same shape
-    and values, other strides."""
-    out = new_kv_cache(1, *cache.shape, cache.dtype, cache.device)[0, 0]
-    return out.copy_(cache)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -116,7 +116,7 @@ def test_fused_qk_norm_rotary_stores_kv(fp8: bool, head_major_cache: bool) -> No
     back) and V at the slots, as store_kvcache_ref does with its outputs; slot -1 skipped.
     Token-major caches and head-major ones (the worker's) alike."""
     from kernels.attention import store_kvcache_ref
-    from tests.test_kernels_attention import head_major
+    from paged_kv import head_major
     from kernels.kv_quant import FP8_DTYPE
     from kernels.qk_norm_rotary import qk_norm_rotary
     g = torch.Generator().manual_seed(4)

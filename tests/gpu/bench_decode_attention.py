@@ -21,9 +21,9 @@ import argparse
 import torch
 import triton
 
-from kernels.attention import new_kv_cache
 from kernels.kv_quant import quantize_ref
 from kernels.paged_attention import DecodeConfig, paged_decode
+from tests import paged_kv
 
 CONTEXTS = {"1": (1, 1), "100": (100, 100), "512": (512, 512), "1024": (1024, 1024),
             "2048": (2048, 2048), "U[100,2048]": (100, 2048), "U[100,1024]": (100, 1024)}
@@ -55,7 +55,7 @@ def make_case(batch: int, lo: int, hi: int, hq: int, hkv: int, d: int = 128, pag
             scales[name], scales[name + "_scale"] = xq.view(x.shape), xs.view(num_blocks, page)
         k, v = scales.pop("k"), scales.pop("v")
     if head_major:   # stored as the worker stores it (kernels.attention.new_kv_cache)
-        k, v = (new_kv_cache(1, *x.shape, x.dtype, x.device)[0, 0].copy_(x) for x in (k, v))
+        k, v = paged_kv.head_major(k), paged_kv.head_major(v)
     kv_row = hkv * d * k.element_size() + (4 if fp8 else 0)       # one token's K (or V)
     nbytes = (int(ctx.sum()) * kv_row * 2 + 2 * q.numel() * esz
               + table.numel() * 4 + batch * 4)

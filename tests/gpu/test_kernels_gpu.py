@@ -215,7 +215,7 @@ def flash_cases() -> list[Case]:
     from kernels.flash_attn_backend import flash_attn_available
     if not flash_attn_available():
         return []
-    from tests.test_kernels_attention import head_major
+    from tests.paged_kv import head_major
     cases = []
     for (name, seqs), layout in itertools.product(
             [("flash_attn decode", decode_seqs(64, 4096)), ("flash_attn prefill", PREFILL_SEQS)],
