@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
-from kernels.store_kvcache import slot_rows
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
+from kernels.store_kvcache import slot_rows
 
 
 def qk_norm_rotary_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
@@ -61,7 +61,8 @@ def _store_halves(Cache, Scale, slot, x1, x2, stride_cb, stride_cs, stride_ch,
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
-    dst = Cache + slot_rows(slot, offs_h, stride_cb, stride_cs, stride_ch, PAGE_SIZE) + offs_d[None, :]
+    dst = (Cache + slot_rows(slot, offs_h, stride_cb, stride_cs, stride_ch, PAGE_SIZE)
+           + offs_d[None, :])
     if FP8:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         scale = e4m3_scale(tl.maximum(tl.max(tl.max(tl.abs(f1), 1), 0),
