@@ -158,21 +158,24 @@ def _attend_tile_fp8(q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, V
 # batch to batch, and Triton compiles a variant for a stride of 1 and for multiples of 16
 # the first time each appears: requests waited on the compiler while serving (on an H100,
 # a fresh server's first online run had a TTFT p99 of 1.38 s, 0.16 s without). Not
-# specialized, each kernel compiles once, at startup.
+# specialized, each kernel compiles once, at startup. Decode's split count changes with
+# the batch too when decode runs eagerly (--enforce-eager; graphs fix it per bucket): a
+# runtime int, so splitting or not is its only variant (as a constexpr it made up to 16,
+# each compiled mid-serving).
 _BY_BATCH = ["stride_bt"]
 
 
-@triton.jit(do_not_specialize=_BY_BATCH)
+@triton.jit(do_not_specialize=_BY_BATCH + ["num_splits"])
 def _decode_kernel(
     Q, KCache, VCache, KScale, VScale, Out, BlockTables, ContextLens, PartOut, PartLse,
     num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,      # page, slot-in-page, kv-head strides of the caches
     stride_bt,
-    qk_scale_log2,
+    qk_scale_log2, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,   # SPLIT: num_splits > 1
     Q_FP16: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -180,7 +183,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     ctx = tl.load(ContextLens + seq)
     # Chunk of the context this split owns, rounded up to whole tiles.
-    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
 
@@ -210,9 +213,9 @@ def _decode_kernel(
         # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
         _emit(acc_e / denom, 2 * offs_h, q_mask, Out, PartOut, seq, heads, split, num_heads,
-              stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
+              stride_ot, stride_oh, num_splits, BLOCK_D, SPLIT)
         _emit(acc_o / denom, 2 * offs_h + 1, q_mask, Out, PartOut, seq, heads, split, num_heads,
-              stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
+              stride_ot, stride_oh, num_splits, BLOCK_D, SPLIT)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
@@ -226,40 +229,39 @@ def _decode_kernel(
                                          BLOCK_N, PRECISION, FP8)
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
         _emit(acc / denom, offs_d, g_mask[:, None] & d_mask[None, :], Out, PartOut, seq, heads,
-              split, num_heads, stride_ot, stride_oh, BLOCK_D, NUM_SPLITS)
-    if NUM_SPLITS > 1:
-        # PartLse [S, Hq, NUM_SPLITS], contiguous.
-        part = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+              split, num_heads, stride_ot, stride_oh, num_splits, BLOCK_D, SPLIT)
+    if SPLIT:
+        # PartLse [S, Hq, num_splits], contiguous.
+        part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(PartLse + part, lse, mask=g_mask)
 
 
 @triton.jit
 def _emit(out, cols, mask, Out, PartOut, seq, heads, split, num_heads, stride_ot, stride_oh,
-          BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+          num_splits, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
     """Store a decode program's output columns `cols` of its heads: to Out, or with
-    splits to PartOut [S, Hq, NUM_SPLITS, BLOCK_D] (contiguous, fp32) for the merge."""
-    if NUM_SPLITS == 1:
+    splits to PartOut [S, Hq, num_splits, BLOCK_D] (contiguous, fp32) for the merge."""
+    if not SPLIT:
         dst = Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + cols[None, :]
         tl.store(dst, out.to(Out.dtype.element_ty), mask=mask)
     else:
-        part = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+        part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
         tl.store(PartOut + part[:, None] * BLOCK_D + cols[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    Out, PartOut, PartLse, stride_ot, stride_oh, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    Out, PartOut, PartLse, stride_ot, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """Combine the splits of one (sequence, query head) by their base-2 log-sum-exp."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    base = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS
+    s_mask = offs_s < num_splits
+    base = (seq * num_heads + head).to(tl.int64) * num_splits
     lse = tl.load(PartLse + base + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -337,6 +339,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+MAX_SPLITS = 16       # default_num_splits' cap; the merge kernel is compiled for this many
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -351,7 +356,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
     programs = num_seqs * num_kv_heads
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 256), 16))
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_seqlen_k, 256), MAX_SPLITS))
 
 
 @dataclass(frozen=True)
@@ -405,20 +410,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         context_lens, part_out, part_lse,
         num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_N=cfg.block_n or (32 if head_dim > 128 else 128),
-        NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), FP8=fp8,
+        SPLIT=num_splits > 1, PRECISION=_precision(q.dtype), FP8=fp8,
         Q_FP16=fp8 and q.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, out.stride(0), out.stride(1), num_heads,
+            out, part_out, part_lse, out.stride(0), out.stride(1), num_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SPLITS_PAD=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),   # one variant
             num_warps=4,
         )
     return out

@@ -313,6 +313,27 @@ def test_attention_compiles_once_across_block_table_widths() -> None:
     assert all(n <= 1 for n in new.values()), new   # at most the first call compiles
 
 
+def test_decode_split_counts_compile_once() -> None:
+    """Eager decode picks its split count per batch (default_num_splits: 1 to 16). Split
+    counts 2, 3, 5 and 16 must share one compiled decode kernel and one merge kernel (one
+    split, no merge, is the only other decode variant), so no eager step waits on a
+    compile after the first."""
+    from kernels.paged_attention import _decode_kernel, _decode_merge_kernel, paged_decode
+    dev = torch.cuda.current_device()
+    compiled = lambda k: len(k.device_caches[dev][0]) if dev in k.device_caches else 0  # noqa: E731
+    before = {k: compiled(k) for k in (_decode_kernel, _decode_merge_kernel)}
+    d = make_batch([(3000, 1), (700, 1), (40, 1)])
+    m = d["meta"]
+    ref = paged_attention_ref(d["q"], d["k_cache"], d["v_cache"], m, d["scale"])
+    for splits in (1, 2, 3, 5, 16):
+        out = paged_decode(d["q"], d["k_cache"], d["v_cache"], m.block_tables, m.context_lens,
+                           d["scale"], num_splits=splits)
+        assert errors(out, ref)[1] < REL_TOL, splits
+    torch.cuda.synchronize()
+    new = {k.fn.__name__: compiled(k) - before[k] for k in before}
+    assert new["_decode_kernel"] <= 2 and new["_decode_merge_kernel"] <= 1, new
+
+
 def test_flash_attn_backend_selected_by_auto() -> None:
     from kernels.flash_attn_backend import flash_attn_available
     if not flash_attn_available():
