@@ -18,6 +18,8 @@
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
 #   flash    build + install the trimmed flash-attn wheel (FLASH_ATTN_ARGS, FLASH_ATTN_TIMEOUT s),
 #            then its --smoke check; put it first so kernels/bench see it
+# PACK=1 leaves one archive, $OUT/results.tgz, instead of the files (for callers that copy
+# back only a few files).
 # BACKENDS="triton flash_attn" makes bench run the in-process benchmark once per backend
 # (default: auto; the worker logs which backend auto chose and why).
 # On the lent device machine: carry .whl (grpcio, grpcio-health-checking, grpcio-reflection,
@@ -88,4 +90,8 @@ for w in ${*:-kernels model bench}; do
       bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;
   esac
 done
+if [ "${PACK:-0}" = 1 ]; then   # everything in one archive (see PACK above)
+  tar czf /tmp/nanoserve-pack.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* \
+    && mv /tmp/nanoserve-pack.tgz "$OUT/results.tgz"
+fi
 exit $rc
