@@ -281,6 +281,18 @@ def _channel_credentials(tls: bool, ca: str | None, cert: str | None, key: str |
                                         certificate_chain=read(cert))
 
 
+def _open_channel(grpc_module: Any, target: str | Sequence[str],
+                  options: list[tuple[str, Any]] | None, tls: bool, ca: str | None,
+                  cert: str | None, key: str | None) -> tuple[str, Any]:
+    """(resolved target, channel) on grpc or grpc.aio, as both clients open it: replicas
+    (channel_target), the project's channel options, then the caller's, and TLS if asked."""
+    target, lb_options = channel_target(target)
+    creds = _channel_credentials(tls, ca, cert, key)
+    opts = CHANNEL_OPTIONS + lb_options + (options or [])
+    return target, (grpc_module.insecure_channel(target, options=opts) if creds is None
+                    else grpc_module.secure_channel(target, creds, options=opts))
+
+
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
@@ -302,13 +314,10 @@ class Client:
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        self.target, lb_options = channel_target(target)
+        self.target, self._channel = _open_channel(grpc, target, options, tls, tls_ca,
+                                                   tls_cert, tls_key)
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
-        creds = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
-        opts = CHANNEL_OPTIONS + lb_options + (options or [])
-        self._channel = (grpc.insecure_channel(self.target, options=opts) if creds is None
-                         else grpc.secure_channel(self.target, creds, options=opts))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -387,13 +396,10 @@ class AsyncClient:
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        self.target, lb_options = channel_target(target)
+        self.target, self._channel = _open_channel(grpc.aio, target, options, tls, tls_ca,
+                                                   tls_cert, tls_key)
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
-        creds = _channel_credentials(tls, tls_ca, tls_cert, tls_key)
-        opts = CHANNEL_OPTIONS + lb_options + (options or [])
-        self._channel = (grpc.aio.insecure_channel(self.target, options=opts) if creds is None
-                         else grpc.aio.secure_channel(self.target, creds, options=opts))
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
