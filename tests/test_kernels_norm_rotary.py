@@ -116,9 +116,9 @@ def test_fused_qk_norm_rotary_stores_kv(fp8: bool, head_major_cache: bool) -> No
     back) and V at the slots, as store_kvcache_ref does with its outputs; slot -1 skipped.
     Token-major caches and head-major ones (the worker's) alike."""
     from kernels.attention import store_kvcache_ref
-    from paged_kv import head_major
     from kernels.kv_quant import FP8_DTYPE
     from kernels.qk_norm_rotary import qk_norm_rotary
+    from paged_kv import head_major
     g = torch.Generator().manual_seed(4)
     t, hq, hk, d, blocks, bs = 6, 4, 2, 32, 5, 4
     qkv = (3 * torch.randn(t, (hq + 2 * hk) * d, generator=g)).to(DEVICE)

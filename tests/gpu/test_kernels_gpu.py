@@ -289,15 +289,19 @@ def test_store_norm_rotary_kernels(cases: list[Case]) -> None:
             assert _check(case)[1] < REL_TOL, key
 
 
+def _variants(kernel) -> int:
+    """How many compiled variants of a Triton kernel this GPU's cache holds."""
+    dev = torch.cuda.current_device()
+    return len(kernel.device_caches[dev][0]) if dev in kernel.device_caches else 0
+
+
 def test_attention_compiles_once_across_block_table_widths() -> None:
     """A batch's block-table width (its longest context in pages) must not pick a new
     kernel variant: widths 1, 16 and 17 (Triton specializes ints equal to 1 and multiples
     of 16) run one compiled decode and one prefill kernel, so no request waits on a
     compile after startup."""
     from kernels.paged_attention import _decode_kernel, _prefill_kernel, paged_decode, paged_prefill
-    dev = torch.cuda.current_device()
-    compiled = lambda k: len(k.device_caches[dev][0]) if dev in k.device_caches else 0  # noqa: E731
-    before = {k: compiled(k) for k in (_decode_kernel, _prefill_kernel)}
+    before = {k: _variants(k) for k in (_decode_kernel, _prefill_kernel)}
     for pages in (1, 16, 17):
         ctx = pages * BS - 5
         b = make_batch([(ctx, 1), (40, 40)])
@@ -309,7 +313,7 @@ def test_attention_compiles_once_across_block_table_widths() -> None:
         paged_decode(d["q"], d["k_cache"], d["v_cache"], d["meta"].block_tables,
                      d["meta"].context_lens, d["scale"], num_splits=1)
     torch.cuda.synchronize()
-    new = {k.fn.__name__: compiled(k) - before[k] for k in before}
+    new = {k.fn.__name__: _variants(k) - before[k] for k in before}
     assert all(n <= 1 for n in new.values()), new   # at most the first call compiles
 
 
@@ -319,9 +323,7 @@ def test_decode_split_counts_compile_once() -> None:
     split, no merge, is the only other decode variant), so no eager step waits on a
     compile after the first."""
     from kernels.paged_attention import _decode_kernel, _decode_merge_kernel, paged_decode
-    dev = torch.cuda.current_device()
-    compiled = lambda k: len(k.device_caches[dev][0]) if dev in k.device_caches else 0  # noqa: E731
-    before = {k: compiled(k) for k in (_decode_kernel, _decode_merge_kernel)}
+    before = {k: _variants(k) for k in (_decode_kernel, _decode_merge_kernel)}
     d = make_batch([(3000, 1), (700, 1), (40, 1)])
     m = d["meta"]
     ref = paged_attention_ref(d["q"], d["k_cache"], d["v_cache"], m, d["scale"])
@@ -330,7 +332,7 @@ def test_decode_split_counts_compile_once() -> None:
                            d["scale"], num_splits=splits)
         assert errors(out, ref)[1] < REL_TOL, splits
     torch.cuda.synchronize()
-    new = {k.fn.__name__: compiled(k) - before[k] for k in before}
+    new = {k.fn.__name__: _variants(k) - before[k] for k in before}
     assert new["_decode_kernel"] <= 2 and new["_decode_merge_kernel"] <= 1, new
 
 
