@@ -8,6 +8,8 @@
     python -m client.bench --in-process --model ~/qwen3-0.6b --json local.json
     # online: Poisson arrivals at 20 requests/s
     python -m client.bench --target 127.0.0.1:50051 --request-rate 20
+    # ... from 4 client processes, against a scheduler started with --frontends 2
+    python -m client.bench --target 127.0.0.1:50051 --request-rate 20 --client-procs 4
     # what CI runs: a tiny workload
     python -m client.bench --target ... --num-seqs 6 --min-input-len 5 --max-input-len 20 \\
         --min-output-len 5 --max-output-len 15 --warmup 1
@@ -393,11 +395,15 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
             progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
             offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
             traces = [Trace() for _ in workload]
-            start = time.perf_counter()
-            tasks = [asyncio.create_task(_grpc_request(channels[i % len(channels)], r,
-                                                       wcfg.temperature, t, progress, start + off))
-                     for i, (r, t, off) in enumerate(zip(workload, traces, offsets))]
-            waiter = asyncio.gather(*tasks)
+            if args.client_procs > 1:
+                waiter = asyncio.ensure_future(_run_in_procs(args, wcfg.temperature, workload,
+                                                             offsets, traces, progress))
+            else:
+                start = time.perf_counter()
+                waiter = asyncio.gather(*(
+                    _grpc_request(channels[i % len(channels)], r, wcfg.temperature, t, progress,
+                                  start + off)
+                    for i, (r, t, off) in enumerate(zip(workload, traces, offsets))))
             while not waiter.done():
                 progress.draw()
                 await asyncio.wait([waiter], timeout=0.2)
@@ -411,6 +417,76 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
                 breakdown=DecodeBreakdown.diff(before, after),
                 extra={"target": args.target, "model_info": asdict(info)}))
     return outcomes, workload
+
+
+async def _run_in_procs(args: argparse.Namespace, temperature: float,
+                        workload: list[BenchRequest], offsets: list[float], traces: list[Trace],
+                        progress: Progress) -> None:
+    """One run's requests sent from --client-procs processes, dealt out in turn. One Python
+    process streams only so many messages a second (client.grpc_floor: ~120-150 us of CPU
+    each on the 2-core CI VM), so at high token rates a single client process, not the server, can be what
+    delays tokens. Each process connects and says so; then all get one start time and send
+    their requests at start + offset. perf_counter is CLOCK_MONOTONIC, one clock for every
+    process on the host, so their stamps merge into `traces` as they are."""
+    import multiprocessing
+    mp = multiprocessing.get_context("spawn")      # no forking a process that runs gRPC
+    loop = asyncio.get_running_loop()
+    n = args.client_procs
+    opts = dict(timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca)
+    pipes, procs = [], []
+    try:
+        for p in range(n):
+            mine, theirs = mp.Pipe()
+            jobs = [(workload[i].prompt_ids, workload[i].max_tokens, offsets[i])
+                    for i in range(p, len(workload), n)]
+            procs.append(mp.Process(target=_client_proc, daemon=True, args=(
+                theirs, args.target, opts, args.connections, temperature, jobs)))
+            procs[-1].start()
+            pipes.append(mine)
+        for msg in await asyncio.gather(*(loop.run_in_executor(None, c.recv) for c in pipes)):
+            if msg != "ready":
+                raise RuntimeError(f"a client process failed: {msg}")
+        start = time.perf_counter() + 0.05
+        for c in pipes:
+            c.send(start)
+        results = await asyncio.gather(*(loop.run_in_executor(None, c.recv) for c in pipes))
+        for p, result in enumerate(results):
+            if isinstance(result, str):
+                raise RuntimeError(f"a client process failed: {result}")
+            for i, (submit, chunks, finish, error) in zip(range(p, len(workload), n), result):
+                traces[i].submit, traces[i].chunks = submit, chunks
+                traces[i].finish, traces[i].error = finish, error
+                progress.add(traces[i].num_tokens)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _client_proc(conn: Any, target: str, opts: dict, connections: int, temperature: float,
+                 jobs: list[tuple[list[int], int, float]]) -> None:
+    """Body of one --client-procs process (see _run_in_procs): sends back one
+    (submit, chunks, finish, error) per job, or a string saying what failed."""
+    async def main() -> list:
+        from client.client import AsyncClient
+        async with contextlib.AsyncExitStack() as stack:
+            chans = [await stack.enter_async_context(AsyncClient(target, **opts))
+                     for _ in range(connections)]
+            for c in chans:
+                await c.model_info()                # connected before the clock starts
+            conn.send("ready")
+            start = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+            traces = [Trace() for _ in jobs]
+            await asyncio.gather(*(
+                _grpc_request(chans[k % len(chans)], BenchRequest(ids, max_tokens), temperature,
+                              t, None, start + off)
+                for k, ((ids, max_tokens, off), t) in enumerate(zip(jobs, traces))))
+            return [(t.submit, t.chunks, t.finish, t.error) for t in traces]
+    try:
+        conn.send(asyncio.run(main()))
+    except Exception as e:     # the parent raises it: a bench that lost requests must fail
+        conn.send(f"{type(e).__name__}: {e}")
 
 
 def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig
@@ -642,6 +718,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gRPC modes: spread the requests over N channels (connections); "
                             "the server pins a connection to one frontend process, so use "
                             "N >= its --frontends to load them all (default 1)")
+    where.add_argument("--client-procs", type=int, default=1, metavar="P",
+                       help="gRPC modes: send the requests from P processes, dealt out in "
+                            "turn, each with --connections channels: one Python process "
+                            "handles only so many stream messages a second (python -m "
+                            "client.grpc_floor), so at high token rates one client process "
+                            "can be what delays the tokens it times (default 1)")
     where.add_argument("--in-process", action="store_true",
                        help="build a ModelRunner here and drive the Engine with it (no gRPC)")
     where.add_argument("--null-worker", action="store_true",
@@ -749,8 +831,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("need 1 <= min <= max for input and output lengths, and --num-seqs >= 1")
     if args.runs < 1:
         parser.error("--runs must be >= 1")
-    if args.connections < 1:
-        parser.error("--connections must be >= 1")
+    if args.connections < 1 or args.client_procs < 1:
+        parser.error("--connections and --client-procs must be >= 1")
+    if args.client_procs > 1 and args.in_process:
+        parser.error("--client-procs is for the gRPC modes (--target, --null-worker)")
     wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
                           max_input_len=args.max_input_len, min_output_len=args.min_output_len,
                           max_output_len=args.max_output_len, temperature=args.temperature,

@@ -124,6 +124,22 @@ def test_bench_grpc(scheduler_port, tmp_path):
     assert report["config"]["connections"] == 2
 
 
+def test_bench_grpc_from_client_processes(scheduler_port, tmp_path):
+    """--client-procs 2: the requests go out from two processes on one schedule (online
+    here, so the arrival offsets matter) and their traces come back whole: every token of
+    every request counted once, stamps on one clock (TTFT and ITL >= 0)."""
+    report = run_bench(["--target", f"127.0.0.1:{scheduler_port}", "--client-procs", "2",
+                        "--request-rate", "5", "--runs", "2", *TINY], tmp_path / "p.json",
+                       check_no_torch=True)
+    check_report(report, "grpc")
+    assert report["config"]["client_procs"] == 2
+    for run in report["runs"]:
+        assert run["failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"]
+        assert run["ttft_ms"]["p50"] >= 0 and run["itl_ms"]["p50"] >= 0
+        # six requests at 5/s arrive over 0.65 s (all at once they take ~0.1 s here)
+        assert run["wall_s"] >= max(arrival_offsets(6, 5, 7))
+
+
 def test_connections_spread_requests_round_robin(monkeypatch):
     """--connections N opens N channels and deals the requests out in turn (a channel is
     one connection, pinned to one frontend process by the server)."""

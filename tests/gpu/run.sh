@@ -12,7 +12,8 @@
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
 #            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways;
-#            FRONTENDS, KV_DTYPE, BACKEND pass through
+#            FRONTENDS, KV_DTYPE, BACKEND pass through; CLIENT_PROCS sends the gRPC runs' requests
+#            from that many client processes (client.bench --client-procs)
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
@@ -81,8 +82,9 @@ for w in ${*:-kernels model bench}; do
       python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
         --max-model-len 4096 --frontends "${FRONTENDS:-1}" --log-level WARNING > "$OUT/svc_scheduler.log" 2>&1 &
       for i in $(seq 300); do grep -q listening "$OUT/svc_scheduler.log" && break; sleep 1; done
-      "${B[@]}" --target 127.0.0.1:50051 --runs "${GRPC_RUNS:-5}" --json "$OUT/svc_grpc.json" 2>"$OUT/svc_grpc.err" || rc=1
-      "${B[@]}" --target 127.0.0.1:50051 --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
+      G=(--target 127.0.0.1:50051 ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS})
+      "${B[@]}" "${G[@]}" --runs "${GRPC_RUNS:-5}" --json "$OUT/svc_grpc.json" 2>"$OUT/svc_grpc.err" || rc=1
+      "${B[@]}" "${G[@]}" --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
       kill %2 %1 2>/dev/null; wait
       tail -n 3 "$OUT"/svc_*.err "$OUT"/svc_*.log ;;
     peer)
