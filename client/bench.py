@@ -399,11 +399,8 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
                 waiter = asyncio.ensure_future(_run_in_procs(args, wcfg.temperature, workload,
                                                              offsets, traces, progress))
             else:
-                start = time.perf_counter()
-                waiter = asyncio.gather(*(
-                    _grpc_request(channels[i % len(channels)], r, wcfg.temperature, t, progress,
-                                  start + off)
-                    for i, (r, t, off) in enumerate(zip(workload, traces, offsets))))
+                waiter = _send_all(channels, workload, offsets, wcfg.temperature, traces,
+                                   progress, time.perf_counter())
             while not waiter.done():
                 progress.draw()
                 await asyncio.wait([waiter], timeout=0.2)
@@ -419,28 +416,37 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
     return outcomes, workload
 
 
+def _send_all(channels: list[Any], requests: list[BenchRequest], offsets: list[float],
+              temperature: float, traces: list[Trace], progress: Progress | None,
+              start: float) -> asyncio.Future:
+    """Every request sent at start + its offset, dealt out over `channels` in turn."""
+    return asyncio.gather(*(
+        _grpc_request(channels[i % len(channels)], r, temperature, t, progress, start + off)
+        for i, (r, t, off) in enumerate(zip(requests, traces, offsets))))
+
+
 async def _run_in_procs(args: argparse.Namespace, temperature: float,
                         workload: list[BenchRequest], offsets: list[float], traces: list[Trace],
                         progress: Progress) -> None:
     """One run's requests sent from --client-procs processes, dealt out in turn. One Python
     process streams only so many messages a second (client.grpc_floor: ~120-150 us of CPU
-    each on the 2-core CI VM), so at high token rates a single client process, not the server, can be what
-    delays tokens. Each process connects and says so; then all get one start time and send
-    their requests at start + offset. perf_counter is CLOCK_MONOTONIC, one clock for every
-    process on the host, so their stamps merge into `traces` as they are."""
+    each on the 2-core CI VM), so at high token rates a single client process, not the
+    server, can be what delays tokens. Each process connects and says so; then all get one
+    start time and send their requests at start + offset. perf_counter is CLOCK_MONOTONIC,
+    one clock for every process on the host, so their stamps merge into `traces` as they are."""
     import multiprocessing
     mp = multiprocessing.get_context("spawn")      # no forking a process that runs gRPC
     loop = asyncio.get_running_loop()
     n = args.client_procs
     opts = dict(timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca)
+    shares = [range(p, len(workload), n) for p in range(n)]
     pipes, procs = [], []
     try:
-        for p in range(n):
+        for share in shares:
             mine, theirs = mp.Pipe()
-            jobs = [(workload[i].prompt_ids, workload[i].max_tokens, offsets[i])
-                    for i in range(p, len(workload), n)]
             procs.append(mp.Process(target=_client_proc, daemon=True, args=(
-                theirs, args.target, opts, args.connections, temperature, jobs)))
+                theirs, args.target, opts, args.connections, temperature,
+                [workload[i] for i in share], [offsets[i] for i in share])))
             procs[-1].start()
             pipes.append(mine)
         for msg in await asyncio.gather(*(loop.run_in_executor(None, c.recv) for c in pipes)):
@@ -450,13 +456,12 @@ async def _run_in_procs(args: argparse.Namespace, temperature: float,
         for c in pipes:
             c.send(start)
         results = await asyncio.gather(*(loop.run_in_executor(None, c.recv) for c in pipes))
-        for p, result in enumerate(results):
+        for share, result in zip(shares, results):
             if isinstance(result, str):
                 raise RuntimeError(f"a client process failed: {result}")
-            for i, (submit, chunks, finish, error) in zip(range(p, len(workload), n), result):
-                traces[i].submit, traces[i].chunks = submit, chunks
-                traces[i].finish, traces[i].error = finish, error
-                progress.add(traces[i].num_tokens)
+            for i, trace in zip(share, result):
+                traces[i] = trace
+                progress.add(trace.num_tokens)
     finally:
         for proc in procs:
             proc.join(timeout=5)
@@ -465,9 +470,9 @@ async def _run_in_procs(args: argparse.Namespace, temperature: float,
 
 
 def _client_proc(conn: Any, target: str, opts: dict, connections: int, temperature: float,
-                 jobs: list[tuple[list[int], int, float]]) -> None:
-    """Body of one --client-procs process (see _run_in_procs): sends back one
-    (submit, chunks, finish, error) per job, or a string saying what failed."""
+                 requests: list[BenchRequest], offsets: list[float]) -> None:
+    """Body of one --client-procs process (see _run_in_procs): sends back one Trace per
+    request, or a string saying what failed."""
     async def main() -> list:
         from client.client import AsyncClient
         async with contextlib.AsyncExitStack() as stack:
@@ -477,12 +482,9 @@ def _client_proc(conn: Any, target: str, opts: dict, connections: int, temperatu
                 await c.model_info()                # connected before the clock starts
             conn.send("ready")
             start = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-            traces = [Trace() for _ in jobs]
-            await asyncio.gather(*(
-                _grpc_request(chans[k % len(chans)], BenchRequest(ids, max_tokens), temperature,
-                              t, None, start + off)
-                for k, ((ids, max_tokens, off), t) in enumerate(zip(jobs, traces))))
-            return [(t.submit, t.chunks, t.finish, t.error) for t in traces]
+            traces = [Trace() for _ in requests]
+            await _send_all(chans, requests, offsets, temperature, traces, None, start)
+            return traces
     try:
         conn.send(asyncio.run(main()))
     except Exception as e:     # the parent raises it: a bench that lost requests must fail
