@@ -9,11 +9,12 @@
 #   linear   decode-sized GEMMs through cuBLAS: weights from HBM vs from L2, cuBLASLt (LINEAR_ARGS)
 #   profile  per-kernel GPU time of one decode step at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
-#   service  the service boundary's price: in-process x LOCAL_RUNS (3) then gRPC x GRPC_RUNS (5)
+#   service  the service boundary's price: in-process x LOCAL_RUNS (3; 0 = skip) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
 #            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways;
-#            FRONTENDS, KV_DTYPE, BACKEND pass through; CLIENT_PROCS sends the gRPC runs' requests
-#            from that many client processes (client.bench --client-procs)
+#            FRONTENDS, KV_DTYPE, BACKEND pass through; CLIENT_PROCS (4) sends the gRPC runs'
+#            requests from that many client processes (client.bench --client-procs): one
+#            Python process cannot take the online token rate without delaying what it times
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
@@ -75,14 +76,16 @@ for w in ${*:-kernels model bench}; do
       EXTRA=(${BACKEND:+--attention-backend $BACKEND} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE})
       B=(python3 -m client.bench --no-progress --device-name "$GPU")
       L=(--in-process --model "$M" --device cuda --max-model-len 4096 "${EXTRA[@]}")
-      "${B[@]}" "${L[@]}" --runs "${LOCAL_RUNS:-3}" --json "$OUT/svc_local.json" 2>"$OUT/svc_local.err" || rc=1
-      "${B[@]}" "${L[@]}" --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_local_online.json" 2>>"$OUT/svc_local.err" || rc=1
+      if [ "${LOCAL_RUNS:-3}" != 0 ]; then   # 0: the gRPC side alone
+        "${B[@]}" "${L[@]}" --runs "${LOCAL_RUNS:-3}" --json "$OUT/svc_local.json" 2>"$OUT/svc_local.err" || rc=1
+        "${B[@]}" "${L[@]}" --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_local_online.json" 2>>"$OUT/svc_local.err" || rc=1
+      fi
       python3 -m worker_service --model "$M" --port 50061 --max-model-len 4096 --log-level WARNING \
         "${EXTRA[@]}" > "$OUT/svc_worker.log" 2>&1 &
       python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
         --max-model-len 4096 --frontends "${FRONTENDS:-1}" --log-level WARNING > "$OUT/svc_scheduler.log" 2>&1 &
       for i in $(seq 300); do grep -q listening "$OUT/svc_scheduler.log" && break; sleep 1; done
-      G=(--target 127.0.0.1:50051 ${CLIENT_PROCS:+--client-procs $CLIENT_PROCS})
+      G=(--target 127.0.0.1:50051 --client-procs "${CLIENT_PROCS:-4}")
       "${B[@]}" "${G[@]}" --runs "${GRPC_RUNS:-5}" --json "$OUT/svc_grpc.json" 2>"$OUT/svc_grpc.err" || rc=1
       "${B[@]}" "${G[@]}" --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
       kill %2 %1 2>/dev/null; wait
