@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 from client.client import Stats
+from client.proc_cpu import diff as proc_cpu_diff, own_cpu_s
 
 # nano-vllm draws prompt token ids as randint(0, 10000); kept so seed 0 reproduces its workload.
 PROMPT_ID_HIGH = 10000
@@ -265,6 +266,7 @@ class RunOutcome:
     wall_s: float
     breakdown: DecodeBreakdown
     extra: dict[str, Any] = field(default_factory=dict)
+    cpu_s: dict[str, float] | None = None   # CPU seconds per process over the run (gRPC modes)
 
 
 def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, Any]:
@@ -290,7 +292,25 @@ def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, An
         # behind); each message costs gRPC CPU on both ends (python -m client.grpc_floor).
         "tokens_per_message": output_tokens / max(sum(len(t.chunks) for t in traces), 1),
         "decode": outcome.breakdown.summary(),
+        "cpu": cpu_summary(outcome.cpu_s, output_tokens, wall),
     }
+
+
+# Processes of a null-worker run that are not the control plane.
+NOT_CONTROL_PLANE = ("bench client", "null worker")
+
+
+def cpu_summary(cpu_s: dict[str, float] | None, output_tokens: int, wall: float
+                ) -> dict[str, Any] | None:
+    """Where the host's CPU went in a run: seconds per process, the cores it had, and the
+    control plane's CPU per output token (null-worker runs, where the bench started it)."""
+    if cpu_s is None:
+        return None
+    control = [v for k, v in cpu_s.items() if k not in NOT_CONTROL_PLANE]
+    return {"seconds": cpu_s, "cores": len(os.sched_getaffinity(0)) if hasattr(
+                os, "sched_getaffinity") else os.cpu_count(), "wall_s": wall,
+            "control_plane_us_per_token": (sum(control) / output_tokens * 1e6
+                                           if control and output_tokens else None)}
 
 
 def _ms(p: dict[str, float | None]) -> dict[str, float | None]:
@@ -329,6 +349,13 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("per decode step (ms):")
     lines.append("  " + " ".join(f"{c:>11}" for c in cols))
     lines.append("  " + " ".join(f"{per[c]:11.3f}" for c in cols))
+    if r.get("cpu"):
+        c = r["cpu"]
+        lines.append("CPU s          " + "  ".join(f"{k} {v:.2f}" for k, v in c["seconds"].items())
+                     + f"   (host: {c['cores']} cores x {c['wall_s']:.2f} s wall)")
+        if c["control_plane_us_per_token"] is not None:
+            lines.append(f"control plane  {c['control_plane_us_per_token']:.1f} us of CPU "
+                         "per output token")
     return "\n".join(lines)
 
 
@@ -369,9 +396,13 @@ async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trac
     trace.finish = time.perf_counter()
 
 
-async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
+async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig,
+                          cpu_probe: Callable[[], dict[str, float]] | None = None
                           ) -> tuple[list[RunOutcome], list[BenchRequest]]:
+    """cpu_probe: CPU seconds so far per process, read before and after each run (default:
+    the bench client's own)."""
     from client.client import AsyncClient
+    cpu_probe = cpu_probe or (lambda: {"bench client": own_cpu_s()})
 
     async with contextlib.AsyncExitStack() as stack:
         # One channel is one HTTP/2 connection, which the kernel hands to one frontend
@@ -392,6 +423,7 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
         for run in range(args.runs):
             workload = for_run(run_0, run, info.vocab_size)
             before = await _settled_stats(client)
+            cpu_before = cpu_probe()
             progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
             offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
             traces = [Trace() for _ in workload]
@@ -407,12 +439,13 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig
             await waiter
             progress.close()
             after = await _settled_stats(client)
+            cpu = proc_cpu_diff(cpu_before, cpu_probe())
             wall = max(t.finish for t in traces) - min(t.submit for t in traces)
             outcomes.append(RunOutcome(
                 mode="grpc", model=info.model, device=args.device_name,
                 max_model_len=info.max_model_len, traces=traces, wall_s=wall,
                 breakdown=DecodeBreakdown.diff(before, after),
-                extra={"target": args.target, "model_info": asdict(info)}))
+                extra={"target": args.target, "model_info": asdict(info)}, cpu_s=cpu))
     return outcomes, workload
 
 
@@ -491,9 +524,10 @@ def _client_proc(conn: Any, target: str, opts: dict, connections: int, temperatu
         conn.send(f"{type(e).__name__}: {e}")
 
 
-def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig
+def run_grpc(args: argparse.Namespace, wcfg: WorkloadConfig,
+             cpu_probe: Callable[[], dict[str, float]] | None = None
              ) -> tuple[list[RunOutcome], list[BenchRequest]]:
-    return asyncio.run(_run_grpc_async(args, wcfg))
+    return asyncio.run(_run_grpc_async(args, wcfg, cpu_probe))
 
 
 def run_null(args: argparse.Namespace, wcfg: WorkloadConfig
@@ -505,7 +539,8 @@ def run_null(args: argparse.Namespace, wcfg: WorkloadConfig
                    scheduler_args=shlex.split(args.scheduler_args)) as stack:
         args.target = stack.target
         args.device_name = f"null worker, {args.step_ms:g} ms/step"
-        outcomes, workload = run_grpc(args, wcfg)
+        outcomes, workload = run_grpc(
+            args, wcfg, lambda: {**stack.cpu_s(), "bench client": own_cpu_s()})
     for o in outcomes:
         o.mode = "null-worker"
         o.extra["step_ms"] = args.step_ms
@@ -791,6 +826,7 @@ SPREAD_METRICS = {   # name in the spread table -> where it is in a run's result
     "TTFT p99 ms": ("ttft_ms", "p99"),
     "ITL p99 ms": ("itl_ms", "p99"),
     "tokens/message": ("tokens_per_message",),
+    "ctl CPU us/tok": ("cpu", "control_plane_us_per_token"),
 }
 
 
@@ -801,8 +837,8 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
         values = []
         for r in runs:
             v: Any = r
-            for key in path:
-                v = v[key]
+            for key in path:   # None where a mode does not measure it
+                v = v.get(key) if isinstance(v, dict) else None
             if v is not None:
                 values.append(v)
         values.sort()

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from client.null_model import write_null_model
+from client.proc_cpu import tree_cpu_s
 
 _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
 
@@ -70,6 +71,12 @@ class NullStack:
         if not found.wait(self.timeout) or not port:
             raise RuntimeError(f"{args[0]} did not start:\n{''.join(log[-40:])}")
         return port[0]
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds so far of the null worker and of each control-plane process
+        (engine-core, frontend-N; "scheduler" is its supervisor and helpers)."""
+        worker, scheduler = self.procs
+        return tree_cpu_s({"null worker": worker.pid, "scheduler": scheduler.pid})
 
     def __exit__(self, *exc) -> None:
         for proc in reversed(self.procs):   # scheduler first, then the worker

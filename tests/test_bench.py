@@ -122,6 +122,35 @@ def test_bench_grpc(scheduler_port, tmp_path):
     check_report(report, "grpc")
     assert report["model_info"]["vocab_size"] == VOCAB
     assert report["config"]["connections"] == 2
+    cpu = report["results"]["cpu"]   # against a server it did not start: only its own CPU
+    assert set(cpu["seconds"]) == {"bench client"} and cpu["seconds"]["bench client"] > 0
+    assert cpu["control_plane_us_per_token"] is None
+
+
+def test_bench_null_worker_says_where_the_cpu_went(tmp_path):
+    """--null-worker starts the real control plane over a null worker and reports each
+    process's CPU over every run: the engine core and frontend by the names they give
+    themselves, and the control plane's CPU per output token from exactly those."""
+    # ~10k tokens a run: enough work for every process to pass a clock tick (10 ms)
+    report = run_bench(["--null-worker", "--step-ms", "0", "--runs", "2", "--num-seqs", "128",
+                        "--min-input-len", "20", "--max-input-len", "60", "--min-output-len",
+                        "50", "--max-output-len", "100", "--warmup", "2"],
+                       tmp_path / "n.json", check_no_torch=True)
+    assert report["mode"] == "null-worker" and report["step_ms"] == 0
+    for run in report["runs"]:
+        assert run["failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"]
+        cpu = run["cpu"]
+        seconds = cpu["seconds"]
+        assert {"engine-core", "frontend-0", "scheduler", "null worker", "bench client"} == set(seconds)
+        assert all(v >= 0 for v in seconds.values())
+        # every token passed through the engine core and a frontend, and the bench read it
+        assert min(seconds["engine-core"], seconds["frontend-0"], seconds["bench client"]) > 0
+        control = seconds["engine-core"] + seconds["frontend-0"] + seconds["scheduler"]
+        assert cpu["control_plane_us_per_token"] == pytest.approx(
+            control / run["output_tokens"] * 1e6)
+        assert cpu["cores"] >= 1 and cpu["wall_s"] == run["wall_s"]
+    spread = report["spread"]["ctl CPU us/tok"]
+    assert 0 < spread["min"] <= spread["median"] <= spread["max"]
 
 
 def test_bench_grpc_from_client_processes(scheduler_port, tmp_path):

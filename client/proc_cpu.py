@@ -1,0 +1,74 @@
+"""CPU seconds of a benchmark's processes, by name (Linux /proc; elsewhere only our own).
+
+On a host that runs the load generator, the control plane and a null worker side by side,
+throughput alone does not say whose CPU set it: these counters do. The control plane
+names its children (supervision.child_setup: ns-engine-core, ns-frontend-N), so a
+process tree reads as {"engine-core": s, "frontend-0": s, ...}.
+"""
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def own_cpu_s() -> float:
+    """This process's CPU seconds, with its children that have been waited for (the bench's
+    --client-procs processes, joined after each run)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    return total
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a live process; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
+    """{name: CPU seconds} over each root's process tree: a root under its given name, a
+    descendant named ns-X under X, any other descendant added to its parent's name."""
+    out: dict[str, float] = {}
+
+    def walk(pid: int, name: str) -> None:
+        out[name] = out.get(name, 0.0) + _cpu_s(pid)
+        for child in _children(pid):
+            comm = _comm(child)
+            walk(child, comm[3:] if comm.startswith("ns-") else name)
+
+    for name, pid in roots.items():
+        walk(pid, name)
+    return out
+
+
+def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
