@@ -166,6 +166,7 @@ class Generation:
             raise RequestError("UNAVAILABLE", "server is shutting down")
         if not sampling.ignore_eos and self.extra_eos_ids:   # e.g. Qwen3's <|endoftext|> too
             sampling.stop_token_ids = tuple(set(sampling.stop_token_ids) | self.extra_eos_ids)
+        self.turns.arrived()
         try:
             handles = self.engine.submit(ids, sampling)
         except EngineUnavailable as e:

@@ -98,3 +98,76 @@ def test_the_flag_reaches_every_frontend_and_rejects_negatives(tmp_path):
         shutil.rmtree(plane.ipc_dir, ignore_errors=True)
     with pytest.raises(SystemExit):
         parse_args(base + ["--stream-deltas-per-turn", "-1"])
+
+
+def test_a_turn_after_a_call_arrived_grants_nothing():
+    """Calls arriving get the next turn to themselves (acceptance waits for no writes);
+    the takers are served after it, in order, still at most per_turn a turn."""
+    async def run(arrival: bool):
+        budget = TurnBudget(4)
+        turns = TurnCounter()
+        got = []
+
+        async def taker(i):
+            await budget.take()
+            got.append((i, turns.turn))
+
+        if arrival:
+            budget.arrived()
+        await asyncio.gather(*(taker(i) for i in range(6)))
+        turns.running = False
+        return got
+
+    plain, held = asyncio.run(run(False)), asyncio.run(run(True))
+    assert [i for i, _ in held] == [i for i, _ in plain] == list(range(6))
+    assert held[0][1] >= plain[0][1] + 2          # the held turn, and the grant's own turn
+    assert max(_per_turn(held).values()) <= 4
+
+
+def test_a_flood_of_calls_cannot_hold_writes_for_more_than_hold_turns():
+    """A call in every turn: writes still get a turn after HOLD_TURNS held ones."""
+    from scheduler_service.turn_budget import HOLD_TURNS
+
+    async def main():
+        budget = TurnBudget(2)
+        turns = TurnCounter()
+        got = []
+        flooding = True
+
+        def flood():   # one new call per turn, for as long as the takers need
+            budget.arrived()
+            if flooding:
+                asyncio.get_running_loop().call_soon(flood)
+
+        await budget.take()                  # this turn's grants are spent ...
+        await budget.take()
+        flood()
+        async def taker(i):
+            await budget.take()
+            got.append((i, turns.turn))
+        first = turns.turn
+        await asyncio.wait_for(asyncio.gather(*(taker(i) for i in range(6))), 5.0)
+        flooding = False
+        turns.running = False
+        return first, got
+
+    first, got = asyncio.run(main())
+    assert [i for i, _ in got] == list(range(6))          # nobody lost, in order
+    granted_turns = sorted(_per_turn(got))
+    # a grant resumes its taker one turn after the grant's own turn
+    assert 2 <= granted_turns[0] - first <= HOLD_TURNS + 2   # held, at most HOLD_TURNS turns
+    gaps = [b - a for a, b in zip(granted_turns, granted_turns[1:])]
+    assert all(g <= HOLD_TURNS + 1 for g in gaps)           # never starved
+
+
+def test_no_holds_without_a_budget():
+    async def main():
+        budget = TurnBudget(0)
+        turns = TurnCounter()
+        budget.arrived()
+        start = turns.turn
+        await budget.take()
+        turns.running = False
+        return turns.turn - start, budget.armed
+    delay, armed = asyncio.run(main())
+    assert delay == 0 and not armed
