@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 from client.client import Stats
-from client.proc_cpu import diff as proc_cpu_diff, own_cpu_s
+from client.proc_cpu import diff as proc_cpu_diff, host_cores, own_cpu_s
 
 # nano-vllm draws prompt token ids as randint(0, 10000); kept so seed 0 reproduces its workload.
 PROMPT_ID_HIGH = 10000
@@ -307,8 +307,7 @@ def cpu_summary(cpu_s: dict[str, float] | None, output_tokens: int, wall: float
     if cpu_s is None:
         return None
     control = [v for k, v in cpu_s.items() if k not in NOT_CONTROL_PLANE]
-    return {"seconds": cpu_s, "cores": len(os.sched_getaffinity(0)) if hasattr(
-                os, "sched_getaffinity") else os.cpu_count(), "wall_s": wall,
+    return {"seconds": cpu_s, "cores": host_cores(), "wall_s": wall,
             "control_plane_us_per_token": (sum(control) / output_tokens * 1e6
                                            if control and output_tokens else None)}
 
@@ -755,12 +754,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gRPC modes: spread the requests over N channels (connections); "
                             "the server pins a connection to one frontend process, so use "
                             "N >= its --frontends to load them all (default 1)")
-    where.add_argument("--client-procs", type=int, default=1, metavar="P",
+    where.add_argument("--client-procs", type=int, default=0, metavar="P",
                        help="gRPC modes: send the requests from P processes, dealt out in "
                             "turn, each with --connections channels: one Python process "
                             "handles only so many stream messages a second (python -m "
                             "client.grpc_floor), so at high token rates one client process "
-                            "can be what delays the tokens it times (default 1)")
+                            "can be what delays the tokens it times (default 0 = one per 4 "
+                            "cores of this host, 1 to 4; the report records the number used)")
     where.add_argument("--in-process", action="store_true",
                        help="build a ModelRunner here and drive the Engine with it (no gRPC)")
     where.add_argument("--null-worker", action="store_true",
@@ -857,6 +857,14 @@ def format_spread(runs: list[dict[str, Any]], table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def default_client_procs() -> int:
+    """One sending process per 4 cores, 1 to 4: on a GPU host (16 cores) one process falls
+    behind the online token rate (tests/gpu/RESULTS.md: ITL p99 +9-17% from one process,
+    within 1% of in-process from four); on a 2-core box more would only compete with the
+    server for the cores."""
+    return max(1, min(4, host_cores() // 4))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -869,10 +877,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("need 1 <= min <= max for input and output lengths, and --num-seqs >= 1")
     if args.runs < 1:
         parser.error("--runs must be >= 1")
-    if args.connections < 1 or args.client_procs < 1:
-        parser.error("--connections and --client-procs must be >= 1")
+    if args.connections < 1 or args.client_procs < 0:
+        parser.error("--connections must be >= 1 and --client-procs >= 0")
     if args.client_procs > 1 and args.in_process:
         parser.error("--client-procs is for the gRPC modes (--target, --null-worker)")
+    if args.client_procs == 0:
+        args.client_procs = 1 if args.in_process else default_client_procs()
     wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
                           max_input_len=args.max_input_len, min_output_len=args.min_output_len,
                           max_output_len=args.max_output_len, temperature=args.temperature,

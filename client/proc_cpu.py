@@ -14,6 +14,13 @@ from pathlib import Path
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def host_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def own_cpu_s() -> float:
     """This process's CPU seconds, with its children that have been waited for (the bench's
     --client-procs processes, joined after each run)."""

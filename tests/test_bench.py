@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from client.bench import (DecodeBreakdown, Trace, WorkloadConfig, arrival_offsets, for_run,
-                          make_workload, percentiles)
+from client.bench import (DecodeBreakdown, Trace, WorkloadConfig, arrival_offsets,
+                          default_client_procs, for_run, make_workload, percentiles)
 from services import ROOT, start_scheduler, start_worker
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -122,6 +122,7 @@ def test_bench_grpc(scheduler_port, tmp_path):
     check_report(report, "grpc")
     assert report["model_info"]["vocab_size"] == VOCAB
     assert report["config"]["connections"] == 2
+    assert report["config"]["client_procs"] == default_client_procs()   # resolved, recorded
     cpu = report["results"]["cpu"]   # against a server it did not start: only its own CPU
     assert set(cpu["seconds"]) == {"bench client"} and cpu["seconds"]["bench client"] > 0
     assert cpu["control_plane_us_per_token"] is None
@@ -167,6 +168,12 @@ def test_bench_grpc_from_client_processes(scheduler_port, tmp_path):
         assert run["ttft_ms"]["p50"] >= 0 and run["itl_ms"]["p50"] >= 0
         # six requests at 5/s arrive over 0.65 s (all at once they take ~0.1 s here)
         assert run["wall_s"] >= max(arrival_offsets(6, 5, 7))
+
+
+@pytest.mark.parametrize("cores,procs", [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (128, 4)])
+def test_default_client_procs_one_per_four_cores(monkeypatch, cores, procs):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_client_procs() == procs
 
 
 def test_connections_spread_requests_round_robin(monkeypatch):
