@@ -8,7 +8,7 @@
     python -m client.bench --in-process --model ~/qwen3-0.6b --json local.json
     # online: Poisson arrivals at 20 requests/s
     python -m client.bench --target 127.0.0.1:50051 --request-rate 20
-    # ... from 4 client processes, against a scheduler started with --frontends 2
+    # ... from 4 client processes (default: one per 4 cores of this host, 1 to 4)
     python -m client.bench --target 127.0.0.1:50051 --request-rate 20 --client-procs 4
     # what CI runs: a tiny workload
     python -m client.bench --target ... --num-seqs 6 --min-input-len 5 --max-input-len 20 \\
@@ -20,7 +20,10 @@ max_tokens uniform in [100, 1024], token ids randint(0, 10000), ignore_eos, temp
 the lengths but shift every prompt id, so none finds its prompt in the prefix cache (as
 nano-vllm's runs, each a fresh process, never do). Running it both ways prices the service
 boundary; the decode breakdown (the engine's per-step timers) says where a decode step's
-wall time goes and how long the GPU sits idle in each (idle = step wall - GPU busy).
+wall time goes and how long the GPU sits idle in each (idle = step wall - GPU busy). Each
+gRPC run also reports the CPU seconds of the processes it can see (its own; with
+--null-worker the null worker's and each control-plane process's, and the control
+plane's CPU per output token).
 
 Offline mode submits every request at once and times first submit -> last finish;
 a small warm-up batch runs first and is excluded, from the timing and from the decode
