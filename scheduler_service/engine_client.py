@@ -35,7 +35,8 @@ class EngineUnavailable(RuntimeError):
 
 class RequestStream:
     """Results of one sequence (one of a request's n completions) not yet taken by its handler."""
-    __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "finish", "error", "_waiter")
+    __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "finish", "error", "_waiter",
+                 "_first")
 
     def __init__(self, seq_id: int):
         self.seq_id = seq_id
@@ -45,6 +46,7 @@ class RequestStream:
         self.finish: tuple[str, int] | None = None   # (reason, cached prompt tokens)
         self.error: tuple[str, str] | None = None    # (status code name, message)
         self._waiter: asyncio.Future | None = None
+        self._first = True    # nothing handed out yet: the next delta carries the TTFT
 
     def _wake(self) -> None:
         w = self._waiter
@@ -55,11 +57,13 @@ class RequestStream:
                    ) -> tuple[list[int], list[float], list[tuple[list[int], list[float]]],
                               tuple[str, int] | None, tuple[str, str] | None]:
         """Everything that arrived since the last call (waits for something, then for a
-        grant from `turns`): (token ids, logprobs, top logprobs, finish, error)."""
+        grant from `turns`, at once for the first): (token ids, logprobs, top logprobs,
+        finish, error)."""
         while not (self.token_ids or self.finish or self.error):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        await turns.take()
+        await turns.take(first=self._first)
+        self._first = False
         ids, self.token_ids = self.token_ids, []
         lps, self.logprobs = self.logprobs, []
         top, self.top_logprobs = self.top_logprobs, []

@@ -171,3 +171,30 @@ def test_no_holds_without_a_budget():
         return turns.turn - start, budget.armed
     delay, armed = asyncio.run(main())
     assert delay == 0 and not armed
+
+
+def test_a_first_delta_goes_ahead_of_the_queue_but_not_into_a_held_turn():
+    """A new request's first token (its TTFT) does not wait behind the running streams'
+    writes: granted in the turn it asks, over the budget. A turn held for arrivals holds
+    it too."""
+    async def main():
+        budget = TurnBudget(1)
+        turns = TurnCounter()
+        await budget.take()                       # this turn's one grant is spent
+        queued = [asyncio.ensure_future(budget.take()) for _ in range(5)]
+        await asyncio.sleep(0)                    # all five wait in the queue now
+        asked = turns.turn
+        await budget.take(first=True)             # ... and the first delta does not
+        at_once = turns.turn == asked and sum(q.done() for q in queued) <= 1
+        budget.arrived()
+        await asyncio.sleep(0)                    # the next turn is held for the arrival
+        assert budget.held
+        held_turn = turns.turn
+        await budget.take(first=True)             # asked in the held turn: granted later
+        held_back = turns.turn > held_turn
+        await asyncio.wait_for(asyncio.gather(*queued), 2.0)
+        turns.running = False
+        return at_once, held_back
+
+    at_once, held_back = asyncio.run(main())
+    assert at_once and held_back
