@@ -12,8 +12,8 @@ a stream that waits longer is not slower, it sends more tokens in its next messa
 A burst of new calls gets the loop to itself: a turn that follows one in which a call
 started grants no writes, up to `HOLD_TURNS` turns in a row, so each acceptance waits for
 a short turn rather than behind K writes. On the 2-core null-worker ceiling that admitted
-the 256-request burst sooner (TTFT p99 median 1,169 -> 827 ms, mean decode batch 85 ->
-96) and the run's CPU per token fell 15% (tests/gpu/RESULTS.md); a stream then sends the
+the 256-request burst sooner (TTFT p99 median 1,189 -> 846 ms, mean decode batch 82 -> 95)
+and the control plane's CPU per token fell 12% (tests/gpu/RESULTS.md); a stream sends the
 tokens it held in one message. The cap keeps writes going under a steady flood of calls.
 
 A stream's first delta does not queue: it is granted in the turn it asks, over the budget
