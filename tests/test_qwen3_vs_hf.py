@@ -223,14 +223,12 @@ def _gloo_rank(rank: int, size: int, port: int, path: str, prompts, out: str) ->
 
 def test_tp2_gloo_matches_hf(tmp_path_factory, tmp_path):
     """Real torch.distributed collectives: 2 processes over gloo, each holding half."""
-    import socket
     import torch.multiprocessing as mp
+    from services import free_port
     path = tiny_qwen3_dir(tmp_path_factory)
     prompts = random_prompts(389, [6, 11], seed=7)
     refs = hf_logits(path, prompts)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "logits")
     mp.start_processes(_gloo_rank, args=(2, port, str(path), prompts, out), nprocs=2,
                        start_method="spawn", join=True)
