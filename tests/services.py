@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from client.ports import free_port  # noqa: F401 - tests import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
@@ -90,47 +90,6 @@ def stop_all() -> list[str]:
     for p in left:
         p.stop(timeout=5.0)
     return [p.name for p in left]
-
-
-_HANDED_OUT: set[int] = set()
-_BLOCK = 8          # launchers count up from a base port (worker i, metrics of rank i)
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (for addresses a process must be told up front),
-    with the next few free too, and below the kernel's ephemeral range: a port the kernel
-    handed out (bind to 0) can meanwhile become the source port of some outgoing connection
-    (gloo's between TP ranks, a gRPC channel's), and the process told to listen there
-    then fails with 'Address already in use'. No test gets a port another got."""
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(500):
-        if low - _BLOCK <= 10000:
-            break
-        port = rng.randrange(max(10000, low - 15000), low - _BLOCK)
-        block = set(range(port, port + _BLOCK))
-        if not block & _HANDED_OUT and all(_bindable(p) for p in block):
-            _HANDED_OUT.update(block)
-            return port
-    with socket.socket() as s:   # an odd port range: the kernel's pick, as before
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768   # Linux's default
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def worker_proc(model_dir: Path, port: int = 0, kv_cache_gb: float = 0.05, extra: list[str] = (),

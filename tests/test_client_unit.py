@@ -315,3 +315,20 @@ def test_cli_errors_and_other_commands(server):
     assert info["model_info"]["model"] == "echo" and info["stats"]["num_steps"] == 7
     r = cli("--help")
     assert r.returncode == 0 and "generate" in r.stdout and "NANOSERVE_TARGET" in r.stdout
+
+
+def test_free_ports_sit_below_the_ephemeral_range_and_never_repeat():
+    """Ports handed to a launcher up front: outside the range the kernel gives outgoing
+    connections (so none can take them first), each with the next 7 bindable, no two the
+    same (client/ports.py)."""
+    import socket
+
+    from client.ports import _BLOCK, _ephemeral_low, free_port
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(40)]
+    blocks = [set(range(p, p + _BLOCK)) for p in ports]
+    assert all(p + _BLOCK <= low for p in ports)
+    assert len(set().union(*blocks)) == 40 * _BLOCK          # no overlap between blocks
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))                          # free indeed
