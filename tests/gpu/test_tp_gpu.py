@@ -158,12 +158,10 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def run() -> None:
-    import socket
     import tempfile
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from client.ports import free_port
+    port = free_port()
     out_dir = os.environ.get("NANOSERVE_TP_CKPTS") or tempfile.mkdtemp()
     mp.spawn(_rank_main, args=(port, out_dir), nprocs=2, join=True)
 
