@@ -40,13 +40,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid (OSError once pid is gone)."""
     out: list[int] = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return out
-    for task in tasks:
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
@@ -54,7 +51,8 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _comm(pid: int) -> str:
+def comm(pid: int) -> str:
+    """The name pid gave itself ("" once it is gone)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
@@ -68,9 +66,13 @@ def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
 
     def walk(pid: int, name: str) -> None:
         out[name] = out.get(name, 0.0) + _cpu_s(pid)
-        for child in _children(pid):
-            comm = _comm(child)
-            walk(child, comm[3:] if comm.startswith("ns-") else name)
+        try:
+            kids = children(pid)
+        except OSError:   # gone while we looked
+            kids = []
+        for child in kids:
+            own = comm(child)
+            walk(child, own[3:] if own.startswith("ns-") else name)
 
     for name, pid in roots.items():
         walk(pid, name)

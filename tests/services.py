@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from client.ports import free_port  # noqa: F401 - tests import it from here
+from client.proc_cpu import children, comm  # noqa: F401 - children: tests import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
@@ -145,27 +146,10 @@ def start_null_worker(model_dir: Path | None = None, step_ms: float = 0.0, port:
     return Proc("null worker", [*args, *extra]).start()
 
 
-def children(pid: int) -> list[int]:
-    """Direct child processes of pid (Linux /proc)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
 def named_children(pid: int) -> dict[str, int]:
     """Child processes of pid by name (the control plane names its own: ns-engine-core,
     ns-frontend-N)."""
-    out = {}
-    for c in children(pid):
-        try:
-            out[Path(f"/proc/{c}/comm").read_text().strip()] = c
-        except OSError:
-            pass
-    return out
+    return {name: c for c in children(pid) if (name := comm(c))}
 
 
 def rss_bytes(pid: int) -> int:
