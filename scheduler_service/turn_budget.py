@@ -62,10 +62,7 @@ class TurnBudget:
         if not self.per_turn:
             return
         self._arm()
-        if first and not self.held:
-            self.used += 1
-            return
-        if self.used < self.per_turn and not self.waiting and not self.held:
+        if not self.held and (first or (self.used < self.per_turn and not self.waiting)):
             self.used += 1
             return
         fut = asyncio.get_running_loop().create_future()
