@@ -144,21 +144,48 @@ def test_prompt_context(tok):
             assert "".join(run(detok, gen, rng)) == full[len(p_text):]
 
 
+class WindowSpy:
+    """The tokenizer, recording the length of every window decoded."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok, self.lengths = tok, []
+        self.vocab_size, self.special_token_ids = tok.vocab_size, tok.special_token_ids
+
+    def decode(self, window, skip_special_tokens=False):
+        self.lengths.append(len(window))
+        return self.tok.decode(window, skip_special_tokens=skip_special_tokens)
+
+
 def test_window_stays_small(tok):
     """O(new tokens): each add decodes a bounded window, however long the sequence."""
     ids = tok.encode(" ".join(TEXTS * 40))
-    lengths: list[int] = []
-
-    class Spy:
-        def decode(self, window, skip_special_tokens=False):
-            lengths.append(len(window))
-            return tok.decode(window, skip_special_tokens=skip_special_tokens)
-
-    detok = IncrementalDetokenizer(Spy(), prompt_ids=ids[:500])
+    spy = WindowSpy(tok)
+    detok = IncrementalDetokenizer(spy, prompt_ids=ids[:500])
     for i in ids:
         detok.add([i])
-    assert len(ids) > 500 and max(lengths) <= 16
+    assert len(ids) > 500 and max(spy.lengths) <= 16
     assert len(detok._ids) < 100  # old ids are dropped
+
+
+def test_window_stays_small_over_ids_without_text(tok):
+    """Ids that decode to nothing (past the tokenizer's vocabulary, as a random-weights
+    model samples them; special tokens when skipped) do not widen the window, and the
+    deltas are still the full decode."""
+    rng = random.Random(5)
+    text_ids = tok.encode(" ".join(TEXTS * 4))
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for i in text_ids:   # each text id followed by a run of 0-40 ids without text
+        ids.append(i)
+        ids += [rng.choice([eos, tok.vocab_size + rng.randrange(10_000)])
+                for _ in range(rng.randrange(41))]
+    spy = WindowSpy(tok)
+    detok = IncrementalDetokenizer(spy, skip_special_tokens=True)
+    deltas = run(detok, ids, rng)
+    assert len(ids) > 10 * len(text_ids) > 1000
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True) \
+        == tok.decode(text_ids, skip_special_tokens=True)
+    assert max(spy.lengths) <= 16
 
 
 def test_skip_special_tokens(tok):
