@@ -54,9 +54,7 @@ class LocalWorkerGroup:
         second connect re-allocates (the Engine calls it after a failed step)."""
         self.close_streams()   # no step may run while the KV cache is replaced
         r = self.runner
-        # The blocks already allocated count as free room when the block size is unchanged
-        # (the same rule the worker's Init applies).
-        capacity = r.kv_capacity(block_size) + (r.num_blocks if r.block_size == block_size else 0)
+        capacity = r.kv_capacity(block_size)   # the current cache counts as room
         blocks = num_kv_blocks or capacity
         if blocks == 0 or blocks > capacity:
             raise WorkerGroupError(f"KV cache: {blocks} blocks needed, the runner fits {capacity}",

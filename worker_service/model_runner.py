@@ -135,10 +135,13 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * block_size * per_token
 
     def kv_capacity(self, block_size: int) -> int:
-        """How many KV blocks of `block_size` tokens fit in this rank's budget."""
+        """How many KV blocks of `block_size` tokens fit in this rank's budget. The cache
+        allocated now counts as room (init_kv frees it first): a scheduler that connects
+        again, e.g. a restarted engine core, finds what the first one found."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used_now = total - free
+            kv_now = sum(t.nbytes for t in (self.kv_cache, self.kv_scales) if t is not None)
+            used_now = total - free - kv_now
             budget = total * self.config.gpu_memory_utilization - used_now - self.peak_activation_bytes
         else:
             budget = self.config.kv_cache_gb * (1 << 30)

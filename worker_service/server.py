@@ -52,8 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.num_kv_blocks == 0 or request.block_size == 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_kv_blocks and block_size must be > 0")
         with self.lock:
-            capacity = self.runner.kv_capacity(request.block_size) + self.runner.num_blocks * (
-                self.runner.block_size == request.block_size)
+            capacity = self.runner.kv_capacity(request.block_size)
             if request.num_kv_blocks > capacity:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{request.num_kv_blocks} blocks asked, {capacity} fit")

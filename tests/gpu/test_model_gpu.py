@@ -181,6 +181,39 @@ def test_fp8_kv_stays_near_bf16(checkpoint):
         assert row["max_logit_gap"] <= 0.05 * row["logit_scale"], row
 
 
+def test_a_second_scheduler_finds_the_workers_kv_room(checkpoint):
+    """A scheduler that connects to a worker already serving (a restarted engine core, a
+    new scheduler process) gets the KV cache the first one got. The worker's Info used to
+    count its own cache as used memory and offer ~0 blocks, so the second start failed
+    with 'KV cache: 0 blocks needed, workers fit 0' (CPU budgets never had this)."""
+    import grpc
+    from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+    from services import Proc
+    worker = Proc("worker", ["worker_service", "--model", str(checkpoint), "--device", "cuda",
+                             "--port", "0", "--gpu-memory-utilization", "0.5"]).start(timeout=600)
+    try:
+        blocks = []
+        for _ in range(2):
+            sched = Proc("scheduler", ["scheduler_service", "--model", str(checkpoint),
+                                       "--workers", f"127.0.0.1:{worker.port}", "--port", "0"]
+                         ).start(timeout=300)
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+                    stub = generate_pb2_grpc.GenerationStub(ch)
+                    blocks.append(stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
+                                                    timeout=30).num_kv_blocks)
+                    out = stub.Complete(generate_pb2.GenerateRequest(
+                        token_ids=generate_pb2.TokenIds(ids=list(range(100, 140))),
+                        sampling=generate_pb2.SamplingParams(max_tokens=8, ignore_eos=True)),
+                        timeout=120)
+                    assert len(out.token_ids) == 8
+            finally:
+                sched.stop()
+        assert blocks[0] > 0 and abs(blocks[1] - blocks[0]) <= blocks[0] // 100, blocks
+    finally:
+        worker.stop()
+
+
 def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     if sys.argv[1:] == ["--make-checkpoint-only"]:
