@@ -119,6 +119,7 @@ class ModelRunner:
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
         self._profiling = True
+        self._kv_budget: float | None = None   # bytes, measured by the first kv_capacity
         self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
         self._profiling = False
 
@@ -135,14 +136,17 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * block_size * per_token
 
     def kv_capacity(self, block_size: int) -> int:
-        """How many KV blocks of `block_size` tokens fit in this rank's budget. The cache
-        allocated now counts as room (init_kv frees it first): a scheduler that connects
-        again, e.g. a restarted engine core, finds what the first one found."""
+        """How many KV blocks of `block_size` tokens fit in this rank's budget. On CUDA the
+        budget is measured once, before there is a cache, and kept: a scheduler that
+        connects again (a restarted engine core) gets the room the first one got, not what
+        is left beside the cache and CUDA graphs this worker already holds (init_kv
+        replaces both)."""
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            kv_now = sum(t.nbytes for t in (self.kv_cache, self.kv_scales) if t is not None)
-            used_now = total - free - kv_now
-            budget = total * self.config.gpu_memory_utilization - used_now - self.peak_activation_bytes
+            if self._kv_budget is None:
+                free, total = torch.cuda.mem_get_info(self.device)
+                self._kv_budget = (total * self.config.gpu_memory_utilization - (total - free)
+                                   - self.peak_activation_bytes)
+            budget = self._kv_budget
         else:
             budget = self.config.kv_cache_gb * (1 << 30)
         return max(int(budget // self.block_bytes(block_size)), 0)
