@@ -23,7 +23,9 @@ boundary; the decode breakdown (the engine's per-step timers) says where a decod
 wall time goes and how long the GPU sits idle in each (idle = step wall - GPU busy). Each
 gRPC run also reports the CPU seconds of the processes it can see (its own; with
 --null-worker the null worker's and each control-plane process's, and the control
-plane's CPU per output token).
+plane's CPU per output token), and how fast this host ran a fixed Python loop right
+after the run: the 2-core VM's speed moves by 2x within an hour, so compare runs at the
+same host speed.
 
 Offline mode submits every request at once and times first submit -> last finish;
 a small warm-up batch runs first and is excluded, from the timing and from the decode
@@ -53,7 +55,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 from client.client import Stats
-from client.proc_cpu import diff as proc_cpu_diff, host_cores, own_cpu_s
+from client.proc_cpu import diff as proc_cpu_diff, host_cores, own_cpu_s, python_speed
 
 # nano-vllm draws prompt token ids as randint(0, 10000); kept so seed 0 reproduces its workload.
 PROMPT_ID_HIGH = 10000
@@ -270,6 +272,7 @@ class RunOutcome:
     breakdown: DecodeBreakdown
     extra: dict[str, Any] = field(default_factory=dict)
     cpu_s: dict[str, float] | None = None   # CPU seconds per process over the run (gRPC modes)
+    host_speed: float | None = None         # proc_cpu.python_speed() right after the run
 
 
 def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, Any]:
@@ -295,7 +298,7 @@ def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, An
         # behind); each message costs gRPC CPU on both ends (python -m client.grpc_floor).
         "tokens_per_message": output_tokens / max(sum(len(t.chunks) for t in traces), 1),
         "decode": outcome.breakdown.summary(),
-        "cpu": cpu_summary(outcome.cpu_s, output_tokens, wall),
+        "cpu": cpu_summary(outcome.cpu_s, output_tokens, wall, outcome.host_speed),
     }
 
 
@@ -303,14 +306,15 @@ def summarize(outcome: RunOutcome, workload: list[BenchRequest]) -> dict[str, An
 NOT_CONTROL_PLANE = ("bench client", "null worker")
 
 
-def cpu_summary(cpu_s: dict[str, float] | None, output_tokens: int, wall: float
-                ) -> dict[str, Any] | None:
-    """Where the host's CPU went in a run: seconds per process, the cores it had, and the
-    control plane's CPU per output token (null-worker runs, where the bench started it)."""
+def cpu_summary(cpu_s: dict[str, float] | None, output_tokens: int, wall: float,
+                host_speed: float | None = None) -> dict[str, Any] | None:
+    """Where the host's CPU went in a run: seconds per process, the cores it had, how fast
+    one of them ran Python just after (M loop iterations/s), and the control plane's CPU
+    per output token (null-worker runs, where the bench started it)."""
     if cpu_s is None:
         return None
     control = [v for k, v in cpu_s.items() if k not in NOT_CONTROL_PLANE]
-    return {"seconds": cpu_s, "cores": host_cores(), "wall_s": wall,
+    return {"seconds": cpu_s, "cores": host_cores(), "wall_s": wall, "host_speed": host_speed,
             "control_plane_us_per_token": (sum(control) / output_tokens * 1e6
                                            if control and output_tokens else None)}
 
@@ -354,7 +358,9 @@ def format_report(report: dict[str, Any]) -> str:
     if r.get("cpu"):
         c = r["cpu"]
         lines.append("CPU s          " + "  ".join(f"{k} {v:.2f}" for k, v in c["seconds"].items())
-                     + f"   (host: {c['cores']} cores x {c['wall_s']:.2f} s wall)")
+                     + f"   (host: {c['cores']} cores x {c['wall_s']:.2f} s wall"
+                     + (f", {c['host_speed']:.1f} M Python loop iterations/s after"
+                        if c.get("host_speed") else "") + ")")
         if c["control_plane_us_per_token"] is not None:
             lines.append(f"control plane  {c['control_plane_us_per_token']:.1f} us of CPU "
                          "per output token")
@@ -442,12 +448,14 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig,
             progress.close()
             after = await _settled_stats(client)
             cpu = proc_cpu_diff(cpu_before, cpu_probe())
+            speed = python_speed()
             wall = max(t.finish for t in traces) - min(t.submit for t in traces)
             outcomes.append(RunOutcome(
                 mode="grpc", model=info.model, device=args.device_name,
                 max_model_len=info.max_model_len, traces=traces, wall_s=wall,
                 breakdown=DecodeBreakdown.diff(before, after),
-                extra={"target": args.target, "model_info": asdict(info)}, cpu_s=cpu))
+                extra={"target": args.target, "model_info": asdict(info)}, cpu_s=cpu,
+                host_speed=speed))
     return outcomes, workload
 
 
@@ -830,6 +838,7 @@ SPREAD_METRICS = {   # name in the spread table -> where it is in a run's result
     "ITL p99 ms": ("itl_ms", "p99"),
     "tokens/message": ("tokens_per_message",),
     "ctl CPU us/tok": ("cpu", "control_plane_us_per_token"),
+    "host M loop/s": ("cpu", "host_speed"),
 }
 
 

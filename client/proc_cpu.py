@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -19,6 +20,20 @@ def host_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def python_speed(seconds: float = 0.05) -> float:
+    """Millions of iterations a second of a fixed pure-Python loop on one core: how fast
+    this host runs Python at the moment. On the 2-core VM the same control plane's 0 ms
+    ceiling halved within an hour while vmstat showed no steal time; read after each run,
+    this tells a slow hour from a slower change."""
+    loops, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        x = 0
+        for i in range(10_000):
+            x += i & 7
+        loops += 10_000
+    return loops / elapsed / 1e6
 
 
 def own_cpu_s() -> float:

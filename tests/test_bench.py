@@ -150,8 +150,10 @@ def test_bench_null_worker_says_where_the_cpu_went(tmp_path):
         assert cpu["control_plane_us_per_token"] == pytest.approx(
             control / run["output_tokens"] * 1e6)
         assert cpu["cores"] >= 1 and cpu["wall_s"] == run["wall_s"]
-    spread = report["spread"]["ctl CPU us/tok"]
-    assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+        assert cpu["host_speed"] > 0
+    for name in ("ctl CPU us/tok", "host M loop/s"):
+        spread = report["spread"][name]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
 
 
 def test_bench_grpc_from_client_processes(scheduler_port, tmp_path):
