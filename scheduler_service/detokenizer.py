@@ -108,8 +108,7 @@ class IncrementalDetokenizer:
 
     def __post_init__(self) -> None:
         self._vocab_size = self.tokenizer.vocab_size
-        self._skipped = (frozenset(self.tokenizer.special_token_ids)
-                         if self.skip_special_tokens else frozenset())
+        self._skipped = self.tokenizer.special_token_ids if self.skip_special_tokens else ()
         # The prompt's last few tokens give the first generated token its context
         # (e.g. its leading space); none of the prompt text is emitted.
         tail = self._decodable(self.prompt_ids[-PROMPT_SCAN_TOKENS:])
