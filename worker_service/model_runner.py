@@ -119,9 +119,9 @@ class ModelRunner:
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
         self._profiling = True
-        self._kv_budget: float | None = None   # bytes, measured by the first kv_capacity
         self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
         self._profiling = False
+        self.kv_budget_bytes = self._kv_budget_bytes()
 
     # ---- sizing ---------------------------------------------------------------------
 
@@ -135,21 +135,19 @@ class ModelRunner:
         per_token = values + 4 if self.kv_fp8 else values * self.dtype.itemsize
         return 2 * len(self.attn_layers) * block_size * per_token
 
+    def _kv_budget_bytes(self) -> float:
+        """What the KV cache may take on this rank, measured once, before there is a cache:
+        a scheduler that connects again (a restarted engine core) gets the room the first
+        one got, not what is left beside the cache and CUDA graphs this worker already
+        holds (init_kv replaces both)."""
+        if self.device.type != "cuda":
+            return self.config.kv_cache_gb * (1 << 30)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total * self.config.gpu_memory_utilization - (total - free) - self.peak_activation_bytes
+
     def kv_capacity(self, block_size: int) -> int:
-        """How many KV blocks of `block_size` tokens fit in this rank's budget. On CUDA the
-        budget is measured once, before there is a cache, and kept: a scheduler that
-        connects again (a restarted engine core) gets the room the first one got, not what
-        is left beside the cache and CUDA graphs this worker already holds (init_kv
-        replaces both)."""
-        if self.device.type == "cuda":
-            if self._kv_budget is None:
-                free, total = torch.cuda.mem_get_info(self.device)
-                self._kv_budget = (total * self.config.gpu_memory_utilization - (total - free)
-                                   - self.peak_activation_bytes)
-            budget = self._kv_budget
-        else:
-            budget = self.config.kv_cache_gb * (1 << 30)
-        return max(int(budget // self.block_bytes(block_size)), 0)
+        """How many KV blocks of `block_size` tokens fit in this rank's budget."""
+        return max(int(self.kv_budget_bytes // self.block_bytes(block_size)), 0)
 
     @torch.inference_mode()
     def _profile(self) -> int:
