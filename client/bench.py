@@ -674,7 +674,8 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager))
+        max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        enforce_eager=args.enforce_eager))
     group = LocalWorkerGroup(runner)
     collector = _Collector()
 
@@ -814,6 +815,9 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size on CPU")
     ip.add_argument("--max-num-seqs", type=int, default=256)
     ip.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ip.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
+                    help="one-sequence prefills up to this many tokens replay a CUDA graph "
+                         "(0: all prefills eager)")
     ip.add_argument("--no-overlap", action="store_true",
                     help="one step in flight (the engine waits for each step's ids)")
     ip.add_argument("--max-num-batched-tokens", type=int, default=8192)

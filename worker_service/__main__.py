@@ -47,8 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="context length limit (0 = the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="largest decode batch: CUDA graphs are captured for batch sizes up to it")
+    p.add_argument("--max-prefill-graph-tokens", type=int, default=2048,
+                   help="prefills of one sequence up to this many tokens (a new prompt, or a "
+                        "chunk of one: online serving's usual prefill) replay a CUDA graph "
+                        "captured at startup, in 64/128-token buckets, instead of launching "
+                        "each kernel from Python; triton backend; 0 = all prefills eager")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (decode launches every kernel from Python)")
+                   help="no CUDA graphs (every step launches each kernel from Python)")
     tp = p.add_argument_group(
         "tensor parallelism",
         "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager), tp)
+        max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        enforce_eager=args.enforce_eager), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)
     serve_metrics(args)

@@ -1,11 +1,18 @@
-"""CUDA graphs for decode steps: one captured forward (+ LM head) per batch-size bucket.
+"""CUDA graphs for steps: one captured forward (+ LM head) per bucket.
 
-A decode step of a 0.6B model is ~300 small kernels; launched from Python that is
-milliseconds of CPU per step, longer than the GPU work at small batches. A graph replays
-them with one launch. Graphs need static shapes and addresses, so every input lives in a
-persistent buffer sized for the largest bucket; a batch of n runs the smallest bucket
->= n with the tail padded (slot -1: nothing stored; context length 0: attention yields
-zeros), and the first n rows of the logits are the answer.
+A forward of a 0.6B model is ~250-300 small kernels; launched from Python that is
+milliseconds of CPU per step, longer than the GPU work. A graph replays them with one
+launch. Graphs need static shapes and addresses, so every input lives in a persistent
+buffer sized for the largest bucket, and a step runs the smallest bucket that holds it,
+padded (slot -1: nothing stored).
+
+* DecodeGraphs: decode batches, bucketed by batch size; padding rows have context
+  length 0 (attention yields zeros) and the first n rows of the logits are the answer.
+* PrefillGraphs: prefills of one sequence (online serving's usual prefill step: one new
+  prompt, or one chunk of one), bucketed by token count; padding tokens belong to no
+  sequence (attention skips them) and only the last real token's logits are computed.
+  A prefill step of a few sequences replays one graph per sequence; larger batches stay
+  eager: their launches are spread over many prompts' tokens.
 """
 from __future__ import annotations
 
@@ -119,3 +126,121 @@ class DecodeGraphs:
         g = self.graphs[bs]
         g.graph.replay()
         return g.logits[:n]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Prefill graph sizes: every 64 tokens up to 512, then every 128 up to max_tokens, so
+    a prompt pads by at most 63 (127) tokens."""
+    small = list(range(64, min(max_tokens, 512) + 1, 64))
+    return small + list(range(640, max_tokens + 1, 128))
+
+
+# A replay costs ~2 ms of GPU time even for a few tokens (every weight is read), an eager
+# prefill step ~14 ms of launches (H100 host, Qwen3-0.6B: tests/gpu/RESULTS.md): past a
+# few sequences, one eager step beats a replay per sequence.
+MAX_ROWS = 4
+
+
+class PrefillGraphs:
+    """Prefill steps of up to MAX_ROWS sequences of up to `max_tokens` tokens each, cached
+    prefix or not, one replay per sequence. Attention must be the Triton paged prefill:
+    its grid is sized by the bucket and its programs past the sequence's own tokens return
+    at once."""
+
+    def __init__(self, model, max_tokens: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.buckets = token_buckets(max_tokens)
+        if not self.buckets:
+            raise ValueError(f"prefill graphs need max_tokens >= 64, got {max_tokens}")
+        self.max_tokens = t = self.buckets[-1]
+        self.max_model_len = max_model_len
+        self.max_blocks = mb = -(-max_model_len // block_size)
+        self.device = device
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(t, **i64)
+        self.positions = torch.zeros(t, **i64)
+        self.slot_mapping = torch.full((t,), -1, **i32)
+        self.last = torch.zeros(1, **i64)                 # row of the last real token
+        self.context_lens = torch.zeros(1, **i32)
+        self.cu_seqlens_q = torch.zeros(2, **i32)
+        self.cu_seqlens_k = torch.zeros(2, **i32)
+        self.block_tables = torch.zeros(1, mb, **i32)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+    def fits(self, plan) -> bool:
+        return (len(plan.rows) <= MAX_ROWS and not plan.is_decode and plan.fill is None
+                and int(plan.num_tokens.max()) <= self.max_tokens
+                and plan.block_tables.shape[1] <= self.max_blocks)
+
+    def load(self, plan, row: int = 0) -> int:
+        """Copy one row (sequence) of a fitting plan into the static inputs, padded;
+        returns its bucket."""
+        n = int(plan.num_tokens[row])
+        first = int(plan.num_tokens[:row].sum())   # the row's tokens in the plan's arrays
+        rows = slice(first, first + n)
+        t, bucket = self.max_tokens, next(b for b in self.buckets if b >= n)
+        ctx = int(plan.start_pos[row]) + n
+        # One H2D copy: ids | positions | slots | last, ctx, n, ctx | table. A fresh pinned
+        # buffer each time: the caching host allocator keeps it until its copy has run.
+        host = np.zeros(3 * t + 4 + self.max_blocks, dtype=np.int64)
+        host[:n] = plan.token_ids[rows]
+        host[t:t + n] = plan.positions[rows]
+        host[2 * t:3 * t] = -1
+        host[2 * t:2 * t + n] = plan.slot_mapping[rows]
+        host[3 * t:3 * t + 4] = (n - 1, ctx, n, ctx)
+        w = plan.block_tables.shape[1]
+        host[3 * t + 4:3 * t + 4 + w] = plan.block_tables[row]
+        staged = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        dev = staged.to(self.device, non_blocking=True)
+        self.input_ids.copy_(dev[:t])
+        self.positions.copy_(dev[t:2 * t])
+        self.slot_mapping.copy_(dev[2 * t:3 * t])
+        self.last.copy_(dev[3 * t:3 * t + 1])
+        self.context_lens.copy_(dev[3 * t + 1:3 * t + 2])
+        self.cu_seqlens_q[1:].copy_(dev[3 * t + 2:3 * t + 3])
+        self.cu_seqlens_k[1:].copy_(dev[3 * t + 3:3 * t + 4])
+        self.block_tables[0].copy_(dev[3 * t + 4:])
+        return bucket
+
+    def forward(self, bucket: int) -> torch.Tensor:
+        """The captured computation: the first `bucket` static tokens -> logits [1, vocab]."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables,
+            context_lens=self.context_lens, cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_k=self.cu_seqlens_k, max_seqlen_q=bucket,
+            max_seqlen_k=self.max_model_len, is_decode=False)   # prefix_free unset: paged kernel
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
+        return self.model.compute_logits(hidden.index_select(0, self.last))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool. The static inputs
+        hold no sequence while capturing: nothing is stored, attention returns at once."""
+        for bucket in reversed(self.buckets):
+            self.forward(bucket)                          # warm-up: cuBLAS handles, compiles
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.forward(bucket)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bucket] = _Graph(graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, plan) -> torch.Tensor | None:
+        """A fitting plan's prefill -> logits [sampling rows, vocab] of each sampling row's
+        last token (None: none samples). Each replay's logits are copied out before the
+        next load (stream order)."""
+        out = []
+        for row in range(len(plan.rows)):
+            g = self.graphs[self.load(plan, row)]
+            g.graph.replay()
+            if plan.sample[row]:
+                out.append(g.logits if len(plan.rows) == 1 else g.logits.clone())
+        if not out:
+            return None
+        return out[0] if len(out) == 1 else torch.cat(out)

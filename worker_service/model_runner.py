@@ -48,6 +48,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 8192    # largest prefill the profiler plans for
     max_model_len: int = 0                # 0 = from the model config
     max_num_seqs: int = 256               # largest decode batch (CUDA graph buckets)
+    max_prefill_graph_tokens: int = 2048  # one-sequence prefills up to this replay a graph; 0: none
     enforce_eager: bool = False           # True: no CUDA graphs
 
 
@@ -116,6 +117,7 @@ class ModelRunner:
         self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
         self.penalties: PenaltyState | None = None   # rank 0 (it samples): penalized seqs
         self.graphs = None                  # DecodeGraphs, captured at init_kv on CUDA
+        self.prefill_graphs = None          # PrefillGraphs, likewise (triton backend)
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
         self._profiling = True
@@ -203,16 +205,32 @@ class ModelRunner:
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
         self.last_sampled = None
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
-            from worker_service.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs,
-                                       self.max_model_len, block_size, self.num_kv_heads,
-                                       self.device)
-            t0 = time.perf_counter()
-            self.graphs.capture()
-            log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
-                     time.perf_counter() - t0)
+            self._capture_graphs(block_size)
+
+    def _capture_graphs(self, block_size: int) -> None:
+        from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
+        t0 = time.perf_counter()
+        self.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs,
+                                   self.max_model_len, block_size, self.num_kv_heads, self.device)
+        self.graphs.capture()
+        log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
+                 time.perf_counter() - t0)
+        max_tokens = min(self.config.max_prefill_graph_tokens, self.max_model_len,
+                         self.config.max_num_batched_tokens)
+        if not token_buckets(max_tokens):
+            return
+        if self.backend.name != "triton":   # the graphs need its paged prefill (see there)
+            log.info("no prefill CUDA graphs: attention backend %s", self.backend.name)
+            return
+        t0 = time.perf_counter()
+        self.prefill_graphs = PrefillGraphs(self.model, max_tokens, self.max_model_len,
+                                            block_size, self.device)
+        self.prefill_graphs.capture()
+        log.info("captured %d prefill CUDA graphs (one sequence, up to %d tokens) in %.1fs",
+                 len(self.prefill_graphs.buckets), self.prefill_graphs.max_tokens,
+                 time.perf_counter() - t0)
 
     def _bind_device(self) -> None:
         """Make this runner's GPU the calling thread's current device. gRPC calls arrive on
@@ -283,6 +301,22 @@ class ModelRunner:
         """Run the step's forward and sample its sampling rows (None on ranks that do not
         sample); events[0] is recorded just before the first device work (GPU time
         excludes host prep)."""
+        logits = self._logits(plan, events)
+        if logits is None or self.tp.rank != 0:
+            return None
+        dev, sampling = self.device, plan.sample
+        batch = SamplingBatch.build(plan.sampling, plan.context_lens[sampling].tolist(),
+                                    self.vocab_size, dev)
+        pen = self.penalties.rows(plan.sampling_seq_ids, plan.sampling) if self.penalties else None
+        if pen is None:   # the usual case: nobody asked for a penalty
+            return sample_step(logits, batch)
+        samples = sample_step(logits, batch, lambda x: self.penalties.apply(x, pen))
+        self.penalties.record(pen, samples.tokens)
+        return samples
+
+    def _logits(self, plan: StepPlan, events=None) -> torch.Tensor | None:
+        """The forward (every rank runs it) -> logits of the sampling rows, None if the step
+        samples none: a decode or prefill CUDA graph where one fits, else eager."""
         dev = self.device
         ids = plan.token_ids if plan.fill is None else np.where(plan.token_ids < 0, 0, plan.token_ids)
         tables = plan.block_tables
@@ -296,43 +330,36 @@ class ModelRunner:
         if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
                 and tables.shape[1] <= self.graphs.max_blocks:
             logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev)
-            logits = logits if sampling.all() else logits[np.flatnonzero(sampling)]
-        else:
-            n_tok = plan.num_tokens
-            ctx = plan.context_lens
-            cu_q = np.zeros(len(n_tok) + 1, dtype=np.int32)
-            np.cumsum(n_tok, out=cu_q[1:])
-            cu_k = np.zeros(len(n_tok) + 1, dtype=np.int32)
-            np.cumsum(ctx, out=cu_k[1:])
-            meta = AttentionMetadata(
-                slot_mapping=_to(plan.slot_mapping, dev),
-                block_tables=_to(tables, dev),
-                context_lens=_to(ctx.astype(np.int32), dev),
-                cu_seqlens_q=_to(cu_q, dev),
-                cu_seqlens_k=_to(cu_k, dev),
-                max_seqlen_q=int(n_tok.max()),
-                max_seqlen_k=int(ctx.max()),
-                is_decode=plan.is_decode,
-                prefix_free=plan.prefix_free,
-            )
-            input_ids = _to(ids, dev)
-            if fill_dev is not None:
-                input_ids[fill_dev[0]] = fill_dev[1]
-            hidden = self.model(input_ids, _to(plan.positions, dev), meta)
             if not plan.num_samples:
                 return None
-            last = _to(plan.last_token_index(), dev)
-            logits = self.model.compute_logits(hidden.index_select(0, last))
-        if not plan.num_samples or self.tp.rank != 0:
+            return logits if sampling.all() else logits[np.flatnonzero(sampling)]
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
+            return self.prefill_graphs.run(plan)
+        n_tok = plan.num_tokens
+        ctx = plan.context_lens
+        cu_q = np.zeros(len(n_tok) + 1, dtype=np.int32)
+        np.cumsum(n_tok, out=cu_q[1:])
+        cu_k = np.zeros(len(n_tok) + 1, dtype=np.int32)
+        np.cumsum(ctx, out=cu_k[1:])
+        meta = AttentionMetadata(
+            slot_mapping=_to(plan.slot_mapping, dev),
+            block_tables=_to(tables, dev),
+            context_lens=_to(ctx.astype(np.int32), dev),
+            cu_seqlens_q=_to(cu_q, dev),
+            cu_seqlens_k=_to(cu_k, dev),
+            max_seqlen_q=int(n_tok.max()),
+            max_seqlen_k=int(ctx.max()),
+            is_decode=plan.is_decode,
+            prefix_free=plan.prefix_free,
+        )
+        input_ids = _to(ids, dev)
+        if fill_dev is not None:
+            input_ids[fill_dev[0]] = fill_dev[1]
+        hidden = self.model(input_ids, _to(plan.positions, dev), meta)
+        if not plan.num_samples:
             return None
-        batch = SamplingBatch.build(plan.sampling, plan.context_lens[sampling].tolist(),
-                                    self.vocab_size, dev)
-        pen = self.penalties.rows(plan.sampling_seq_ids, plan.sampling) if self.penalties else None
-        if pen is None:   # the usual case: nobody asked for a penalty
-            return sample_step(logits, batch)
-        samples = sample_step(logits, batch, lambda x: self.penalties.apply(x, pen))
-        self.penalties.record(pen, samples.tokens)
-        return samples
+        last = _to(plan.last_token_index(), dev)
+        return self.model.compute_logits(hidden.index_select(0, last))
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

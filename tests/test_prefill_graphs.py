@@ -1,0 +1,142 @@
+"""Prefill CUDA graphs' padding (worker_service/cuda_graphs.py, PrefillGraphs) on CPU.
+
+A graph replays what `PrefillGraphs.forward(bucket)` computes on its static inputs, so
+this runs that computation without a graph (CPU, Triton interpreter) and checks that a
+sequence's prefill padded to its bucket gives the eager step's logits and writes the
+same KV slots and no others. The graphs themselves: tests/gpu/test_model_gpu.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.v1 import worker_pb2
+from tiny_checkpoint import tiny_qwen3_dir
+from worker_service.cuda_graphs import PrefillGraphs, token_buckets
+from worker_service.model_runner import ModelRunner, RunnerConfig
+
+BS = 16
+
+
+def test_token_buckets_pad_little():
+    b = token_buckets(2048)
+    assert b[:8] == list(range(64, 513, 64)) and b[8:] == list(range(640, 2049, 128))
+    for n in range(1, 2049):
+        pad = next(x for x in b if x >= n) - n
+        assert pad < (64 if n <= 512 else 128)
+    assert token_buckets(200) == [64, 128, 192] and token_buckets(63) == []
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = tiny_qwen3_dir(tmp_path_factory)
+    r = ModelRunner(RunnerConfig(model_dir=str(path), device="cpu", dtype="float32",
+                                 attention_backend="triton", kv_cache_gb=0.01,
+                                 max_model_len=256))
+    r.init_kv(64, BS)
+    return r
+
+
+def prefill(step_id, seq_id, tokens, start, table=None, sample=True):
+    req = worker_pb2.StepRequest(step_id=step_id)
+    w = req.seqs.add(seq_id=seq_id, num_tokens=len(tokens), start_pos=start, sample=sample,
+                     reset_block_table=table is not None)
+    if table is not None:
+        w.block_table_i32 = np.array(table, "<i4").tobytes()
+        w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.array(tokens, "<i4").tobytes()
+    return req
+
+
+def padded_matches_eager(runner, pg, plan):
+    """Eager logits == padded logits; the padded run writes only the plan's slots, and the
+    same values there."""
+    before = runner.kv_cache.clone()
+    eager = runner._logits(plan)
+    after_eager = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    padded = pg.forward(pg.load(plan))
+    torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
+    slots = torch.from_numpy(plan.slot_mapping.astype(np.int64))
+    flat = lambda kv: kv.reshape(2, kv.shape[1], -1, *kv.shape[-2:])   # [2, L, slots, Hkv, D]
+    written = flat(runner.kv_cache)[:, :, slots]
+    assert written.abs().sum() > 0
+    untouched = torch.ones(flat(before).shape[2], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat(runner.kv_cache)[:, :, untouched], flat(before)[:, :, untouched])
+
+
+@pytest.mark.parametrize("n", [2, 63, 64, 65, 130])
+def test_padded_prefill_matches_eager(runner, n):
+    runner.kv_cache.zero_()
+    pg = PrefillGraphs(runner.model, 192, runner.max_model_len, BS, runner.device)
+    gen = torch.Generator().manual_seed(n)
+    tokens = torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+    table = list(range(3, 3 + -(-n // BS)))[::-1]   # blocks out of order
+    plan = runner.table.plan(prefill(1, 100 + n, tokens, 0, table))
+    assert pg.fits(plan)
+    padded_matches_eager(runner, pg, plan)
+    runner.table.commit(plan)
+
+
+def test_padded_chunk_after_a_cached_prefix_matches_eager(runner):
+    """The second chunk of a prompt attends to the first one's keys in the cache."""
+    runner.kv_cache.zero_()
+    pg = PrefillGraphs(runner.model, 192, runner.max_model_len, BS, runner.device)
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, runner.vocab_size, (100,), generator=gen).tolist()
+    table = [9, 2, 11, 5, 30, 6, 7]
+    first = runner.table.plan(prefill(1, 7, tokens[:40], 0, table, sample=False))
+    assert runner._logits(first) is None          # a chunk that samples nothing
+    runner.table.commit(first)
+    second = runner.table.plan(prefill(2, 7, tokens[40:], 40))
+    assert second.start_pos[0] == 40 and pg.fits(second)
+    padded_matches_eager(runner, pg, second)
+
+
+def several(step_id, rows):
+    """rows: [(seq_id, tokens, start, table or None, sample)] -> one prefill StepRequest."""
+    req = worker_pb2.StepRequest(step_id=step_id)
+    for seq_id, tokens, start, table, sample in rows:
+        w = req.seqs.add(seq_id=seq_id, num_tokens=len(tokens), start_pos=start, sample=sample,
+                         reset_block_table=table is not None)
+        if table is not None:
+            w.block_table_i32 = np.array(table, "<i4").tobytes()
+            w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.array([t for r in rows for t in r[1]], "<i4").tobytes()
+    return req
+
+
+def test_a_few_sequences_replay_one_bucket_each(runner):
+    """Rows of a several-sequence prefill step, each padded to its own bucket in turn,
+    give the eager batch's logits for the rows that sample."""
+    runner.kv_cache.zero_()
+    pg = PrefillGraphs(runner.model, 192, runner.max_model_len, BS, runner.device)
+    gen = torch.Generator().manual_seed(11)
+    tok = lambda n: torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+    head = tok(30)
+    runner.table.commit(runner.table.plan(prefill(1, 21, head, 0, [40, 41, 42, 43], sample=False)))
+    plan = runner.table.plan(several(2, [(20, tok(70), 0, [1, 2, 3, 4, 5], True),
+                                         (21, tok(25), 30, None, True),      # after its prefix
+                                         (22, tok(9), 0, [9], False),        # a first chunk
+                                         (23, tok(130), 0, list(range(10, 19)), True)]))
+    assert pg.fits(plan) and plan.num_samples == 3
+    before = runner.kv_cache.clone()
+    eager = runner._logits(plan)
+    after_eager = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    padded = [pg.forward(pg.load(plan, row)) for row in range(4)]
+    torch.testing.assert_close(torch.cat([padded[i] for i in (0, 1, 3)]), eager,
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_what_fits(runner):
+    pg = PrefillGraphs(runner.model, 128, runner.max_model_len, BS, runner.device)
+    rows = lambda k, n: several(1, [(s, list(range(n)), 0, [s], True) for s in range(1, k + 1)])
+    assert pg.fits(runner.table.plan(rows(4, 3)))
+    assert not pg.fits(runner.table.plan(rows(5, 3)))                         # eager beats 5 replays
+    assert not pg.fits(runner.table.plan(prefill(1, 3, [5], 0, [4])))         # one token: decode
+    assert not pg.fits(runner.table.plan(prefill(1, 4, list(range(129)), 0, list(range(9)))))
