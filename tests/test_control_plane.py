@@ -248,3 +248,15 @@ def test_two_frontends_share_one_port(model_dir, eos):
             ch.close()
         sched.stop()
         worker.stop()
+
+
+@pytest.mark.parametrize("cpus, given, expected", [(2, None, 1), (8, None, 2), (64, None, 2),
+                                                   (2, "3", 3), (64, "1", 1)])
+def test_frontends_default_to_two_on_hosts_with_cores(monkeypatch, tmp_path, cpus, given, expected):
+    """--frontends 0 (the default): a second frontend only where cores allow it."""
+    from scheduler_service.__main__ import parse_args
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    argv = ["--model", str(tmp_path), "--workers", "127.0.0.1:1"]
+    assert parse_args(argv + (["--frontends", given] if given else [])).frontends == expected
+    with pytest.raises(SystemExit):
+        parse_args(argv + ["--frontends", "-1"])

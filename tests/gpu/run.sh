@@ -12,7 +12,8 @@
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3; 0 = skip) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
 #            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways;
-#            FRONTENDS, KV_DTYPE, BACKEND pass through; CLIENT_PROCS (4) sends the gRPC runs'
+#            FRONTENDS (0: the scheduler's auto), KV_DTYPE, BACKEND pass through;
+#            CLIENT_PROCS (4) sends the gRPC runs'
 #            requests from that many client processes (client.bench --client-procs): one
 #            Python process cannot take the online token rate without delaying what it times
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
@@ -83,7 +84,7 @@ for w in ${*:-kernels model bench}; do
       python3 -m worker_service --model "$M" --port 50061 --max-model-len 4096 --log-level WARNING \
         "${EXTRA[@]}" > "$OUT/svc_worker.log" 2>&1 &
       python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
-        --max-model-len 4096 --frontends "${FRONTENDS:-1}" --log-level WARNING > "$OUT/svc_scheduler.log" 2>&1 &
+        --max-model-len 4096 --frontends "${FRONTENDS:-0}" --log-level WARNING > "$OUT/svc_scheduler.log" 2>&1 &
       for i in $(seq 300); do grep -q listening "$OUT/svc_scheduler.log" && break; sleep 1; done
       G=(--target 127.0.0.1:50051 --client-procs "${CLIENT_PROCS:-4}")
       "${B[@]}" "${G[@]}" --runs "${GRPC_RUNS:-5}" --json "$OUT/svc_grpc.json" 2>"$OUT/svc_grpc.err" || rc=1
