@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
+from worker_service.transfers import to_device
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -33,6 +34,17 @@ def batch_buckets(max_batch: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor        # [bucket, vocab] output buffer of the captured LM head
+
+
+def _capture(forward, pool, device: torch.device):
+    """Run forward() once (Triton compiles, cuBLAS handles), then capture it into a graph
+    in the memory pool the buckets share -> (the _Graph, that pool)."""
+    forward()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = forward()
+    return _Graph(graph, logits), graph.pool() if pool is None else pool
 
 
 class DecodeGraphs:
@@ -54,9 +66,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)   # unused by decode kernels
-        # One pinned staging area for all host inputs: a single H2D copy per step.
-        self._staging = torch.zeros(4 * max_batch + max_batch * self.max_blocks,
-                                    dtype=torch.int64).pin_memory()
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
@@ -81,14 +90,8 @@ class DecodeGraphs:
                 if hasattr(self.backend, "decode_splits"):   # the grid is frozen in the graph
                     self.backend.decode_splits = default_num_splits(
                         bs, self.num_kv_heads, self.max_model_len, self.device)
-                self._forward(bs)                            # warm-up: compile, autotune
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._forward(bs)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs] = _Graph(graph, logits)
+                self.graphs[bs], self.pool = _capture(lambda: self._forward(bs), self.pool,
+                                                      self.device)
         finally:
             if hasattr(self.backend, "decode_splits"):
                 self.backend.decode_splits = saved
@@ -104,23 +107,21 @@ class DecodeGraphs:
         n = len(input_ids)
         bs = next(b for b in self.buckets if b >= n)
         w = block_tables.shape[1]
-        mb = self.max_blocks
-        host = self._staging.numpy()
-        # Layout of the staging buffer (int64): ids | positions | slots | ctx | tables
+        # One H2D copy: ids | positions | slots | context lengths (each bs long, padding rows
+        # store nothing and attend to nothing) | the n rows' tables.
+        host = np.zeros(4 * bs + n * w, dtype=np.int64)
         host[:n] = input_ids
-        host[self.max_batch:self.max_batch + n] = positions
-        host[2 * self.max_batch:2 * self.max_batch + bs] = -1
-        host[2 * self.max_batch:2 * self.max_batch + n] = slot_mapping
-        host[3 * self.max_batch:3 * self.max_batch + bs] = 0
-        host[3 * self.max_batch:3 * self.max_batch + n] = positions + 1
-        tables = host[4 * self.max_batch:].reshape(self.max_batch, mb)
-        tables[:n, :w] = block_tables
-        dev = self._staging[:4 * self.max_batch + self.max_batch * mb].to(self.device, non_blocking=True)
+        host[bs:bs + n] = positions
+        host[2 * bs:3 * bs] = -1
+        host[2 * bs:2 * bs + n] = slot_mapping
+        host[3 * bs:3 * bs + n] = positions + 1
+        host[4 * bs:] = block_tables.ravel()
+        dev = to_device(host, self.device)
         self.input_ids[:bs].copy_(dev[:bs])
-        self.positions[:bs].copy_(dev[self.max_batch:self.max_batch + bs])
-        self.slot_mapping[:bs].copy_(dev[2 * self.max_batch:2 * self.max_batch + bs])
-        self.context_lens[:bs].copy_(dev[3 * self.max_batch:3 * self.max_batch + bs])
-        self.block_tables[:n].copy_(dev[4 * self.max_batch:].view(self.max_batch, mb)[:n])
+        self.positions[:bs].copy_(dev[bs:2 * bs])
+        self.slot_mapping[:bs].copy_(dev[2 * bs:3 * bs])
+        self.context_lens[:bs].copy_(dev[3 * bs:4 * bs])
+        self.block_tables[:n, :w].copy_(dev[4 * bs:].view(n, w))
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         g = self.graphs[bs]
@@ -182,8 +183,7 @@ class PrefillGraphs:
         rows = slice(first, first + n)
         t, bucket = self.max_tokens, next(b for b in self.buckets if b >= n)
         ctx = int(plan.start_pos[row]) + n
-        # One H2D copy: ids | positions | slots | last, ctx, n, ctx | table. A fresh pinned
-        # buffer each time: the caching host allocator keeps it until its copy has run.
+        # One H2D copy: ids | positions | slots | last, ctx, n, ctx | table.
         host = np.zeros(3 * t + 4 + self.max_blocks, dtype=np.int64)
         host[:n] = plan.token_ids[rows]
         host[t:t + n] = plan.positions[rows]
@@ -192,10 +192,7 @@ class PrefillGraphs:
         host[3 * t:3 * t + 4] = (n - 1, ctx, n, ctx)
         w = plan.block_tables.shape[1]
         host[3 * t + 4:3 * t + 4 + w] = plan.block_tables[row]
-        staged = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
-        dev = staged.to(self.device, non_blocking=True)
+        dev = to_device(host, self.device)
         self.input_ids.copy_(dev[:t])
         self.positions.copy_(dev[t:2 * t])
         self.slot_mapping.copy_(dev[2 * t:3 * t])
@@ -221,14 +218,8 @@ class PrefillGraphs:
         """Capture every bucket, largest first, sharing one memory pool. The static inputs
         hold no sequence while capturing: nothing is stored, attention returns at once."""
         for bucket in reversed(self.buckets):
-            self.forward(bucket)                          # warm-up: cuBLAS handles, compiles
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.forward(bucket)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bucket] = _Graph(graph, logits)
+            self.graphs[bucket], self.pool = _capture(lambda: self.forward(bucket), self.pool,
+                                                      self.device)
         torch.cuda.synchronize(self.device)
 
     def run(self, plan) -> torch.Tensor | None:

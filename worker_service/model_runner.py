@@ -34,6 +34,7 @@ from nanoserve.v1 import worker_pb2
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, sample_step
 from worker_service.step_plan import SeqTable, StepError, StepPlan
+from worker_service.transfers import to_device, to_host
 
 
 @dataclass
@@ -270,12 +271,12 @@ class ModelRunner:
         if plan.num_samples:
             self.last_sampled = tokens
         if tokens is not None and self.tp.rank == 0:
-            pending.tokens = _to_host(tokens.to(torch.int32))
+            pending.tokens = to_host(tokens.to(torch.int32))
             if samples.logprobs is not None:
-                pending.logprobs = _to_host(samples.logprobs.float())
+                pending.logprobs = to_host(samples.logprobs.float())
             if samples.top_ids is not None:
-                pending.top_ids = _to_host(samples.top_ids.to(torch.int32))
-                pending.top_logprobs = _to_host(samples.top_logprobs.float())
+                pending.top_ids = to_host(samples.top_ids.to(torch.int32))
+                pending.top_logprobs = to_host(samples.top_logprobs.float())
         if pending.events:
             pending.events[1].record()
         return pending
@@ -324,8 +325,8 @@ class ModelRunner:
             events[0].record()
         fill_dev = None
         if plan.fill is not None:
-            fill_dev = (_to(plan.fill[0], dev),
-                        self.last_sampled.index_select(0, _to(plan.fill[1], dev)))
+            fill_dev = (to_device(plan.fill[0], dev),
+                        self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
         sampling = plan.sample
         if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
                 and tables.shape[1] <= self.graphs.max_blocks:
@@ -342,36 +343,22 @@ class ModelRunner:
         cu_k = np.zeros(len(n_tok) + 1, dtype=np.int32)
         np.cumsum(ctx, out=cu_k[1:])
         meta = AttentionMetadata(
-            slot_mapping=_to(plan.slot_mapping, dev),
-            block_tables=_to(tables, dev),
-            context_lens=_to(ctx.astype(np.int32), dev),
-            cu_seqlens_q=_to(cu_q, dev),
-            cu_seqlens_k=_to(cu_k, dev),
+            slot_mapping=to_device(plan.slot_mapping, dev),
+            block_tables=to_device(tables, dev),
+            context_lens=to_device(ctx.astype(np.int32), dev),
+            cu_seqlens_q=to_device(cu_q, dev),
+            cu_seqlens_k=to_device(cu_k, dev),
             max_seqlen_q=int(n_tok.max()),
             max_seqlen_k=int(ctx.max()),
             is_decode=plan.is_decode,
             prefix_free=plan.prefix_free,
         )
-        input_ids = _to(ids, dev)
+        input_ids = to_device(ids, dev)
         if fill_dev is not None:
             input_ids[fill_dev[0]] = fill_dev[1]
-        hidden = self.model(input_ids, _to(plan.positions, dev), meta)
+        hidden = self.model(input_ids, to_device(plan.positions, dev), meta)
         if not plan.num_samples:
             return None
-        last = _to(plan.last_token_index(), dev)
+        last = to_device(plan.last_token_index(), dev)
         return self.model.compute_logits(hidden.index_select(0, last))
 
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Start copying a device tensor to host memory (pinned on CUDA: asynchronous)."""
-    if t.device.type != "cuda":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
-
-
-def _to(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
