@@ -1,18 +1,28 @@
-"""Fused temperature sampling: one pass over each row of logits (Gumbel-max).
+"""Fused temperature sampling: one pass over the logits (Gumbel-max), split over the vocab.
 
 argmax(logits / T + G) with G = -log(-log(U)), U ~ Uniform(0, 1), is an exact draw from
 softmax(logits / T); T = 0 is plain argmax. One read of the (bf16) logits replaces the
-softmax / noise / divide / argmax passes over a float32 copy, and the same pass keeps a
+softmax / noise / divide / argmax passes over a float32 copy, and the same pass can keep a
 running logsumexp, so the sampled token's log-probability (of the unscaled logits) comes
-for free. U comes from Philox keyed by a per-row seed: a seeded request draws the same
-noise whatever else is in the batch. Rows that need top-k / top-p / min-p use the
-sampler's torch path instead (they need the sorted distribution).
+for free when a row asks for it. U comes from Philox keyed by a per-row seed and the
+vocab index: a seeded request draws the same noise whatever else is in the batch. Rows
+that need top-k / top-p / min-p use the sampler's torch path instead (they need the
+sorted distribution).
+
+Each row's vocab is cut into CHUNK-wide pieces, one program each, and a second kernel
+merges a row's pieces: a program per row alone (131 at the reference workload's mean
+decode batch, ~150k ids each) leaves one warp per scheduler with a long dependent chain
+(Philox, two logs per id). The merge takes the smallest index among the best scores, as
+one pass over the row would, so the tokens do not depend on the chunking.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+BLOCK = 1024     # ids per loop iteration of a program
+CHUNK = 8192     # ids per program (a multiple of BLOCK)
 
 
 def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
@@ -30,9 +40,15 @@ def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, uniform: 
 
 
 @triton.jit
-def _gumbel_sample_kernel(Logits, stride_row, Temperature, Seeds, Tokens, Logprobs, Uniform,
-                          V, BLOCK: tl.constexpr, WRITE_UNIFORM: tl.constexpr):
+def _gumbel_chunk_kernel(Logits, stride_row, Temperature, Seeds, PartScore, PartIdx, PartMax,
+                         PartSum, Uniform, V, num_chunks, BLOCK: tl.constexpr,
+                         CHUNK: tl.constexpr, NOISE: tl.constexpr, LOGPROBS: tl.constexpr,
+                         WRITE_UNIFORM: tl.constexpr):
+    """One row's ids [chunk * CHUNK, +CHUNK) -> that piece's best score and its smallest
+    index (and, with LOGPROBS, the piece's max and sum of exp(x - max)). NOISE = 0: every
+    row is greedy, no Philox."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     t = tl.load(Temperature + row)
     seed = tl.load(Seeds + row)
     inv_t = 1.0 / tl.maximum(t, 1e-6)
@@ -40,45 +56,89 @@ def _gumbel_sample_kernel(Logits, stride_row, Temperature, Seeds, Tokens, Logpro
     best_idx = tl.zeros([BLOCK], tl.int32)
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
+    lo = chunk * CHUNK
+    for start in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
         x = tl.load(Logits + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, offs)
-        if WRITE_UNIFORM:
-            tl.store(Uniform + row * V + offs, u, mask=mask)
-        gumbel = -tl.log(-tl.log(u))
-        score = tl.where(t > 0, x * inv_t + gumbel, x)
+        score = x
+        if NOISE:
+            u = tl.rand(seed, offs)
+            if WRITE_UNIFORM:
+                tl.store(Uniform + row * V + offs, u, mask=mask)
+            score = tl.where(t > 0, x * inv_t - tl.log(-tl.log(u)), x)
         score = tl.where(mask, score, float("-inf"))
         better = score > best
         best = tl.where(better, score, best)
         best_idx = tl.where(better, offs, best_idx)
-        # online logsumexp of the raw logits, lane by lane
-        new_max = tl.maximum(run_max, x)
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.where(mask, tl.exp(x - safe), 0.0)
-        run_max = new_max
+        if LOGPROBS:   # online logsumexp of the raw logits, lane by lane
+            new_max = tl.maximum(run_max, x)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.where(mask, tl.exp(x - safe), 0.0)
+            run_max = new_max
     top = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == top, best_idx, V), axis=0)
-    m = tl.max(run_max, axis=0)
-    total = tl.sum(run_sum * tl.exp(run_max - m), axis=0)
-    x_tok = tl.load(Logits + row * stride_row + token).to(tl.float32)
+    part = row * num_chunks + chunk
+    tl.store(PartScore + part, top)
+    tl.store(PartIdx + part, tl.min(tl.where(best == top, best_idx, V), axis=0))
+    if LOGPROBS:
+        m = tl.max(run_max, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(PartMax + part, m)
+        tl.store(PartSum + part, tl.sum(run_sum * tl.exp(run_max - m_safe), axis=0))
+
+
+@triton.jit
+def _gumbel_merge_kernel(Logits, stride_row, PartScore, PartIdx, PartMax, PartSum, Tokens,
+                         Logprobs, V, num_chunks, CHUNKS_PAD: tl.constexpr,
+                         LOGPROBS: tl.constexpr):
+    """A row's pieces -> its token (the smallest index among the best scores) and, with
+    LOGPROBS, that token's log-probability under the raw logits."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNKS_PAD)
+    mask = offs < num_chunks
+    base = row * num_chunks
+    score = tl.load(PartScore + base + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(PartIdx + base + offs, mask=mask, other=V)
+    top = tl.max(score, axis=0)
+    token = tl.min(tl.where(mask & (score == top), idx, V), axis=0)
     tl.store(Tokens + row, token.to(tl.int64))
-    tl.store(Logprobs + row, x_tok - m - tl.log(total))
+    if LOGPROBS:
+        m_c = tl.load(PartMax + base + offs, mask=mask, other=float("-inf"))
+        s_c = tl.load(PartSum + base + offs, mask=mask, other=0.0)
+        m = tl.max(m_c, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.where(mask, s_c * tl.exp(m_c - m_safe), 0.0), axis=0)
+        x_tok = tl.load(Logits + row * stride_row + token).to(tl.float32)
+        tl.store(Logprobs + row, x_tok - m - tl.log(total))
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  return_uniform: bool = False):
+                  logprobs: bool = True, greedy: bool = False, return_uniform: bool = False):
     """logits [N, V] (any float dtype, last dim contiguous), temperature [N] float32,
-    seeds [N] int32 -> (tokens [N] int64, logprobs [N] float32[, U [N, V] for tests])."""
+    seeds [N] int32 -> (tokens [N] int64, logprobs [N] float32 or None[, U [N, V] for
+    tests]). logprobs=False skips the logsumexp; greedy=True (every temperature is 0)
+    skips the noise."""
     n, v = logits.shape
     assert logits.stride(-1) == 1 and temperature.shape == (n,) and seeds.shape == (n,)
-    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
-    uniform = torch.empty((n, v) if return_uniform else (1,), dtype=torch.float32,
-                          device=logits.device)
+    assert not (greedy and return_uniform), "greedy draws no noise"
+    dev = logits.device
+    chunks = triton.cdiv(v, CHUNK)
+    tokens = torch.empty(n, dtype=torch.int64, device=dev)
+    lp = torch.empty(n if logprobs else 1, dtype=torch.float32, device=dev)
+    uniform = torch.empty((n, v) if return_uniform else (1,), dtype=torch.float32, device=dev)
+    # Separate allocations, not views of one: Triton specializes a pointer on its 16-byte
+    # alignment, and a view's offset would change it with n (a compile mid-serving).
+    scores = torch.empty(n * chunks, dtype=torch.float32, device=dev)
+    idx = torch.empty(n * chunks, dtype=torch.int32, device=dev)
+    maxes = torch.empty(n * chunks, dtype=torch.float32, device=dev) if logprobs else scores
+    sums = torch.empty(n * chunks, dtype=torch.float32, device=dev) if logprobs else scores
     if n:
-        _gumbel_sample_kernel[(n,)](logits, logits.stride(0), temperature, seeds, tokens,
-                                    logprobs, uniform, v, BLOCK=1024,
-                                    WRITE_UNIFORM=return_uniform, num_warps=4)
-    return (tokens, logprobs, uniform) if return_uniform else (tokens, logprobs)
+        _gumbel_chunk_kernel[(n, chunks)](
+            logits, logits.stride(0), temperature, seeds, scores, idx, maxes, sums, uniform, v,
+            chunks, BLOCK=BLOCK, CHUNK=CHUNK, NOISE=not greedy, LOGPROBS=logprobs,
+            WRITE_UNIFORM=return_uniform, num_warps=4)
+        _gumbel_merge_kernel[(n,)](
+            logits, logits.stride(0), scores, idx, maxes, sums, tokens, lp, v, chunks,
+            CHUNKS_PAD=triton.next_power_of_2(chunks), LOGPROBS=logprobs, num_warps=1)
+    out = (tokens, lp if logprobs else None)
+    return out + (uniform,) if return_uniform else out

@@ -53,3 +53,32 @@ def test_noise_is_uniform_and_keyed_by_seed():
     same[1] = same[0]
     _, _, u2 = gumbel_sample(logits, temps, same, return_uniform=True)
     assert torch.equal(u2[0], u2[1]) and torch.equal(u2[0], u[0])
+
+
+def test_rows_split_over_several_programs_merge_like_one_pass():
+    """A row wider than CHUNK is cut over programs; the merge must pick the best score with
+    the smallest index across pieces (ties across pieces included) and sum the pieces'
+    logsumexp, as one pass over the row would."""
+    from kernels.sampling import CHUNK
+    v = 2 * CHUNK + 77                          # three pieces, the last one short
+    logits, temps, seeds = _inputs(n=5, v=v, seed=3)
+    logits[0, [CHUNK + 5, 2 * CHUNK + 9]] = 50.0          # greedy tie in pieces 1 and 2
+    logits[5 - 1, [7, CHUNK + 7]] = 60.0                  # greedy tie in pieces 0 and 1
+    temps = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0])
+    tokens, logprobs, uniform = gumbel_sample(logits, temps, seeds, return_uniform=True)
+    ref_tokens, ref_logprobs = gumbel_sample_ref(logits, temps, uniform)
+    assert tokens[0] == CHUNK + 5 and tokens[4] == 7
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_variants_without_logprobs_or_noise_draw_the_same_tokens():
+    logits, temps, seeds = _inputs(n=6, v=3000, seed=5)
+    tokens, logprobs = gumbel_sample(logits, temps, seeds)
+    fast, none = gumbel_sample(logits, temps, seeds, logprobs=False)
+    assert none is None and torch.equal(fast, tokens)
+    zero = torch.zeros_like(temps)
+    greedy, glp = gumbel_sample(logits, zero, seeds, greedy=True)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(greedy, gumbel_sample(logits, zero, seeds)[0])
+    torch.testing.assert_close(glp, torch.log_softmax(logits, -1).gather(1, greedy[:, None])[:, 0])

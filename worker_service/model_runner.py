@@ -32,7 +32,7 @@ from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.v1 import worker_pb2
 from worker_service.penalties import PenaltyState
-from worker_service.sampler import SamplingBatch, StepSamples, sample_step
+from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
 from worker_service.step_plan import SeqTable, StepError, StepPlan
 from worker_service.transfers import to_device, to_host
 
@@ -205,6 +205,8 @@ class ModelRunner:
         self.block_size = block_size
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
+        if self.tp.rank == 0 and self.device.type == "cuda":
+            compile_fused_sampling(self.vocab_size, self.dtype, self.device)
         self.last_sampled = None
         self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:

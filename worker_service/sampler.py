@@ -78,8 +78,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     """logits [N, V] -> (token ids [N] int64, logprobs of those ids [N] or None)."""
     if batch.fused:
         from kernels.sampling import gumbel_sample
-        tokens, logprobs = gumbel_sample(logits, batch.temperature, batch.seeds)
-        return tokens, logprobs if batch.want_logprobs else None
+        return gumbel_sample(logits, batch.temperature, batch.seeds,
+                             logprobs=batch.want_logprobs, greedy=batch.all_greedy)
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
@@ -102,6 +102,21 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if batch.want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, logprobs
+
+
+def compile_fused_sampling(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Run each variant of the fused sampling kernels once on a blank row (logprobs or not,
+    greedy or not; the LM head's dtype, and float32: penalized logits), so Triton compiles
+    them at startup: compiled at the first request that asks for one, the whole step
+    (every stream in it) would wait for the compiler."""
+    from kernels.sampling import gumbel_sample
+    temperature = torch.zeros(1, dtype=torch.float32, device=device)
+    seeds = torch.zeros(1, dtype=torch.int32, device=device)
+    for logits_dtype in {dtype, torch.float32}:
+        logits = torch.zeros(1, vocab_size, dtype=logits_dtype, device=device)
+        for logprobs in (False, True):
+            for greedy in (False, True):
+                gumbel_sample(logits, temperature, seeds, logprobs=logprobs, greedy=greedy)
 
 
 @dataclass

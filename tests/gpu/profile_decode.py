@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one decode step (torch.profiler): unfused, fused, fused + fp8 KV.
 
 Random-weight Qwen3-0.6B (tests/gpu/test_model_gpu.py makes it), bf16, batch 131 (the
-nano-vllm workload's mean decode batch), contexts U[100, 1024], page 256. Prints for each
+nano-vllm workload's mean decode batch), contexts U[100, 1024], page 256. A step is what
+the worker runs: the forward, the LM head, and the fused sampling at temperature 0.6
+(no logprobs, as the benchmark asks; its kernels are the `_gumbel_*` rows). Prints for each
 variant a markdown table (kernel, calls, total us per step) and the step's GPU busy time
 next to its bandwidth floor. Fused = Triton SiLU-and-mul and q/k norm + rotary in one
 kernel; unfused = NANOSERVE_FUSED_KERNELS=0; fp8 = an fp8 KV cache (kernels/kv_quant.py).
@@ -32,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     import models.activation
     from kernels.attention import select_backend
+    from kernels.sampling import gumbel_sample
     from models.loader import load_model
     from paged_kv import PagedKV
     from test_model_gpu import main_checkpoint
@@ -40,6 +43,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 1025, (args.batch,), generator=g).tolist()
     ids = torch.randint(0, 10000, (args.batch,), generator=g).cuda()
+    temps = torch.full((args.batch,), 0.6, device="cuda")
+    seeds = torch.randint(0, 2**31 - 1, (args.batch,), generator=g, dtype=torch.int32).cuda()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"{torch.cuda.get_device_name()}, batch {args.batch}, contexts U[100,1024] "
           f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB")
@@ -59,7 +64,8 @@ def main() -> None:
         floor_ms = (weight_bytes + kv_bytes) / (args.hbm_tbs * 1e12) * 1e3
 
         def step():
-            return model.compute_logits(model(ids, pos, meta))
+            logits = model.compute_logits(model(ids, pos, meta))
+            return gumbel_sample(logits, temps, seeds, logprobs=False)
 
         models.activation.FUSED = fused
         with torch.inference_mode():

@@ -7,7 +7,8 @@
 #   attn     paged decode attention GB/s and % of HBM peak (batch 256, GQA 2/4/8, config sweep;
 #            ATTN_ARGS, e.g. "--kv fp8 --groups 2")
 #   linear   decode-sized GEMMs through cuBLAS: weights from HBM vs from L2, cuBLASLt (LINEAR_ARGS)
-#   profile  per-kernel GPU time of one decode step at batch 131, fused vs unfused
+#   samplers the fused sampling kernels' GPU time at decode batches (SAMPLERS_ARGS)
+#   profile  per-kernel GPU time of one decode step (with sampling) at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3; 0 = skip) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
@@ -52,6 +53,7 @@ for w in ${*:-kernels model bench}; do
     unit) python3 -m pytest -q -p no:cacheprovider ${UNIT_ARGS:-tests/test_kernels_*.py} 2>&1 | tee "$OUT/unit.md" || rc=1 ;;
     attn) python3 tests/gpu/bench_decode_attention.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.md" || rc=1 ;;
     linear) python3 tests/gpu/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.md" || rc=1 ;;
+    samplers) python3 tests/gpu/bench_sampling.py ${SAMPLERS_ARGS:-} 2>&1 | tee "$OUT/samplers.md" || rc=1 ;;
     profile) python3 tests/gpu/profile_decode.py 2>&1 | tee "$OUT/profile.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1

@@ -1,6 +1,8 @@
 """Penalties and top_logprobs on the GPU path: the device-side history under CUDA graphs
 and overlapped steps (placeholder inputs: the worker counts its own samples).
 
+  * the fused Gumbel-max sampling kernels on CUDA vs their torch reference, and compiled
+    at startup;
   * the fused Triton penalties kernel on CUDA vs the torch reference on CPU (float32;
     bit-exact with only a repetition penalty, within 1e-5 with presence/frequency, where
     the GPU may fuse a multiply-add);
@@ -137,6 +139,59 @@ def test_penalties_kernel_compiled_before_the_first_penalized_request():
     assert compiled() == 1   # the real call found the startup compile
 
 
+def fused_sampling_cuda_vs_reference(n: int = 131, v: int = 151936) -> dict:
+    """The fused Gumbel-max kernels on CUDA at a decode step's shape (bf16 logits, Qwen3's
+    vocab, temperature 0.6 with a few greedy rows) against the torch reference fed the
+    kernel's own noise; the variants without logprobs or without noise."""
+    from kernels.sampling import gumbel_sample, gumbel_sample_ref
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(n, v, device="cuda", generator=g) * 3).bfloat16()
+    temps = torch.full((n,), 0.6, device="cuda")
+    temps[:8] = 0.0
+    seeds = torch.randint(0, 2**31 - 1, (n,), device="cuda", generator=g, dtype=torch.int32)
+    tokens, lps, u = gumbel_sample(logits, temps, seeds, return_uniform=True)
+    ref_tokens, ref_lps = gumbel_sample_ref(logits, temps, u)
+    zero = torch.zeros_like(temps)
+    return dict(tokens_equal=bool(torch.equal(tokens, ref_tokens)),
+                lp_err=float((lps - ref_lps).abs().max()),
+                no_logprobs_same=bool(torch.equal(gumbel_sample(logits, temps, seeds, logprobs=False)[0], tokens)),
+                greedy_is_argmax=bool(torch.equal(gumbel_sample(logits, zero, seeds, greedy=True)[0],
+                                                  logits.argmax(-1))),
+                sampled_rows_differ_from_argmax=int((tokens[8:] != logits[8:].argmax(-1)).sum()))
+
+
+def test_fused_sampling_cuda_vs_reference():
+    r = fused_sampling_cuda_vs_reference()
+    assert r["tokens_equal"] and r["lp_err"] < 1e-3
+    assert r["no_logprobs_same"] and r["greedy_is_argmax"]
+    assert r["sampled_rows_differ_from_argmax"] > 0   # temperature 0.6 does sample
+
+
+def test_fused_sampling_compiled_before_the_first_request():
+    """The worker compiles every variant of the sampling kernels at startup (bf16 logits
+    and float32 penalized ones, logprobs or not, greedy or not): real steps of any batch
+    size then find them compiled."""
+    from kernels.sampling import _gumbel_chunk_kernel, _gumbel_merge_kernel, gumbel_sample
+    from worker_service.sampler import compile_fused_sampling
+    dev = torch.device("cuda", torch.cuda.current_device())
+    kernels = (_gumbel_chunk_kernel, _gumbel_merge_kernel)
+    for k in kernels:
+        k.device_caches.clear()   # forget what earlier tests compiled
+    compiled = lambda: [len(k.device_caches[dev.index][0]) for k in kernels]   # noqa: E731
+    compile_fused_sampling(151936, torch.bfloat16, dev)
+    assert compiled() == [8, 4]
+    for n in (1, 3, 4, 131, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = torch.randn(n, 151936, device=dev).to(dtype)
+            temps = torch.rand(n, device=dev)
+            seeds = torch.randint(0, 2**31 - 1, (n,), device=dev, dtype=torch.int32)
+            for logprobs in (False, True):
+                gumbel_sample(logits, temps, seeds, logprobs=logprobs)
+                gumbel_sample(logits, temps * 0, seeds, logprobs=logprobs, greedy=True)
+    torch.cuda.synchronize()
+    assert compiled() == [8, 4]
+
+
 def test_overlapped_cuda_graph_steps_match_hf():
     r = overlapped_runner("cuda")
     assert r["graphs"], "CUDA graphs were meant to be on"
@@ -151,6 +206,7 @@ if __name__ == "__main__":
         rep_only, all_three = penalties_cuda_vs_cpu()
         print(f"penalties kernel max |cuda - cpu ref|: repetition only {rep_only:g}, "
               f"all three {all_three:g}")
+        print(f"fused sampling vs reference, 131 x 151936 bf16: {fused_sampling_cuda_vs_reference()}")
     r = overlapped_runner(dev)
     print(f"device {dev}, CUDA graphs {r['graphs']}: penalized row == HF generate(repetition_penalty"
           f"={PENALTY}): {r['penalized'] == r['penalized_ref']} (differs from plain greedy: "
