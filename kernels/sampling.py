@@ -40,42 +40,74 @@ def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, uniform: 
 
 
 @triton.jit
+def _fold(best, best_idx, run_max, run_sum, x, offs, mask, u, t, inv_t, NOISE: tl.constexpr,
+          LOGPROBS: tl.constexpr):
+    """Fold one tile of ids into the lanes' best (score, index) and, with LOGPROBS, their
+    online logsumexp of the raw logits. A lane sees its ids in increasing order and keeps
+    the first best one (strict >)."""
+    score = x
+    if NOISE:
+        score = tl.where(t > 0, x * inv_t - tl.log(-tl.log(u)), x)
+    score = tl.where(mask, score, float("-inf"))
+    better = score > best
+    best = tl.where(better, score, best)
+    best_idx = tl.where(better, offs, best_idx)
+    if LOGPROBS:
+        new_max = tl.maximum(run_max, x)
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.where(mask, tl.exp(x - safe), 0.0)
+        run_max = new_max
+    return best, best_idx, run_max, run_sum
+
+
+@triton.jit
 def _gumbel_chunk_kernel(Logits, stride_row, Temperature, Seeds, PartScore, PartIdx, PartMax,
                          PartSum, Uniform, V, num_chunks, BLOCK: tl.constexpr,
                          CHUNK: tl.constexpr, NOISE: tl.constexpr, LOGPROBS: tl.constexpr,
                          WRITE_UNIFORM: tl.constexpr):
     """One row's ids [chunk * CHUNK, +CHUNK) -> that piece's best score and its smallest
     index (and, with LOGPROBS, the piece's max and sum of exp(x - max)). NOISE = 0: every
-    row is greedy, no Philox."""
+    row is greedy, no Philox. A loop iteration takes BLOCK ids as four quarter tiles that
+    share one Philox call (tl.rand4x: four uniforms per counter; the counter is the
+    quarter tile's lane, id // 4 past the iteration's start, so each id has its own)."""
+    Q: tl.constexpr = BLOCK // 4
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     t = tl.load(Temperature + row)
     seed = tl.load(Seeds + row)
     inv_t = 1.0 / tl.maximum(t, 1e-6)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    run_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK], tl.float32)
+    best = tl.full([Q], float("-inf"), tl.float32)
+    best_idx = tl.zeros([Q], tl.int32)
+    run_max = tl.full([Q], float("-inf"), tl.float32)
+    run_sum = tl.zeros([Q], tl.float32)
     lo = chunk * CHUNK
+    lanes = tl.arange(0, Q)
+    base = Logits + row * stride_row
     for start in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < V
-        x = tl.load(Logits + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        score = x
+        o0 = start + lanes
+        o1 = o0 + Q
+        o2 = o1 + Q
+        o3 = o2 + Q
+        x0 = tl.load(base + o0, mask=o0 < V, other=float("-inf")).to(tl.float32)
+        x1 = tl.load(base + o1, mask=o1 < V, other=float("-inf")).to(tl.float32)
+        x2 = tl.load(base + o2, mask=o2 < V, other=float("-inf")).to(tl.float32)
+        x3 = tl.load(base + o3, mask=o3 < V, other=float("-inf")).to(tl.float32)
+        u0, u1, u2, u3 = x0, x1, x2, x3   # unused without NOISE
         if NOISE:
-            u = tl.rand(seed, offs)
+            u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
             if WRITE_UNIFORM:
-                tl.store(Uniform + row * V + offs, u, mask=mask)
-            score = tl.where(t > 0, x * inv_t - tl.log(-tl.log(u)), x)
-        score = tl.where(mask, score, float("-inf"))
-        better = score > best
-        best = tl.where(better, score, best)
-        best_idx = tl.where(better, offs, best_idx)
-        if LOGPROBS:   # online logsumexp of the raw logits, lane by lane
-            new_max = tl.maximum(run_max, x)
-            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe) + tl.where(mask, tl.exp(x - safe), 0.0)
-            run_max = new_max
+                tl.store(Uniform + row * V + o0, u0, mask=o0 < V)
+                tl.store(Uniform + row * V + o1, u1, mask=o1 < V)
+                tl.store(Uniform + row * V + o2, u2, mask=o2 < V)
+                tl.store(Uniform + row * V + o3, u3, mask=o3 < V)
+        best, best_idx, run_max, run_sum = _fold(best, best_idx, run_max, run_sum, x0, o0,
+                                                 o0 < V, u0, t, inv_t, NOISE, LOGPROBS)
+        best, best_idx, run_max, run_sum = _fold(best, best_idx, run_max, run_sum, x1, o1,
+                                                 o1 < V, u1, t, inv_t, NOISE, LOGPROBS)
+        best, best_idx, run_max, run_sum = _fold(best, best_idx, run_max, run_sum, x2, o2,
+                                                 o2 < V, u2, t, inv_t, NOISE, LOGPROBS)
+        best, best_idx, run_max, run_sum = _fold(best, best_idx, run_max, run_sum, x3, o3,
+                                                 o3 < V, u3, t, inv_t, NOISE, LOGPROBS)
     top = tl.max(best, axis=0)
     part = row * num_chunks + chunk
     tl.store(PartScore + part, top)
