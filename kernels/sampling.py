@@ -17,10 +17,13 @@ one pass over the row would, so the tokens do not depend on the chunking.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK = 1024     # ids per loop iteration of a program
 CHUNK = 8192     # ids per program (a multiple of BLOCK)
 
@@ -39,6 +42,21 @@ def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, uniform: 
     return tokens, logprobs
 
 
+# The interpreter (CPU tests) runs no PTX: it takes tl.log2 instead of lg2.approx.
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _fast_log2(x):
+    """log2 in one MUFU instruction (lg2.approx: ~2^-22 relative error, plenty for noise);
+    tl.log2 goes through libdevice's accurate log, several times the instructions."""
+    if _PTX:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
 @triton.jit
 def _fold(best, best_idx, run_max, run_sum, x, offs, mask, u, t, inv_t, NOISE: tl.constexpr,
           LOGPROBS: tl.constexpr):
@@ -47,7 +65,9 @@ def _fold(best, best_idx, run_max, run_sum, x, offs, mask, u, t, inv_t, NOISE: t
     the first best one (strict >)."""
     score = x
     if NOISE:
-        score = tl.where(t > 0, x * inv_t - tl.log(-tl.log(u)), x)
+        # x / T + Gumbel noise, over ln 2 and less a constant (the same argmax):
+        # -ln(-ln u) = -ln(ln 2) - ln 2 * log2(-log2 u).
+        score = tl.where(t > 0, x * (inv_t * LOG2E) - _fast_log2(-_fast_log2(u)), x)
     score = tl.where(mask, score, float("-inf"))
     better = score > best
     best = tl.where(better, score, best)
