@@ -2,12 +2,13 @@
 also storing the token's K and V into the paged KV cache.
 
 Unfused, a decode layer runs four kernels here (q norm, k norm, rotary, KV store), each a
-round trip through HBM. This kernel reads every head of one token once, normalizes it
-(numerics of kernels/rmsnorm.py: fp32 statistics, rounded to the activation dtype, times
-the weight, rounded), rotates it (kernels/rotary.py: fp32 math), writes it back, and, given
-the caches, writes K and V at the token's slot (quantized as kernels/kv_quant.py for an
-fp8 cache) as kernels/store_kvcache.py would. Reference: `qk_norm_rotary_ref` =
-rms_norm_ref then apply_rotary_ref (then store_kvcache_ref). Needs rot_dim == head_dim.
+round trip through HBM. This kernel reads every head of one token once (at decode sizes
+q's heads in one program, k's in another), normalizes it (numerics of kernels/rmsnorm.py:
+fp32 statistics, rounded to the activation dtype, times the weight, rounded), rotates it
+(kernels/rotary.py: fp32 math), writes it back, and, given the caches, writes K and V at
+the token's slot (quantized as kernels/kv_quant.py for an fp8 cache) as
+kernels/store_kvcache.py would. Reference: `qk_norm_rotary_ref` = rms_norm_ref then
+apply_rotary_ref (then store_kvcache_ref). Needs rot_dim == head_dim.
 """
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 from kernels.store_kvcache import slot_rows
+
+
+# H100, Qwen3-0.6B heads (tests/gpu/RESULTS.md): 131 tokens 8.0 -> 7.6 us with two programs a
+# token, 7,929 tokens 58 -> 61 us (bf16; fp8 cache 58 -> 67): more programs than SMs can hold.
+TWO_PROGRAMS_MAX_TOKENS = 1024
 
 
 def qk_norm_rotary_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
@@ -92,8 +98,11 @@ def _qk_norm_rotary_kernel(
     cos = tl.load(CosSin + pos * stride_cache + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(CosSin + pos * stride_cache + HALF + offs_d, mask=d_mask, other=0.0)
     cos, sin = cos[None, :], sin.to(tl.float32)[None, :]
-    _norm_rotate_heads(Q, QW, token, stride_qt, stride_qh, cos, sin, eps,
-                       NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+    if tl.program_id(1) == 0:
+        _norm_rotate_heads(Q, QW, token, stride_qt, stride_qh, cos, sin, eps,
+                           NUM_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF)
+        if tl.num_programs(1) > 1:   # a second program of this token does k's heads
+            return
     k1, k2 = _norm_rotate_heads(K, KW, token, stride_kt, stride_kh, cos, sin, eps,
                                 NUM_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF)
     if STORE:
@@ -137,7 +146,10 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
         fp8 = check_cache(k.dtype, k_cache, v_cache, k_scale, v_scale)
     if num_tokens:
         half = head_dim // 2
-        _qk_norm_rotary_kernel[(num_tokens,)](
+        # Up to TWO_PROGRAMS_MAX_TOKENS tokens, two programs a token (q's heads; k's and
+        # the store): there one program a token is a long dependent chain on few SMs.
+        parts = 2 if num_tokens <= TWO_PROGRAMS_MAX_TOKENS else 1
+        _qk_norm_rotary_kernel[(num_tokens, parts)](
             q, k, q_weight, k_weight, positions, cos_sin_cache, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             *((v, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,

@@ -86,8 +86,15 @@ def test_rotary_ref_is_neox_rotate_half() -> None:
     torch.testing.assert_close(q_ref, q * cos + rotate_half * sin)
 
 
+@pytest.fixture(params=["two programs a token", "one program a token"])
+def programs(request, monkeypatch) -> None:
+    """Both launch shapes of the fused kernel (it picks by token count)."""
+    if request.param == "one program a token":
+        monkeypatch.setattr("kernels.qk_norm_rotary.TWO_PROGRAMS_MAX_TOKENS", 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qk_norm_rotary_matches_ref(dtype: torch.dtype) -> None:
+def test_fused_qk_norm_rotary_matches_ref(dtype: torch.dtype, programs) -> None:
     """Strided q/k views of a fused qkv output, normalized + rotated in place."""
     from kernels.qk_norm_rotary import qk_norm_rotary, qk_norm_rotary_ref
     g = torch.Generator().manual_seed(3)
@@ -111,7 +118,7 @@ def test_fused_qk_norm_rotary_matches_ref(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("head_major_cache", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_fused_qk_norm_rotary_stores_kv(fp8: bool, head_major_cache: bool) -> None:
+def test_fused_qk_norm_rotary_stores_kv(fp8: bool, head_major_cache: bool, programs) -> None:
     """With the caches given, the kernel also stores K (normed + rotated, as it writes it
     back) and V at the slots, as store_kvcache_ref does with its outputs; slot -1 skipped.
     Token-major caches and head-major ones (the worker's) alike."""
