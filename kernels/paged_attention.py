@@ -76,25 +76,33 @@ def _softmax_step(s, m_i, l_i):
 def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table, start, hi,
                  kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                 FP8: tl.constexpr):
+                 FP8: tl.constexpr, MASKED: tl.constexpr = True):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) ∩ [0, hi) gathered through the
     block table, folded into the online softmax of the query rows (row r sees keys up to
-    q_pos[r]). Returns the new (m_i, l_i, acc)."""
+    q_pos[r]). Returns the new (m_i, l_i, acc). MASKED=False: the caller knows every key
+    of the tile is below hi and visible to every row (no masks on loads or scores)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
     row, slot = _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs,
                            stride_ch, PAGE_SIZE, BLOCK_N)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if MASKED:
+        k = tl.load(KCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(KCache + row[:, None] + offs_d[None, :])
     if FP8:
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale_log2   # [rows, N]
     if FP8:
         s = s * tl.load(KScale + slot, mask=n_mask, other=0.0)[None, :]
-    visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-    v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if MASKED:
+        v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        v = tl.load(VCache + row[:, None] + offs_d[None, :])
     if FP8:
         p_v = p * tl.load(VScale + slot, mask=n_mask, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p_v.to(q.dtype), v.to(q.dtype),
@@ -312,7 +320,15 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
-    for start in range(0, hi, BLOCK_N):
+    # Tiles wholly below the diagonal (every key visible to every row: keys up to the
+    # program's first query position) run unmasked, the rest masked.
+    full = (ctx - q_len + q_block * TOKENS + 1) // BLOCK_N * BLOCK_N
+    for start in range(0, full, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
+                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
+                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
+                                     PRECISION, FP8, MASKED=False)
+    for start in range(full, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
                                      table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
                                      offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
