@@ -80,7 +80,8 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table,
     """One BLOCK_N tile of keys [start, start + BLOCK_N) ∩ [0, hi) gathered through the
     block table, folded into the online softmax of the query rows (row r sees keys up to
     q_pos[r]). Returns the new (m_i, l_i, acc). MASKED=False: the caller knows every key
-    of the tile is below hi and visible to every row (no masks on loads or scores)."""
+    of the tile is below hi and visible to every row, and the head dim needs no padding
+    (no masks on loads or scores)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
     row, slot = _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs,
@@ -327,7 +328,7 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
                                      table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
                                      offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
-                                     PRECISION, FP8, MASKED=False)
+                                     PRECISION, FP8, MASKED=HEAD_DIM != BLOCK_D)
     for start in range(full, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
                                      table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,

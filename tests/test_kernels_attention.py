@@ -73,7 +73,8 @@ def boundary_contexts(bs: int) -> list[int]:
 
 
 # (block_size, head_dim, group): the full product, and a covering subset for split-K.
-ALL_CONFIGS = [(bs, hd, g) for bs in (4, 16) for hd in (16, 32, 64, 128) for g in (1, 2, 4)]
+ALL_CONFIGS = [(bs, hd, g) for bs in (4, 16) for hd in (16, 32, 64, 128) for g in (1, 2, 4)] + [
+    (16, 80, 2)]   # a head dim the kernels pad to a power of two
 CONFIGS = [(4, 16, 1), (4, 32, 4), (16, 64, 2), (16, 128, 1), (4, 128, 2), (16, 16, 4)]
 
 
