@@ -116,8 +116,8 @@ class WorkerGroup:
         num_kv_blocks > 0 pins the size (a reconnect must keep the scheduler's count)."""
         self.close_streams()
         self._open_channels()
-        infos = [await self._call(stub.Info, worker_pb2.InfoRequest(block_size=block_size), wait)
-                 for stub in self.stubs]
+        infos = await self._on_every_rank(
+            lambda stub: self._call(stub.Info, worker_pb2.InfoRequest(block_size=block_size), wait))
         first = infos[0]
         for rank, info in enumerate(infos):
             if info.rank != rank or info.world_size != len(self.addresses):
@@ -136,10 +136,12 @@ class WorkerGroup:
         if blocks == 0 or blocks > capacity:
             raise WorkerGroupError(f"KV cache: {blocks} blocks needed, workers fit {capacity}",
                                    lost=False)
-        for stub in self.stubs:   # Init allocates the KV cache and captures CUDA graphs: slow
-            await self._call(stub.Init, worker_pb2.InitRequest(num_kv_blocks=blocks,
-                                                               block_size=block_size),
-                             wait, timeout=INIT_TIMEOUT_S)
+        # Every rank's Init at once, never one after another: a TP rank's Init meets its
+        # peers in collectives (a barrier, then CUDA graph capture runs the model's
+        # all-reduces), so rank 0's Init cannot finish before rank 1's has begun.
+        init = worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size)
+        await self._on_every_rank(
+            lambda stub: self._call(stub.Init, init, wait, timeout=INIT_TIMEOUT_S))
         self._events = asyncio.Queue() if len(self.channels) > 1 else None
         self.streams = [_StepStream(c, r, self._events, self.metadata)
                         for r, c in enumerate(self.channels)]
@@ -150,6 +152,16 @@ class WorkerGroup:
                               eos_token_id=first.eos_token_id,
                               kv_cache_dtype=first.kv_cache_dtype)
         return self.info
+
+    async def _on_every_rank(self, call) -> list:
+        """call(stub) on every rank concurrently; results in rank order. The first failure
+        cancels the calls still running and is raised."""
+        tasks = [asyncio.ensure_future(call(stub)) for stub in self.stubs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _call(self, method, request, wait: bool, timeout: float | None = None):
         try:

@@ -228,6 +228,37 @@ def test_idle_group_exits_as_a_whole_when_a_rank_is_replaced(tmp_path_factory):
         _stop_all(old0, old1, *new)
 
 
+def test_init_is_collective_ranks_sent_one_by_one_break_the_group(tmp_path_factory):
+    """Init meets every peer (worker.proto): rank 0's Init alone does not return, and when
+    rank 1's never comes the group breaks at --dist-timeout, as NCCL's watchdog broke it on
+    GPUs when the scheduler sent Init rank by rank. Sent together (the next group), both
+    Inits finish."""
+    from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+    model_dir = tiny_qwen3_dir(tmp_path_factory, **CHECKPOINTS["gqa_kv_eq_tp"])
+    init = worker_pb2.InitRequest(num_kv_blocks=16, block_size=BLOCK)
+    procs = start_tp_workers(model_dir, 2, extra=["--dist-timeout", "4"])
+    try:
+        stubs = [worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{p.port}"))
+                 for p in procs]
+        lone = stubs[0].Init.future(init, timeout=30)
+        with pytest.raises(grpc.FutureTimeoutError):
+            lone.result(timeout=2)            # waiting for rank 1 in the barrier
+        assert procs[0].wait_exit(30) == EXIT_GROUP_BROKEN, procs[0].output()
+        assert "Init failed on rank 0" in procs[0].output()
+        assert lone.exception(timeout=10).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        _stop_all(*procs)
+    procs = start_tp_workers(model_dir, 2, extra=["--dist-timeout", "4"])
+    try:
+        stubs = [worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"127.0.0.1:{p.port}"))
+                 for p in procs]
+        both = [stub.Init.future(init, timeout=30) for stub in stubs]
+        assert [f.result().num_kv_blocks for f in both] == [16, 16]
+        assert all(stub.Health(worker_pb2.HealthRequest(), timeout=5).ready for stub in stubs)
+    finally:
+        _stop_all(*procs)
+
+
 @pytest.mark.parametrize("config, world_size, fits, fragment", [
     (dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128), 4, 2,
      "exceeds num_key_value_heads=2: replicating KV heads across ranks is not supported"),

@@ -247,19 +247,35 @@ def group_broken(reason: str) -> NoReturn:
 class TPModelRunner(ModelRunner):
     """ModelRunner of a rank in a group of N > 1: a failed step breaks the group.
 
-    The server drives launch/finish (step is finish(launch())), so both are guarded."""
+    The server drives launch/finish (step is finish(launch())), so both are guarded, and
+    Init (init_kv), whose CUDA graph capture runs the model's collectives."""
+
+    def init_kv(self, num_blocks: int, block_size: int) -> None:
+        """Meet every peer in an all-reduce on this rank's device before anything else.
+
+        Init is a collective call: capturing CUDA graphs runs the model's all-reduces, so
+        every rank must be inside Init at the same time (the scheduler sends them
+        concurrently). Capture happens only on CUDA; this barrier makes the rule hold on
+        every backend, so a scheduler that Inits ranks one by one hangs and breaks the
+        group on CPU (gloo, CI) exactly as it does under NCCL."""
+        with _group_guard("Init", self.tp.rank):
+            self._bind_device()
+            probe = self.tp.all_reduce(torch.ones(1, device=self.device))
+            if int(probe.item()) != self.tp.size:
+                raise RuntimeError(f"Init barrier summed {probe.item()}, expected {self.tp.size}")
+            super().init_kv(num_blocks, block_size)
 
     def launch(self, req):
-        with _group_guard(req.step_id, self.tp.rank):
+        with _group_guard(f"step {req.step_id}", self.tp.rank):
             return super().launch(req)
 
     def finish(self, pending):
-        with _group_guard(pending.step_id, self.tp.rank):
+        with _group_guard(f"step {pending.step_id}", self.tp.rank):
             return super().finish(pending)
 
 
 @contextlib.contextmanager
-def _group_guard(step_id: int, rank: int) -> Iterator[None]:
+def _group_guard(what: str, rank: int) -> Iterator[None]:
     """Let StepErrors through (raised before the forward, on every rank alike: the group is
     intact); any other exception means a collective failed or will never be matched."""
     try:
@@ -267,5 +283,5 @@ def _group_guard(step_id: int, rank: int) -> Iterator[None]:
     except StepError:
         raise
     except Exception as e:  # noqa: BLE001
-        log.exception("step %d failed", step_id)
-        group_broken(f"step {step_id} failed on rank {rank}: {_first_line(e)}")
+        log.exception("%s failed", what)
+        group_broken(f"{what} failed on rank {rank}: {_first_line(e)}")
