@@ -1,16 +1,23 @@
-# nanoserve: every target bootstraps its own virtualenv (.venv) on first use.
+# nanoserve: every target bootstraps its own virtualenv (.venv) on first use, with only what
+# it needs: serve = scheduler + worker, test adds dev, demo adds demo. Which torch the venv
+# gets (the host's CUDA torch, PyPI's CUDA build, or the CPU build) is
+# worker_service/host_torch.py's choice: `make torch-choice` says which and why.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-stamp
+PINS   := $(VENV)/constraints.txt
 PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
 STUBS  := $(PROTOS:.proto=_pb2.py)
 MODEL  ?=
 TP     ?= 1
 HTTP_PORT ?=
 KV_DTYPE ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS_serve := worker,proto
+EXTRAS_test  := worker,proto,dev
+EXTRAS_demo  := worker,proto,demo
 
-.PHONY: help setup proto test test-gpu demo serve flash-attn clean
+.PHONY: help setup proto test test-gpu demo serve flash-attn clean torch-choice
 
 help:
 	@echo "make demo                 serve an embedded default model on loopback and stream a generation"
@@ -21,30 +28,37 @@ help:
 	@echo "make proto                regenerate the gRPC stubs from protos/"
 	@echo "make flash-attn           build + install a trimmed flash-attn wheel (GPU host with nvcc, ~6-13 min)"
 
-setup: $(STAMP)
+setup: $(VENV)/.installed-test
 
-# constraints.txt keeps torch on the local CPU wheel (no CUDA download).
-$(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[worker,dev,demo]'
+torch-choice:
+	@$(PYTHON) worker_service/host_torch.py --python $(PYTHON) --print-choice
+
+# The venv and its torch; $(PINS) holds the torch/triton pins later installs keep.
+$(PINS): constraints.txt worker_service/host_torch.py
+	$(PYTHON) worker_service/host_torch.py --venv $(VENV) --python $(PYTHON) \
+		--constraints constraints.txt --cpu-index '$(TORCH_CPU_INDEX)'
+
+$(VENV)/.installed-%: $(PINS) pyproject.toml
+	$(BIN)/python -m pip install -q -c $(PINS) -e '.[$(EXTRAS_$*)]'
 	touch $@
 
 proto: $(STUBS)
 
-$(STUBS) &: $(PROTOS) $(STAMP)
+$(STUBS) &: $(PROTOS) | $(PINS)
+	$(BIN)/python -c "import grpc_tools" 2>/dev/null || $(MAKE) $(VENV)/.installed-serve
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 		--grpc_python_out=protos $(PROTOS)
 
-test: proto
+test: $(VENV)/.installed-test proto
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 # Serve the embedded default model (or MODEL=dir) on loopback and stream one answer.
-demo: proto
+demo: $(VENV)/.installed-demo proto
 	$(BIN)/python -m client.demo $(if $(MODEL),--model $(MODEL),)
 
 # Scheduler on :50051 + TP worker processes on this host (GPU when present). Ctrl-C stops all.
 # HTTP_PORT=8000 also serves the OpenAI-compatible HTTP API on that port.
-serve: proto
+serve: $(VENV)/.installed-serve proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
 	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
 		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),)
