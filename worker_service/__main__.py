@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)
     serve_metrics(args)
-    print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port}", flush=True)
+    print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port} ({runner.device}, "
+          f"{str(runner.dtype).removeprefix('torch.')}, attention {runner.backend.name}, "
+          f"KV cache {runner.kv_cache_dtype_name})", flush=True)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,6 +17,13 @@
 #            CLIENT_PROCS (4) sends the gRPC runs'
 #            requests from that many client processes (client.bench --client-procs): one
 #            Python process cannot take the online token rate without delaying what it times
+#   deploy   every deployed topology on 2 GPUs (tests/gpu/deploy_check.py): the launcher with TP=1
+#            and TP=2 (cold start, greedy tokens, client.bench through gRPC, SIGKILL of rank 1
+#            mid-run) and the compose file's worker/scheduler flags as plain processes;
+#            DEPLOY_MODEL (default: the Qwen3-0.6B-shaped checkpoint), DEPLOY_ARGS pass through
+#   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
+#            as a user runs it: the host's Python, the packages it lacks from .whl (pip
+#            find-links, no index: these hosts have no internet); a client streams an answer
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
@@ -93,6 +100,24 @@ for w in ${*:-kernels model bench}; do
       "${B[@]}" "${G[@]}" --request-rate "$R" --runs "${ONLINE_RUNS:-2}" --json "$OUT/svc_grpc_online.json" 2>>"$OUT/svc_grpc.err" || rc=1
       kill %2 %1 2>/dev/null; wait
       tail -n 3 "$OUT"/svc_*.err "$OUT"/svc_*.log ;;
+    deploy)
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      # shellcheck disable=SC2086
+      python3 tests/gpu/deploy_check.py --model "${DEPLOY_MODEL:-$NANOSERVE_QWEN06B}" \
+        --out "$OUT/deploy" ${DEPLOY_ARGS:-} 2>&1 | tee "$OUT/deploy.md" || rc=1 ;;
+    serve)
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      F=/tmp/nanoserve-fresh; rm -rf "$F"; cp -r . "$F"
+      rm -rf "$F/.venv" "$F/.whl" "$F/.peer" "$F"/protos/nanoserve/v1/*_pb2*
+      W="$PWD/.whl"
+      ( cd "$F" && exec env -u PYTHONPATH PIP_NO_INDEX=1 PIP_FIND_LINKS="$W" setsid \
+          make serve MODEL="$NANOSERVE_QWEN06B" > "$OUT/serve.log" 2>&1 ) &
+      for i in $(seq 400); do grep -q "scheduler listening" "$OUT/serve.log" && break
+        grep -q "Error [0-9]" "$OUT/serve.log" && break; sleep 1; done
+      echo "make serve: listening after ${i}s"; grep -E "host_torch|worker rank .* listening|scheduler listening" "$OUT/serve.log"
+      python3 -m client generate "The capital of France is" --max-tokens 24 2>&1 | tee "$OUT/serve_answer.txt" || rc=1
+      grep -q "listening on .* (cuda:0, bfloat16" "$OUT/serve.log" || { echo "FAIL: no CUDA bf16 worker"; rc=1; }
+      pkill -TERM -f scheduler_service.launch; sleep 5; tail -n 5 "$OUT/serve.log" ;;
     peer)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;
