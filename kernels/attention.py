@@ -24,28 +24,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
+from kernels import backend_choice
+from kernels.attention_metadata import AttentionMetadata  # re-exported: import it from here
 from kernels.kv_quant import FP8_DTYPE, quantize_ref
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor   # [num_tokens] int32: block_id * block_size + offset; -1 = skip
-    block_tables: torch.Tensor   # [num_seqs, max_blocks] int32, padded with 0 (never read)
-    context_lens: torch.Tensor   # [num_seqs] int32: KV length after this step
-    cu_seqlens_q: torch.Tensor   # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor   # [num_seqs + 1] int32: prefix sums of context_lens
-    max_seqlen_q: int
-    max_seqlen_k: int
-    is_decode: bool              # every sequence has exactly one query token
-    prefix_free: bool = False    # every sequence starts at position 0 (no cached prefix)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
 
 
 def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -278,10 +262,9 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
 
 def _fastest(device: torch.device, shapes) -> FlashAttnBackend | TritonBackend:
     """Time flash_attn and triton at `shapes` on `device`, return the faster (logged)."""
-    from kernels.backend_choice import time_backends
     candidates = {"flash_attn": FlashAttnBackend(), "triton": TritonBackend()}
     try:
-        times = time_backends(candidates, shapes, device)
+        times = backend_choice.time_backends(candidates, shapes, device)
     except Exception as e:                 # a flash_attn build error must not stop the worker
         log.warning("attention backend auto -> triton: timing the backends failed: %s", e)
         return candidates["triton"]

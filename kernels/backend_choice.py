@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
