@@ -20,35 +20,15 @@ from grpc_reflection.v1alpha import reflection
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
-from scheduler_service.generation import (Generation, Limits, RequestError, Usage, check_sampling,
-                                          invalid)
+from scheduler_service.generation import (Generation, Limits, RequestError, Usage, invalid,
+                                          sampling_from_proto)
 from scheduler_service.security import AsyncGuard, OPEN_PUBLIC, add_port, server_credentials
-from scheduler_service.sequence import SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 _FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
-
-
-def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits: Limits
-                        ) -> SamplingOptions:
-    """The public sampling params, defaulted (see generate.proto) and checked."""
-    opts = SamplingOptions(
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else 0,
-        min_p=p.min_p if p.HasField("min_p") else 0.0,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-        n=p.n if p.HasField("n") else 1,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
-        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
-        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0)
-    return check_sampling(opts, p.max_tokens if p.HasField("max_tokens") else None, prompt_len,
-                          limits, list(p.stop))
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):

@@ -2,12 +2,13 @@
 
 A protocol adapter (the gRPC servicer in frontend.py, an HTTP API beside it) turns its
 request into prompt ids (`prompt_from_*`) and `SamplingOptions` (checked by
-`check_sampling`), then iterates `Generation.stream`: text and token deltas as the
-engine core produces them, detokenized incrementally with stop strings applied, the last
-one carrying the finish reason and usage. Failures are `RequestError`s carrying a gRPC
-status code name, which each adapter maps to its own error shape. Whatever ends the
-iteration (finished, the client went away, an error), the engine core forgets the
-sequence.
+`check_sampling`; from the public nanoserve.v1 SamplingParams by `sampling_from_proto`,
+which both the gRPC and the HTTP API use), then iterates `Generation.stream`: text and
+token deltas as the engine core produces them, detokenized incrementally with stop strings
+applied, the last one carrying the finish reason and usage. Failures are `RequestError`s
+carrying a gRPC status code name, which each adapter maps to its own error shape. Whatever
+ends the iteration (finished, the client went away, an error), the engine core forgets
+the sequence.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from nanoserve.v1 import generate_pb2
 from scheduler_service import metrics
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
@@ -101,6 +103,26 @@ def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: in
     check(all(0 <= t < limits.vocab_size for t in opts.stop_token_ids),
           f"stop_token_ids must be < vocab size {limits.vocab_size}")
     return opts
+
+
+def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits: Limits
+                        ) -> SamplingOptions:
+    """The public sampling params, defaulted (see generate.proto) and checked: the gRPC API
+    and the HTTP API (which builds a SamplingParams from its JSON) both go through here."""
+    opts = SamplingOptions(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        min_p=p.min_p if p.HasField("min_p") else 0.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+        n=p.n if p.HasField("n") else 1,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
+        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0)
+    return check_sampling(opts, p.max_tokens if p.HasField("max_tokens") else None, prompt_len,
+                          limits, list(p.stop))
 
 
 class Generation:

@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from nanoserve.v1 import generate_pb2
-from scheduler_service.frontend import sampling_from_proto
-from scheduler_service.generation import Delta, Generation, RequestError, invalid
+from scheduler_service.generation import (Delta, Generation, RequestError, invalid,
+                                          sampling_from_proto)
 
 log = logging.getLogger("nanoserve.http")
 
