@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
-    from scheduler_service.security import channel_credentials, server_credentials
+    from nanoserve.security import channel_credentials, server_credentials
     try:   # unreadable PEM files: fail here, not in a child the supervisor keeps restarting
         server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
         channel_credentials(args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from nanoserve.v1 import worker_pb2
+from nanoserve.worker_group import GroupInfo, WorkerGroupError
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
 from scheduler_service.sequence import PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus
-from scheduler_service.worker_client import GroupInfo, WorkerGroupError, wait_for_group
+from scheduler_service.worker_client import wait_for_group
 
 log = logging.getLogger("nanoserve.scheduler")
 

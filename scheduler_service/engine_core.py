@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from nanoserve.security import channel_credentials
+from nanoserve.worker_group import WorkerGroupError
 from scheduler_service import ipc, metrics
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.scheduler import SchedulerConfig
-from scheduler_service.security import channel_credentials
-from scheduler_service.worker_client import WorkerGroup, WorkerGroupError, wait_for_group
+from scheduler_service.worker_client import WorkerGroup, wait_for_group
 
 log = logging.getLogger("nanoserve.engine")
 

@@ -17,12 +17,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from nanoserve.security import OPEN_PUBLIC, AsyncGuard, add_port, server_credentials
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, invalid,
                                           sampling_from_proto)
-from scheduler_service.security import AsyncGuard, OPEN_PUBLIC, add_port, server_credentials
 from scheduler_service.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
@@ -147,7 +147,7 @@ async def build_server(service: GenerationService, host: str, port: int, max_mes
                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """The public server, serving; reuse_port lets several frontends share one port.
     api_key: calls other than health and reflection need it (`authorization: Bearer`);
-    credentials: TLS (security.server_credentials), None = plaintext."""
+    credentials: TLS (nanoserve.security.server_credentials), None = plaintext."""
     server = grpc.aio.server(interceptors=[AsyncGuard(api_key, OPEN_PUBLIC)], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),

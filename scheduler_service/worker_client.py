@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 
+from nanoserve.security import bearer
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_service.security import bearer
+from nanoserve.worker_group import GroupInfo, WorkerGroupError
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -28,27 +28,6 @@ INIT_TIMEOUT_S = 600.0
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 _STEP = "/nanoserve.v1.Worker/Step"
-
-
-class WorkerGroupError(RuntimeError):
-    """A rank failed or the ranks disagree; `lost` is True when a rank is unreachable."""
-
-    def __init__(self, message: str, lost: bool = True):
-        super().__init__(message)
-        self.lost = lost
-
-
-@dataclass
-class GroupInfo:
-    model: str
-    fingerprint: str
-    world_size: int
-    num_kv_blocks: int      # min over ranks
-    block_size: int
-    vocab_size: int
-    max_model_len: int
-    eos_token_id: int
-    kv_cache_dtype: str = ""
 
 
 class _StepStream:
@@ -87,8 +66,8 @@ class _StepStream:
 class WorkerGroup:
     def __init__(self, addresses: list[str], connect_timeout: float = 10.0,
                  credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
-        """credentials: TLS to the workers (security.channel_credentials), None = plaintext;
-        secret: the workers' shared secret, sent with every call."""
+        """credentials: TLS to the workers (nanoserve.security.channel_credentials), None =
+        plaintext; secret: the workers' shared secret, sent with every call."""
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses

@@ -7,10 +7,10 @@ from __future__ import annotations
 from array import array
 
 from nanoserve.v1 import worker_pb2
+from nanoserve.worker_group import GroupInfo
 from scheduler_service.engine import Engine
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.sequence import SamplingOptions
-from scheduler_service.worker_client import GroupInfo
 
 BS = 4
 

@@ -129,7 +129,7 @@ def serve_metrics(args: argparse.Namespace) -> None:
 
 
 def server_credentials_of(args: argparse.Namespace):
-    from scheduler_service.security import server_credentials
+    from nanoserve.security import server_credentials
     return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 

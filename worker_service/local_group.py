@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from nanoserve.v1 import worker_pb2
-from scheduler_service.worker_client import GroupInfo, WorkerGroupError
+from nanoserve.worker_group import GroupInfo, WorkerGroupError
 from worker_service.model_runner import ModelRunner, StepError
 
 

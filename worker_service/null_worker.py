@@ -31,8 +31,8 @@ import grpc
 import grpc.aio
 import numpy as np
 
+from nanoserve.security import OPEN_WORKER, AsyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_service.security import OPEN_WORKER, AsyncGuard, add_port
 from worker_service.metrics import WorkerMetrics
 from worker_service.step_plan import SeqTable, StepError
 

@@ -16,8 +16,8 @@ from concurrent import futures
 
 import grpc
 
+from nanoserve.security import OPEN_WORKER, SyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
-from scheduler_service.security import OPEN_WORKER, SyncGuard, add_port
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner, StepError
 

@@ -5,7 +5,8 @@ token in the `authorization: Bearer <token>` metadata (the public API key, the w
 secret), and request parsing inside the handler: gRPC Python answers INTERNAL when a
 request deserializer raises, so servers get raw bytes and garbage gets INVALID_ARGUMENT.
 `AsyncGuard` wraps grpc.aio servers (frontends, null worker), `SyncGuard` the blocking
-worker server. Only grpc here: the control plane and the workers both import it.
+worker server. Only grpc here: the control plane and the workers both import it, which is
+why it lives in the `nanoserve` package (protos/nanoserve/) and in neither plane.
 """
 from __future__ import annotations
 

@@ -1,0 +1,33 @@
+"""The worker-group contract: what the scheduler's Engine gets from whatever runs its steps.
+
+Two implementations: `scheduler_service.worker_client.WorkerGroup` (the worker services'
+ranks over gRPC) and `worker_service.local_group.LocalWorkerGroup` (one in-process
+ModelRunner, for benchmarks). Both offer `connect(block_size, num_kv_blocks, wait) ->
+GroupInfo`, `send`/`receive` of Step messages, `healthy`, `close_streams` and `close`, and
+fail with `WorkerGroupError`. The types of that contract live here, in the package both
+planes may import, so neither plane imports the other. No grpc, no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank failed or the ranks disagree; `lost` is True when a rank is unreachable."""
+
+    def __init__(self, message: str, lost: bool = True):
+        super().__init__(message)
+        self.lost = lost
+
+
+@dataclass
+class GroupInfo:
+    model: str
+    fingerprint: str
+    world_size: int
+    num_kv_blocks: int      # min over ranks
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int
+    kv_cache_dtype: str = ""
