@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+from nanoserve import cli
+
 # A frontend's gRPC streaming costs ~50-150 us of CPU per message; at online token rates
 # one frontend nears a full core (tests/gpu/RESULTS.md, 2026-11-24). Small hosts keep one:
 # a second would compete with the engine core and the workers' launch threads.
@@ -39,9 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model directory; the scheduler reads its tokenizer and chat template")
     p.add_argument("--workers", required=True,
                    help="comma-separated worker addresses, rank 0 first (host:port,host:port)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=50051,
-                   help="port to listen on (0 = any free port; the bound port is printed)")
+    cli.add_listen_flags(p, 50051, "the public gRPC API")
     p.add_argument("--block-size", type=int, default=256,
                    help="tokens per KV block (prefix-cache granularity; flash-attn wants 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0,
@@ -72,47 +72,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="most stream messages a frontend writes per event-loop turn, so that it "
                         "keeps accepting new calls while streaming (0 = no limit); a stream "
                         "that waits sends its tokens together in its next message")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
-                        "/v1/chat/completions, /health) on this port (0 = any free port); off when "
-                        "unset. Every frontend serves it, sharing the port like --port")
+    cli.add_http_port_flag(p)
     p.add_argument("--served-model-name", default="",
                    help="the model id /v1/models and GetModelInfo report and HTTP requests must "
                         "name (default: the model directory's name)")
     p.add_argument("--http-request-timeout", type=float, default=0.0,
                    help="seconds an HTTP request may run before it is aborted with 504 "
                         "(0 = no limit)")
-    ops = p.add_argument_group("metrics")
-    ops.add_argument("--metrics-port", type=int, default=0,
-                     help="serve Prometheus metrics at http://<host>:PORT/metrics: the sum over "
-                          "the engine core and every frontend (prometheus_client multiprocess "
-                          "mode, files under the ipc dir); 0 = none")
-    p.add_argument("--log-level", default="INFO")
+    cli.add_metrics_flags(p.add_argument_group("metrics"),
+                          "the sum over the engine core and every frontend (prometheus_client "
+                          "multiprocess mode, files under the ipc dir)")
+    cli.add_logging_flags(p)
     sec = p.add_argument_group(
         "security",
         "Defaults: loopback, plaintext, no auth. Before exposing the public port set --api-key "
         "and TLS; workers on other hosts need --worker-secret and/or mutual TLS.")
-    sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                     help="API key every public call but health and reflection must carry "
-                          "(authorization: Bearer KEY; else UNAUTHENTICATED, HTTP 401; the "
-                          "HTTP API's /health stays open too). Default: "
-                          "$NANOSERVE_API_KEY (the environment keeps it out of `ps`).%(default).0s")
-    sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
-    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    sec.add_argument("--tls-client-ca", default=None,
-                     help="PEM CA: public clients must present a certificate it signed")
+    cli.add_api_key_flag(sec)
+    cli.add_tls_flags(sec, "the public port")
     sec.add_argument("--worker-tls-ca", default=None,
                      help="PEM CA that signed the workers' certificates: talk TLS to the workers "
                           "(their certificates must name the --workers host)")
     sec.add_argument("--worker-tls-cert", default=None,
                      help="PEM client certificate for workers that require one (mutual TLS)")
     sec.add_argument("--worker-tls-key", default=None, help="PEM private key of --worker-tls-cert")
-    sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
-                     help="the workers' shared secret (their --secret). Default: "
-                          "$NANOSERVE_WORKER_SECRET%(default).0s")
+    cli.add_worker_secret_flag(sec)
     args = p.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
-        p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
+    cli.check_tls_flags(p, args)
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
     from nanoserve.security import channel_credentials, server_credentials

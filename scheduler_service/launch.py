@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from nanoserve import cli
 from scheduler_service.supervision import RestartPolicy
 
 
@@ -30,10 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (number of workers)")
-    p.add_argument("--host", default="127.0.0.1", help="scheduler listen address")
-    p.add_argument("--port", type=int, default=50051, help="scheduler port (public API)")
-    p.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API on this port (off when unset)")
+    cli.add_listen_flags(p, 50051, "the scheduler's public gRPC API")
+    cli.add_http_port_flag(p)
     p.add_argument("--worker-base-port", type=int, default=50061,
                    help="worker i listens on this port + i")
     p.add_argument("--dist-port", type=int, default=29500, help="torch.distributed rendezvous port")
@@ -54,21 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="restarts of one group within --restart-window before giving up")
     sup.add_argument("--restart-window", type=float, default=60.0,
                      help="seconds over which --max-restarts is counted")
-    sup.add_argument("--metrics-port", type=int, default=0,
-                     help="serve Prometheus /metrics: the scheduler on this port, worker rank "
-                          "i on this port + 1 + i (0 = no metrics)")
+    cli.add_metrics_flags(sup, "the scheduler on this port, worker rank i on this port + 1 + i")
     sec = p.add_argument_group(
         "security", "passed to the scheduler (see python -m scheduler_service --help)")
-    sec.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                     help="public API key (default: $NANOSERVE_API_KEY; none = open)%(default).0s")
-    sec.add_argument("--tls-cert", default=None, help="PEM certificate: TLS on the public port")
-    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    sec.add_argument("--tls-client-ca", default=None,
-                     help="PEM CA: public clients must present a certificate it signed")
-    sec.add_argument("--worker-secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
-                     help="secret between the scheduler and its workers (default: "
-                          "$NANOSERVE_WORKER_SECRET, else a random one per launch, so other "
-                          "local users cannot drive the workers)%(default).0s")
+    cli.add_api_key_flag(sec)
+    cli.add_tls_flags(sec, "the public port")
+    cli.add_worker_secret_flag(sec, otherwise=", else a random one per launch, so other local "
+                                              "users cannot drive the workers")
     p.add_argument("scheduler_args", nargs=argparse.REMAINDER,
                    help="extra flags for the scheduler, after '--' (e.g. -- --block-size 16)")
     args = p.parse_args(argv)
@@ -150,9 +141,10 @@ def _describe(p: subprocess.Popen) -> str:
 
 def secrets_env(args: argparse.Namespace) -> dict[str, str]:
     """The children's environment: secrets travel there, not on command lines (`ps`)."""
-    env = dict(os.environ, NANOSERVE_WORKER_SECRET=args.worker_secret or secrets.token_urlsafe(24))
+    env = dict(os.environ)
+    env[cli.WORKER_SECRET_ENV] = args.worker_secret or secrets.token_urlsafe(24)
     if args.api_key:
-        env["NANOSERVE_API_KEY"] = args.api_key
+        env[cli.API_KEY_ENV] = args.api_key
     return env
 
 

@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from nanoserve import cli
+
 EXIT_GROUP_BROKEN = 69   # == worker_service.distributed.EXIT_GROUP_BROKEN (not imported: no torch for --help)
 
 
@@ -21,9 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory (config.json + *.safetensors); required "
                         "unless --null")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50061,
-                   help="port to listen on (0 = any free port; the bound port is printed)")
+    cli.add_listen_flags(p, 50061, "the Worker API")
     p.add_argument("--device", default=None,
                    help="torch device, e.g. cuda, cuda:1, cpu (default: cuda:<local rank> if "
                         "available, else cpu)")
@@ -85,28 +85,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="emulated device time per step")
     null.add_argument("--null-kv-blocks", type=int, default=65536,
                       help="KV capacity reported, in blocks of 16 tokens")
-    ops = p.add_argument_group("metrics")
-    ops.add_argument("--metrics-port", type=int, default=0,
-                     help="serve Prometheus metrics at http://<host>:PORT/metrics (step and "
-                          "device time histograms, KV capacity); 0 = none")
-    p.add_argument("--log-level", default="INFO")
+    cli.add_metrics_flags(p.add_argument_group("metrics"),
+                          "step and device time histograms, KV capacity")
+    cli.add_logging_flags(p)
     sec = p.add_argument_group(
         "security",
         "By default the worker listens on loopback in plaintext and obeys anyone who reaches "
         "it. Anyone who can reach its port can drive or reset its KV cache: set --secret "
-        "(and the scheduler's --worker-secret) and/or mutual TLS whenever the port is "
-        "reachable from other hosts.")
-    sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS")
-    sec.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    sec.add_argument("--tls-client-ca", default=None,
-                     help="PEM CA: require client certificates it signed (mutual TLS; give the "
-                          "scheduler --worker-tls-cert/--worker-tls-key)")
-    sec.add_argument("--secret", default=os.environ.get("NANOSERVE_WORKER_SECRET"),
-                     help="shared secret every RPC but Health must carry (authorization: Bearer; "
-                          "the scheduler's --worker-secret). Default: $NANOSERVE_WORKER_SECRET%(default).0s")
+        "(and the scheduler's --worker-secret) and/or mutual TLS (--tls-client-ca here, "
+        "--worker-tls-cert/--worker-tls-key at the scheduler) whenever the port is reachable "
+        "from other hosts.")
+    cli.add_tls_flags(sec, "the worker's port")
+    cli.add_worker_secret_flag(sec, "--secret")
     args = p.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
-        p.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
+    cli.check_tls_flags(p, args)
     try:
         args.credentials = server_credentials_of(args)
     except OSError as e:
