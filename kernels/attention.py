@@ -38,9 +38,17 @@ def new_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads
     head-major (one kv head's slots of a page contiguous). A decode program (one sequence,
     one kv head) then streams whole key tiles instead of one 128- or 256-byte row every
     Hkv rows: on an H100, fp8 decode attention 4-7% faster, bf16 ~1%. Kernels address the
-    pages by their strides, so `cache[0, layer]` is a layer's k_cache as any backend reads it."""
-    return torch.empty(2, num_layers, num_blocks, num_kv_heads, block_size, head_dim,
-                       dtype=dtype, device=device).transpose(3, 4)
+    pages by their strides, so `cache[0, layer]` is a layer's k_cache as any backend reads it.
+
+    On a CPU the pages are zeroed here: memory from torch.empty becomes resident only when
+    first written, and the BlockManager hands out free blocks oldest first, so an untouched
+    cache made the worker's RSS climb with every batch of requests until all of it had
+    been written once (issue 35: +25 MB a round of 200 requests, for 40 rounds at the 1 GiB
+    default). Resident from the start, as GPU memory is, the worker's size is what it will
+    stay at."""
+    alloc = torch.zeros if torch.device(device).type == "cpu" else torch.empty
+    return alloc(2, num_layers, num_blocks, num_kv_heads, block_size, head_dim,
+                 dtype=dtype, device=device).transpose(3, 4)
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
