@@ -98,12 +98,15 @@ class Engine:
         self._wake.set()
 
     def add_request(self, seq_id: int, prompt: list[int], sampling: SamplingOptions,
-                    arrival_time: float = 0.0) -> None:
+                    arrival_time: float = 0.0, output: list[int] = ()) -> None:
         """A request of sampling.n completions: sibling sequences seq_id + i, sibling i
         seeded with seed + i. Siblings wait until the first one's prompt has been sent to
-        the workers, then find its full blocks in the prefix cache: one prefill for all."""
+        the workers, then find its full blocks in the prefix cache: one prefill for all.
+        `output`: tokens it generated already (a request resumed after an engine core
+        restart; n is 1 then): it re-prefills them, as a preempted sequence does."""
         first = Sequence(seq_id=seq_id, token_ids=prompt, sampling=sampling,
                          arrival_time=arrival_time)
+        first.token_ids.extend(output)
         if sampling.n > 1:
             self._held[first] = [
                 Sequence(seq_id=seq_id + i, token_ids=prompt, arrival_time=arrival_time,

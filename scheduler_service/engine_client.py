@@ -7,12 +7,18 @@ its last look (a busy frontend sends several steps' tokens in one message instea
 falling behind).
 
 The socket's monitor tells when the core goes away (the connection drops the moment the
-process dies): every request in flight then fails with UNAVAILABLE, and new ones are
-refused until the restarted core answers our HELLO.
+process dies). New requests are then refused (UNAVAILABLE) until the restarted core
+answers our HELLO, but those in flight are not lost: each stream keeps its prompt, its
+sampling and every token it has received, and once the core is back each unfinished
+sequence is added again with those tokens as output already generated. The new core
+re-prefills them and decoding goes on where it stopped: the handlers never notice, and
+greedy or seeded streams continue exactly as they would have (the worker draws a seeded
+token's noise from (seed, position), not from how many draws came before).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from array import array
@@ -36,10 +42,16 @@ class EngineUnavailable(RuntimeError):
 class RequestStream:
     """Results of one sequence (one of a request's n completions) not yet taken by its handler."""
     __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "finish", "error", "_waiter",
-                 "_first")
+                 "_first", "prompt_ids", "sampling", "sibling", "generated")
 
-    def __init__(self, seq_id: int):
+    def __init__(self, seq_id: int, prompt_ids: array | None = None,
+                 sampling: SamplingOptions | None = None, sibling: int = 0):
         self.seq_id = seq_id
+        # What a restarted engine core needs to resume it (shared by siblings but `sibling`):
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.sibling = sibling              # which of the request's n completions
+        self.generated = array("i")         # every token received, handed out or not
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[tuple[list[int], list[float]]] = []  # one per token when asked
@@ -122,11 +134,11 @@ class EngineClient:
         base = self.index << ipc.OWNER_SHIFT | next(self._seq_ids)
         for _ in range(sampling.n - 1):   # reserve the siblings' ids
             next(self._seq_ids)
-        streams = [RequestStream(base + i) for i in range(sampling.n)]
+        prompt = array("i", prompt_ids)
+        streams = [RequestStream(base + i, prompt, sampling, i) for i in range(sampling.n)]
         for s in streams:
             self.streams[s.seq_id] = s
-        self.sock.send(ipc.pack([ipc.ADD, base, array("i", prompt_ids).tobytes(),
-                                 ipc.pack_sampling(sampling)]))
+        self.sock.send(ipc.pack([ipc.ADD, base, prompt.tobytes(), ipc.pack_sampling(sampling)]))
         return streams
 
     def release(self, stream: RequestStream, abort: bool) -> None:
@@ -167,12 +179,14 @@ class EngineClient:
                     for seq_id, tok, lp in zip(ids, toks, lps):
                         if (s := streams.get(seq_id)) is not None:
                             s.token_ids.append(tok)
+                            s.generated.append(tok)
                             s.logprobs.append(lp)
                             s._wake()
                 else:
                     for seq_id, tok in zip(ids, toks):
                         if (s := streams.get(seq_id)) is not None:
                             s.token_ids.append(tok)
+                            s.generated.append(tok)
                             s._wake()
                 if top:
                     self._add_top_logprobs(ids, top)
@@ -197,7 +211,43 @@ class EngineClient:
                 self._ready.set()
                 log.info("engine core connected (workers %s)",
                          "healthy" if self.workers_healthy else "not ready")
+                self._resume_all()
                 self.on_state(self.serving)
+
+    def _resume_all(self) -> None:
+        """Add every unfinished stream again to a (re)started core, each sibling on its own
+        with its own seed, its tokens so far as output already generated. A stream whose
+        last token already ended it (the finish was lost with the core) ends here."""
+        resumed = 0
+        for s in self.streams.values():
+            if s.finish or s.error or s.prompt_ids is None:
+                continue
+            opts = s.sampling
+            if s.generated and self._ended(s, opts):
+                continue
+            if opts.n > 1:
+                opts = dataclasses.replace(opts, n=1, seed=None if opts.seed is None
+                                           else (opts.seed + s.sibling) & 0xFFFFFFFFFFFFFFFF)
+            self.sock.send(ipc.pack([ipc.ADD, s.seq_id, s.prompt_ids.tobytes(),
+                                     ipc.pack_sampling(opts), s.generated.tobytes()]))
+            resumed += 1
+        if resumed:
+            log.warning("engine core back: resumed %d requests", resumed)
+
+    def _ended(self, s: RequestStream, opts: SamplingOptions) -> bool:
+        """Finish `s` here if its tokens already end it (length, or a stop id as the core's
+        Scheduler would have judged it); True if so."""
+        last = s.generated[-1]
+        if (len(s.generated) >= opts.max_tokens
+                or len(s.prompt_ids) + len(s.generated) >= self.info["max_model_len"]):
+            s.finish = ("length", 0)
+        elif last in opts.stop_token_ids or (not opts.ignore_eos
+                                              and last == self.info.get("eos_token_id")):
+            s.finish = ("stop", 0)
+        else:
+            return False
+        s._wake()
+        return True
 
     def _add_top_logprobs(self, seq_ids: array, top: list) -> None:
         """top = [k per listed sequence (u8), their ids (i32), their logprobs (f32)]."""
@@ -224,12 +274,10 @@ class EngineClient:
                 self._lost()
 
     def _lost(self) -> None:
-        """The core went away: whatever it held is gone."""
+        """The core went away with its queues and KV; the streams stay, to be resumed."""
         self.connected = False
-        log.error("engine core went away: failing %d requests in flight", len(self.streams))
-        for s in self.streams.values():
-            s.error = ("UNAVAILABLE", "the engine core went away; retry the request")
-            s._wake()
+        log.error("engine core went away: %d requests in flight wait for it to come back",
+                  len(self.streams))
         for fut in self._stats.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable("the engine core went away"))

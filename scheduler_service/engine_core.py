@@ -118,14 +118,19 @@ class EngineCore:
             ident, data = await sock.recv_multipart()
             msg = ipc.unpack(data)
             kind = msg[0]
-            if kind == ipc.ADD:
-                self._add(ident, msg[1], msg[2], msg[3])
+            if kind == ipc.HELLO:
+                self._hello(ident)
+            elif ident not in self.frontends:
+                # Sent to the core before us and queued by ZeroMQ across its death (the
+                # frontend had not noticed yet): once we answer its HELLO the frontend
+                # resends every request it still holds, this one included.
+                continue
+            elif kind == ipc.ADD:
+                self._add(ident, *msg[1:])
             elif kind == ipc.ABORT:
                 engine.abort(msg[1])
             elif kind == ipc.STATS:
                 sock.send_multipart([ident, ipc.pack([ipc.STATS, msg[1], self._stats()])])
-            elif kind == ipc.HELLO:
-                self._hello(ident)
 
     def _hello(self, ident: bytes) -> None:
         """A frontend (re)connected: abort what an earlier incarnation of it left behind."""
@@ -140,17 +145,21 @@ class EngineCore:
         self.frontends.add(ident)
         self.sock.send_multipart([ident, ipc.pack([ipc.INFO, self.info, self.engine.healthy])])
 
-    def _add(self, ident: bytes, seq_id: int, prompt: bytes, sampling: list) -> None:
+    def _add(self, ident: bytes, seq_id: int, prompt: bytes, sampling: list,
+             output: bytes = b"") -> None:
+        """A new request, or (output: its tokens so far) one a frontend resumes after the
+        engine core it was sent to died."""
         engine = self.engine
-        if engine.num_pending() >= self.config.max_waiting:
+        if engine.num_pending() >= self.config.max_waiting and not output:
             self._send_outputs(StepOutputs(errors=[(
                 seq_id, "RESOURCE_EXHAUSTED",
                 f"too many requests in flight (limit {self.config.max_waiting})")]))
             return
-        ids = array("i")
+        ids, out = array("i"), array("i")
         ids.frombytes(prompt)
+        out.frombytes(output)
         engine.add_request(seq_id, ids.tolist(), ipc.unpack_sampling(sampling),
-                           time.monotonic())
+                           time.monotonic(), out.tolist())
 
     def _stats(self) -> dict:
         e = self.engine

@@ -13,6 +13,10 @@ frontend -> core
     [ADD, seq_id, prompt_ids, sampling]  a new request (sampling: `pack_sampling`); with
                                          sampling.n > 1 its completions are the sibling
                                          sequences seq_id + 0 .. seq_id + n - 1
+    [ADD, seq_id, prompt_ids, sampling, output_ids]
+                                         a request resumed after the core restarted, with
+                                         the tokens it had generated (n = 1: each sibling
+                                         comes on its own)
     [ABORT, seq_id]                      (one per sibling)
     [STATS, request_id]
 core -> frontend

@@ -9,6 +9,8 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("NANOSERVE_TEST_ORDER") == "reverse":
+        reverse_within_modules(items)
     try:
         import torch
         has_gpu = torch.cuda.is_available()
@@ -20,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def reverse_within_modules(items: list) -> None:
+    """Each module's tests last to first (modules keep their order). A test that passes only
+    because others of its module ran before it (filled counters, warmed services) fails
+    then: CI runs the suite this way, developers the other (NANOSERVE_TEST_ORDER=reverse)."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.module, []).append(item)
+    items[:] = [item for tests in modules.values() for item in reversed(tests)]
 
 
 def pytest_sessionfinish(session, exitstatus):

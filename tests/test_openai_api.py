@@ -8,6 +8,7 @@ request deadline, for auth, errors, deadlines and client disconnects, where spee
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,8 +55,8 @@ def tiny(tmp_path_factory):
         worker.stop()
 
 
-@pytest.fixture(scope="module")
-def null(tmp_path_factory):
+@contextlib.contextmanager
+def null_stack(tmp_path_factory):
     """(scheduler Proc, openai client, gRPC stub, model id): null worker, two frontends."""
     model_dir = write_null_model(tmp_path_factory.mktemp("null_model"), vocab_size=1000,
                                  max_position_embeddings=1024)
@@ -76,6 +77,12 @@ def null(tmp_path_factory):
         if sched:
             sched.stop()
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def null(tmp_path_factory):
+    with null_stack(tmp_path_factory) as stack:
+        yield stack
 
 
 class _Bearer(grpc.UnaryUnaryClientInterceptor):
@@ -336,11 +343,14 @@ def test_engine_core_down_is_503_then_recovers(null):
     os.kill(core, signal.SIGKILL)
     statuses = set()
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    quick = client.with_options(timeout=0.5)   # one sent before the frontend noticed waits
+    while time.monotonic() < deadline:         # for the new core (then resumes): go on
         try:
-            client.completions.create(model=model, prompt=[4, 5], max_tokens=2)
+            quick.completions.create(model=model, prompt=[4, 5], max_tokens=2)
             if 503 in statuses:
                 break
+        except openai.APITimeoutError:
+            pass
         except openai.APIStatusError as e:
             statuses.add(e.status_code)
             assert e.status_code == 503 and e.body["type"] == "service_unavailable"
@@ -357,9 +367,13 @@ def test_launch_passes_the_http_port():
     assert "--http-port" not in commands(parse_args(["--model", "m"]))[-1]
 
 
-def test_sigterm_drains_http_streams(null):
-    """Last (it stops the null stack): a stream in flight finishes, the server exits 0."""
-    sched, client, stub, model = null
+def test_sigterm_drains_http_streams(tmp_path_factory):
+    """A stream in flight finishes, the server exits 0 (a stack of its own: it stops it)."""
+    with null_stack(tmp_path_factory) as (sched, client, stub, model):
+        _sigterm_drains(sched, client, model)
+
+
+def _sigterm_drains(sched, client, model) -> None:
     stream = client.completions.create(model=model, prompt=[3, 4], max_tokens=200, stream=True,
                                        logprobs=0, extra_body={"ignore_eos": True})
     first = next(iter(stream))

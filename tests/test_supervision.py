@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import Proc, alive, children, free_port, wait_until
+from services import Proc, alive, children, free_port, named_children, wait_until
 from test_metrics import scrape, value
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -53,8 +53,22 @@ def worker_pids(launcher: Proc) -> list[int]:
     return [ranks[r] for r in sorted(ranks)]
 
 
+def engine_core_pid(launcher: Proc) -> int:
+    """The launcher's scheduler's engine core (the supervisor names it ns-engine-core)."""
+    for pid in children(launcher.popen.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+        except OSError:
+            continue
+        if "scheduler_service" in argv:
+            return named_children(pid)["ns-engine-core"]
+    raise RuntimeError("no scheduler under the launcher")
+
+
 def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tokens: int,
-                               victim_rank: int) -> None:
+                               victim_rank: int | None) -> None:
+    """victim_rank None: the engine core is killed instead of a worker. Half the streams
+    are greedy, half sample with a seed: both must match the undisturbed run."""
     rng = random.Random(tp)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 30))]
                for _ in range(n_streams)]
@@ -65,16 +79,21 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
         stub = generate_pb2_grpc.GenerationStub(channel)
         old = worker_pids(launcher)
         assert len(old) == tp
+        sampling = [generate_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True) if i % 2 else
+                    generate_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=i,
+                                                max_tokens=max_tokens, ignore_eos=True)
+                    for i in range(n_streams)]
         start = lambda: [stub.Generate(generate_pb2.GenerateRequest(
-            token_ids=generate_pb2.TokenIds(ids=p),
-            sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                 ignore_eos=True)), timeout=240) for p in prompts]
+            token_ids=generate_pb2.TokenIds(ids=p), sampling=sp), timeout=240)
+            for p, sp in zip(prompts, sampling)]
         streams = start()   # the undisturbed run: the reference
         reference = [[t for chunk in s for t in chunk.token_ids] for s in streams]
         assert all(len(r) == max_tokens for r in reference)
         streams = start()
         got = [list(next(s).token_ids) for s in streams]   # every stream is running
-        os.kill(old[victim_rank], signal.SIGKILL)
+        core = engine_core_pid(launcher)
+        os.kill(core if victim_rank is None else old[victim_rank], signal.SIGKILL)
         killed_at = time.monotonic()
         assert all(len(g) < max_tokens for g in got)
 
@@ -87,10 +106,13 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
             outs = list(pool.map(drain, range(n_streams)))
         assert outs == reference
         new = worker_pids(launcher)
-        assert len(new) == tp and not set(new) & set(old), "the whole group was restarted"
-        log = launcher.output()
-        assert re.search(r"launch: the worker (group )?(rank \d )?exited \((killed by SIGKILL|"
-                         r"exit status 69)\); restarting", log), log
+        if victim_rank is None:   # a new engine core; the workers stayed
+            assert engine_core_pid(launcher) != core and new == old
+        else:
+            assert len(new) == tp and not set(new) & set(old), "the whole group was restarted"
+            log = launcher.output()
+            assert re.search(r"launch: the worker (group )?(rank \d )?exited \((killed by "
+                             r"SIGKILL|exit status 69)\); restarting", log), log
         if tp > 1:   # the survivor left in seconds (heartbeat / broken collective), not ~80 s
             assert time.monotonic() - killed_at < 60
         stats = stub.GetStats(generate_pb2.StatsRequest(), timeout=5)
@@ -113,6 +135,12 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
 def test_worker_sigkilled_under_launcher_20_greedy_streams_finish_identical(tmp_path_factory):
     model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=21)
     run_streams_through_a_kill(model_dir, tp=1, n_streams=20, max_tokens=80, victim_rank=0)
+
+
+def test_engine_core_sigkilled_under_launcher_greedy_and_seeded_streams_finish_identical(
+        tmp_path_factory):
+    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=23)
+    run_streams_through_a_kill(model_dir, tp=1, n_streams=10, max_tokens=80, victim_rank=None)
 
 
 def test_tp2_rank_sigkilled_under_launcher_group_restarted_streams_finish(tmp_path_factory):
