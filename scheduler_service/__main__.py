@@ -287,6 +287,8 @@ class ControlPlane:
                         log.error("frontend %d exited with status %s", i, p.exitcode)
                         self._forget(p)
                         self.frontends[i] = None
+                        from scheduler_service import ipc
+                        ipc.tell_frontend_gone(self.ipc_dir, i)   # before the backoff
                     if not self._restart(f"frontend {i}", lambda i=i: self.start_frontend(i)):
                         return 1
         return 0

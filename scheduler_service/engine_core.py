@@ -120,6 +120,9 @@ class EngineCore:
             kind = msg[0]
             if kind == ipc.HELLO:
                 self._hello(ident)
+            elif kind == ipc.GONE and ident == ipc.SUPERVISOR:
+                self._abort_owned_by(ipc.identity(msg[1]), "died")
+                self.frontends.discard(ipc.identity(msg[1]))
             elif ident not in self.frontends:
                 # Sent to the core before us and queued by ZeroMQ across its death (the
                 # frontend had not noticed yet): once we answer its HELLO the frontend
@@ -134,6 +137,10 @@ class EngineCore:
 
     def _hello(self, ident: bytes) -> None:
         """A frontend (re)connected: abort what an earlier incarnation of it left behind."""
+        self._abort_owned_by(ident, "restarted")
+        self.frontends.add(ident)
+
+    def _abort_owned_by(self, ident: bytes, why: str) -> None:
         index = int(ident[2:])
         stale = [s.seq_id for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running,
                                     *self.engine.held_siblings())
@@ -141,8 +148,7 @@ class EngineCore:
         for seq_id in stale:
             self.engine.abort(seq_id)
         if stale:
-            log.warning("frontend %d restarted: aborted its %d old requests", index, len(stale))
-        self.frontends.add(ident)
+            log.warning("frontend %d %s: aborted its %d requests", index, why, len(stale))
         self.sock.send_multipart([ident, ipc.pack([ipc.INFO, self.info, self.engine.healthy])])
 
     def _add(self, ident: bytes, seq_id: int, prompt: bytes, sampling: list,

@@ -19,6 +19,9 @@ frontend -> core
                                          comes on its own)
     [ABORT, seq_id]                      (one per sibling)
     [STATS, request_id]
+supervisor -> core
+    [GONE, frontend_index]               that frontend died: its clients are gone, so are
+                                         its requests (before a new one says HELLO)
 core -> frontend
     [INFO, group_info, healthy]          answers HELLO
     [OUT, seq_ids_u64, token_ids_i32, logprobs_f32, finished, errors, top]
@@ -42,7 +45,8 @@ import msgpack
 
 from scheduler_service.sequence import SamplingOptions
 
-HELLO, ADD, ABORT, STATS, INFO, OUT, HEALTH = range(7)
+HELLO, ADD, ABORT, STATS, INFO, OUT, HEALTH, GONE = range(8)
+SUPERVISOR = b"sv"      # the supervisor's routing id
 
 OWNER_SHIFT = 40        # seq_id = frontend index << 40 | per-frontend counter
 
@@ -54,6 +58,22 @@ def owner(seq_id: int) -> int:
 def identity(frontend_index: int) -> bytes:
     """The ZeroMQ routing id of frontend i."""
     return b"fe%d" % frontend_index
+
+
+def tell_frontend_gone(ipc_dir: str, index: int) -> None:
+    """From the supervisor: frontend `index` died (one short-lived socket; a core that is
+    itself down has nothing to abort)."""
+    import zmq
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, SUPERVISOR)
+        sock.setsockopt(zmq.LINGER, 200)
+        sock.connect(engine_address(ipc_dir))
+        sock.send(pack([GONE, index]))
+        sock.close()
+    finally:
+        ctx.term()
 
 
 def engine_address(ipc_dir: str) -> str:

@@ -186,6 +186,9 @@ def test_frontend_killed_is_restarted_on_the_same_port_and_its_requests_aborted(
         os.kill(frontend, signal.SIGKILL)
         stream.thread.join(10)
         assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
+    # Aborted as soon as the supervisor saw it die, not when a new frontend says HELLO.
+    assert wait_until(lambda: "frontend 0 died: aborted its 1 requests" in sched.output(),
+                      timeout=10), sched.output()
     assert wait_until(lambda: named_children(sched.popen.pid).get("ns-frontend-0") not in
                       (None, frontend), timeout=30), sched.output()
     with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
