@@ -17,7 +17,7 @@ from torch import nn
 from models.parallel import TPGroup
 from models.qwen3 import Qwen3ForCausalLM
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
 def config_dtype(config) -> torch.dtype:

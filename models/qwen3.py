@@ -1,7 +1,8 @@
 """Qwen3 decoder built from tensor-parallel layers over a paged KV cache.
 
-Llama checkpoints run through the same code: a Llama layer is a Qwen3 layer without the
-per-head q/k RMSNorm (that is the only architectural difference that matters here).
+Llama and Qwen2/2.5 checkpoints run through the same code: their layers are Qwen3 layers
+without the per-head q/k RMSNorm; Qwen2's q/k/v projections carry biases (its o_proj does
+not), Llama's all four or none (`attention_bias`).
 
 Parameter names match the Hugging Face checkpoint except where projections are merged
 (q/k/v -> qkv_proj, gate/up -> gate_up_proj); `packed_modules_mapping` tells the loader
@@ -37,11 +38,12 @@ class Qwen3Attention(nn.Module):
         head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias, tp=tp)
+                                          config.num_key_value_heads,
+                                          bias=bias or config.model_type == "qwen2", tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=bias, tp=tp)
+                                        bias=bias and config.model_type != "qwen2", tp=tp)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)

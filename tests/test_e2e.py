@@ -236,3 +236,25 @@ def test_worker_restart_loses_no_request(model_dir, hf_model):
     finally:
         sched.stop()
         worker.stop()
+
+
+def test_qwen2_greedy_streams_match_hf(tmp_path_factory):
+    """Qwen2/2.5 checkpoints (q/k/v biases, no q/k norm) through the same services and model
+    code: greedy tokens equal to Hugging Face's."""
+    path = tiny_qwen3_dir(tmp_path_factory, qwen2=True, vocab_size=389, seed=6)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    worker = start_worker(path)
+    try:
+        sched = start_scheduler(path, [worker.port], block_size=BLOCK)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+                stub = generate_pb2_grpc.GenerationStub(ch)
+                rng = random.Random(6)
+                for n in (1, 9, 30):
+                    prompt = [rng.randrange(3, 389) for _ in range(n)]
+                    ids, _ = generate(stub, prompt, 16, ignore_eos=True)
+                    assert ids == hf_greedy_ignore_eos(hf, prompt, 16), f"prompt of {n} tokens"
+        finally:
+            sched.stop()
+    finally:
+        worker.stop()

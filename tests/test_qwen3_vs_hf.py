@@ -30,6 +30,7 @@ SHAPES = {
                                    num_layers=3, seed=2),
     "llama-gqa2-tied": dict(llama=True, num_heads=4, num_kv_heads=2, head_dim=16,
                             tie_word_embeddings=True, seed=4),
+    "qwen2-gqa2-qkv-bias": dict(qwen2=True, num_heads=4, num_kv_heads=2, head_dim=16, seed=5),
 }
 
 
@@ -243,6 +244,7 @@ def hf_logits_fp8_kv(model_dir, prompts: list[torch.Tensor], monkeypatch) -> lis
     them (kernels.kv_quant.quantize_ref: per-token scale over the kv heads) right before
     attention reads them: the independent reference of our fp8 path."""
     from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
     from transformers.models.qwen3 import modeling_qwen3
 
     from kernels.kv_quant import dequantize_ref, quantize_ref
@@ -251,7 +253,7 @@ def hf_logits_fp8_kv(model_dir, prompts: list[torch.Tensor], monkeypatch) -> lis
         rows = x[0].transpose(0, 1)         # [T, Hkv, D]
         return dequantize_ref(*quantize_ref(rows), x.dtype).transpose(0, 1)[None]
 
-    for mod in (modeling_qwen3, modeling_llama):
+    for mod in (modeling_qwen3, modeling_llama, modeling_qwen2):
         eager = mod.eager_attention_forward
         monkeypatch.setattr(mod, "eager_attention_forward",
                             lambda m, q, k, v, *a, f=eager, **kw: f(m, q, fake_quant(k),

@@ -117,13 +117,14 @@ def make_tiny_qwen3(path: str | os.PathLike, *, hidden_size: int = 64, num_layer
                     rope_theta: float = 10000.0, seed: int = 0,
                     max_position_embeddings: int = 512,
                     dtype: torch.dtype = torch.float32, shards: int = 1,
-                    llama: bool = False) -> Path:
-    """Write a random Qwen3 (or, with llama=True, Llama) checkpoint + tokenizer to `path`."""
+                    llama: bool = False, qwen2: bool = False) -> Path:
+    """Write a random Qwen3 (llama=True: Llama; qwen2=True: Qwen2) checkpoint + tokenizer."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config_class = transformers.LlamaConfig if llama else transformers.Qwen3Config
+    family = "Llama" if llama else "Qwen2" if qwen2 else "Qwen3"
+    config_class = getattr(transformers, f"{family}Config")
     config = config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -133,8 +134,8 @@ def make_tiny_qwen3(path: str | os.PathLike, *, hidden_size: int = 64, num_layer
         attention_bias=attention_bias, tie_word_embeddings=tie_word_embeddings,
         eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
     config.dtype = dtype
-    config.architectures = ["LlamaForCausalLM" if llama else "Qwen3ForCausalLM"]
-    model = (transformers.LlamaForCausalLM if llama else transformers.Qwen3ForCausalLM)(config)
+    config.architectures = [f"{family}ForCausalLM"]
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     _init_weights(model, seed)
     if tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
