@@ -17,7 +17,7 @@ from torch import nn
 from models.parallel import TPGroup
 from models.qwen3 import Qwen3ForCausalLM
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 
 
 def config_dtype(config) -> torch.dtype:
@@ -41,17 +41,29 @@ def load_config(model_dir: str):
     return config
 
 
+_EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
 def _destination(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, object]:
-    """Checkpoint name -> (parameter name, shard id) via the model's packed_modules_mapping."""
+    """Checkpoint name -> (parameter name, shard id) via the model's packed_modules_mapping;
+    one expert's `...experts.{e}.gate_proj.weight` -> (`...experts.gate_up_proj`,
+    (e, "gate")) (models/moe.py stacks the experts)."""
     parts = name.split(".")
+    if (len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
+            and parts[-2] in _EXPERT_PARTS and parts[-1] == "weight"):
+        return (".".join(parts[:-3] + [_EXPERT_PARTS[parts[-2]]]),
+                (int(parts[-3]), parts[-2].removesuffix("_proj")))
     if len(parts) >= 2 and parts[-2] in mapping:
         target, shard_id = mapping[parts[-2]]
         return ".".join(parts[:-2] + [target, parts[-1]]), shard_id
     return name, None
 
 
-def _expected_shards(param_name: str, mapping: dict[str, tuple[str, object]]) -> set:
+def _expected_shards(param: nn.Parameter, param_name: str,
+                     mapping: dict[str, tuple[str, object]]) -> set:
     """Which shard ids must be loaded into a parameter before it is complete."""
+    if hasattr(param, "expected_shards"):
+        return param.expected_shards
     parts = param_name.split(".")
     shards = {sid for target, sid in mapping.values() if len(parts) >= 2 and parts[-2] == target}
     return shards or {None}
@@ -81,12 +93,13 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 tensor = f.get_tensor(name)
                 if shard_id is None:
                     weight_loader(param, tensor)
+                    loaded[param_name] |= getattr(param, "expected_shards", {None})
                 else:
                     weight_loader(param, tensor, shard_id)
-                loaded[param_name].add(shard_id)
+                    loaded[param_name].add(shard_id)
     missing = [f"{name}[{sid}]" if sid is not None else name
-               for name in params for sid in sorted(_expected_shards(name, mapping) - loaded[name],
-                                                    key=str)]
+               for name, param in params.items()
+               for sid in sorted(_expected_shards(param, name, mapping) - loaded[name], key=str)]
     if unexpected or missing:
         raise ValueError(f"checkpoint {model_dir} does not match the model: "
                          f"tensors with no destination: {unexpected or 'none'}; "

@@ -2,7 +2,8 @@
 
 Llama and Qwen2/2.5 checkpoints run through the same code: their layers are Qwen3 layers
 without the per-head q/k RMSNorm; Qwen2's q/k/v projections carry biases (its o_proj does
-not), Llama's all four or none (`attention_bias`).
+not), Llama's all four or none (`attention_bias`). Qwen3-MoE is Qwen3 whose MLP is, in the
+layers `moe.is_sparse_layer` picks, a mixture of experts (models/moe.py).
 
 Parameter names match the Hugging Face checkpoint except where projections are merged
 (q/k/v -> qkv_proj, gate/up -> gate_up_proj); `packed_modules_mapping` tells the loader
@@ -22,6 +23,7 @@ from models.attention import Attention
 from models.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.moe import Qwen3MoeSparseMoeBlock, is_sparse_layer
 from models.parallel import TPGroup
 from models.rotary import RotaryEmbedding, rope_theta_from_config
 
@@ -44,7 +46,7 @@ class Qwen3Attention(nn.Module):
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
                                         bias=bias and config.model_type != "qwen2", tp=tp)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
@@ -96,10 +98,11 @@ class Qwen3MLP(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is passed alongside so the adds fuse into norms."""
 
-    def __init__(self, config, tp: TPGroup, backend) -> None:
+    def __init__(self, config, tp: TPGroup, backend, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, tp, backend)
-        self.mlp = Qwen3MLP(config, tp)
+        self.mlp = (Qwen3MoeSparseMoeBlock(config, tp) if is_sparse_layer(config, layer_idx)
+                    else Qwen3MLP(config, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -119,8 +122,8 @@ class Qwen3Model(nn.Module):
     def __init__(self, config, tp: TPGroup, backend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, backend)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, backend, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -238,11 +238,20 @@ def test_worker_restart_loses_no_request(model_dir, hf_model):
         worker.stop()
 
 
-def test_qwen2_greedy_streams_match_hf(tmp_path_factory):
-    """Qwen2/2.5 checkpoints (q/k/v biases, no q/k norm) through the same services and model
-    code: greedy tokens equal to Hugging Face's."""
-    path = tiny_qwen3_dir(tmp_path_factory, qwen2=True, vocab_size=389, seed=6)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+OTHER_FAMILIES = {
+    "qwen2": dict(qwen2=True, vocab_size=389, seed=6),
+    "qwen3-moe": dict(vocab_size=389, num_layers=3, seed=10, moe=dict(
+        num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
+        mlp_only_layers=[1])),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_other_families_greedy_streams_match_hf(tmp_path_factory, family):
+    """Qwen2/2.5 (q/k/v biases, no q/k norm) and Qwen3-MoE (a dense layer among sparse
+    ones) through the same services and model code: greedy tokens equal to Hugging Face's."""
+    path = tiny_qwen3_dir(tmp_path_factory, **OTHER_FAMILIES[family])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     worker = start_worker(path)
     try:
         sched = start_scheduler(path, [worker.port], block_size=BLOCK)

@@ -34,6 +34,9 @@ CHECKPOINTS = {
     "gqa_kv_eq_tp": dict(num_heads=4, num_kv_heads=2, vocab_size=VOCAB, seed=11),
     "mha_tied": dict(num_heads=4, num_kv_heads=4, vocab_size=VOCAB, seed=12,
                      tie_word_embeddings=True),
+    "moe_e5_top2": dict(num_heads=4, num_kv_heads=2, vocab_size=VOCAB, seed=13, num_layers=3,
+                        moe=dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+                                 moe_intermediate_size=32, mlp_only_layers=[1])),
 }
 
 
@@ -83,7 +86,7 @@ def stacks(request, tmp_path_factory):
 
 def test_tp2_greedy_matches_tp1_and_hf(stacks):
     model_dir, _, tp2, tp1 = stacks
-    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 8, 9, 23, 70)]
     jobs = [(p, 16, {}) for p in prompts] + [(prompts[2], 40, {"ignore_eos": True})]
@@ -118,8 +121,8 @@ def test_tp2_kv_capacity_is_per_rank_minimum(stacks):
     """Each rank holds half the KV heads, so a block costs half: twice the blocks of TP=1
     for the same budget; the group takes the smaller rank's (0.04 GiB) count."""
     _, ckpt, tp2, tp1 = stacks
-    # K and V, 2 layers, head_dim 16, float32
-    block_bytes = lambda kv_heads: 2 * 2 * BLOCK * kv_heads * 16 * 4
+    # K and V, each layer, head_dim 16, float32
+    block_bytes = lambda kv_heads: 2 * ckpt.get("num_layers", 2) * BLOCK * kv_heads * 16 * 4
     blocks1 = tp1.stub.GetStats(generate_pb2.StatsRequest()).num_kv_blocks
     blocks2 = tp2.stub.GetStats(generate_pb2.StatsRequest()).num_kv_blocks
     assert blocks1 == int(0.05 * (1 << 30) // block_bytes(ckpt["num_kv_heads"]))

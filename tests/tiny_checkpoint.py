@@ -117,13 +117,14 @@ def make_tiny_qwen3(path: str | os.PathLike, *, hidden_size: int = 64, num_layer
                     rope_theta: float = 10000.0, seed: int = 0,
                     max_position_embeddings: int = 512,
                     dtype: torch.dtype = torch.float32, shards: int = 1,
-                    llama: bool = False, qwen2: bool = False) -> Path:
-    """Write a random Qwen3 (llama=True: Llama; qwen2=True: Qwen2) checkpoint + tokenizer."""
+                    llama: bool = False, qwen2: bool = False, moe: dict | None = None) -> Path:
+    """Write a random Qwen3 (llama=True: Llama; qwen2=True: Qwen2; moe: Qwen3-MoE with these
+    config fields, e.g. num_experts, num_experts_per_tok) checkpoint + tokenizer."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    family = "Llama" if llama else "Qwen2" if qwen2 else "Qwen3"
+    family = "Llama" if llama else "Qwen2" if qwen2 else "Qwen3Moe" if moe else "Qwen3"
     config_class = getattr(transformers, f"{family}Config")
     config = config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -132,7 +133,7 @@ def make_tiny_qwen3(path: str | os.PathLike, *, hidden_size: int = 64, num_layer
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         attention_bias=attention_bias, tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
+        eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None, **(moe or {}))
     config.dtype = dtype
     config.architectures = [f"{family}ForCausalLM"]
     model = getattr(transformers, f"{family}ForCausalLM")(config)

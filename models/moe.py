@@ -1,0 +1,113 @@
+"""Qwen3-MoE's sparse MLP: a router picks each token's top-k experts, each expert a SwiGLU.
+
+Tensor parallel as the dense MLP: every rank holds every expert, sliced along the expert's
+intermediate dimension (gate/up rows, down columns), and one all-reduce sums the ranks'
+partial outputs. Parameters are stacked per layer, as Hugging Face keeps them in memory:
+`experts.gate_up_proj` [E, 2 * I / tp, H] (gate rows, then up rows) and
+`experts.down_proj` [E, H, I / tp]; the loader fills them from the per-expert tensors
+(`experts.{e}.gate_proj.weight`, ...) that Qwen publishes, or from already-stacked ones.
+
+The experts' math here is the reference (`moe_reference`): every expert over every token,
+weighted by a dense [T, E] routing matrix that is zero outside each token's top k. It is
+exact and has no data-dependent shapes, so it runs inside CUDA graphs, but it spends E / k
+times the FLOPs of the selected experts; the fused grouped-GEMM kernels of issue 31 are to
+replace it on GPUs and be tested against it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), the top k, renormalised if asked: (weights [T, k] in
+    the logits' dtype, expert ids [T, k]). Hugging Face's Qwen3MoeTopKRouter, step for step."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up
+    [E, 2I, H], down [E, H, I] (one rank's slices: the result is that rank's partial sum)."""
+    routing = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    routing.scatter_(1, ids, weights)                                    # [T, E]
+    gate, up = torch.einsum("th,eih->tei", x, gate_up).chunk(2, dim=-1)  # [T, E, I] each
+    out = torch.einsum("tei,ehi->teh", F.silu(gate) * up, down)          # [T, E, H]
+    return torch.einsum("teh,te->th", out, routing)
+
+
+class MoEExperts(nn.Module):
+    """Every expert's weights of one layer, stacked; this rank's slice of each."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.inter = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter),
+                                      requires_grad=False)
+        for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
+            param.weight_loader = self.weight_loader
+            param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str] | None = None) -> None:
+        """shard_id (expert, "gate" | "up" | "down") for one expert's [out, in] tensor;
+        None for an already-stacked [E, ...] tensor of the whole parameter."""
+        size, start = self.inter, self.tp.rank * self.inter
+        if shard_id is None:
+            if param is self.gate_up_proj:
+                full = loaded.shape[1] // 2
+                for e in range(loaded.shape[0]):
+                    self.weight_loader(param, loaded[e, :full], (e, "gate"))
+                    self.weight_loader(param, loaded[e, full:], (e, "up"))
+            else:
+                for e in range(loaded.shape[0]):
+                    self.weight_loader(param, loaded[e], (e, "down"))
+            return
+        expert, part = shard_id
+        if part == "down":
+            dst, src = param.data[expert], loaded.narrow(1, start, size)
+        else:
+            dst = param.data[expert].narrow(0, 0 if part == "gate" else size, size)
+            src = loaded.narrow(0, start, size)
+        check_shape(dst, src, f"expert {expert} {part}_proj")
+        dst.copy_(src)
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    def __init__(self, config, tp: TPGroup) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (Qwen3-MoE uses silu)")
+        self.tp = tp
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.gate.weight.weight_loader = replicated_weight_loader
+        self.experts = MoEExperts(config.num_experts, config.hidden_size,
+                                  config.moe_intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = moe_reference(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return self.tp.all_reduce(out)
+
+
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    """Hugging Face's rule: an MoE layer unless listed in mlp_only_layers or off the
+    decoder_sparse_step grid."""
+    return (getattr(config, "num_experts", 0) > 0
+            and layer_idx not in (getattr(config, "mlp_only_layers", None) or ())
+            and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
