@@ -176,6 +176,14 @@ def start_scheduler(model_dir: Path, worker_ports: list[int], block_size: int = 
                               "--log-level", "WARNING", *extra]).start()
 
 
+def engine_idle(stub) -> bool:
+    """A scheduler's GenerationStub reports nothing running or waiting and every KV block
+    free: what every test that ends traffic waits for."""
+    from nanoserve.v1 import generate_pb2
+    s = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
+    return s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -29,7 +29,7 @@ import pytest
 
 from client.null_model import write_null_model
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import named_children, start_null_worker, start_scheduler, wait_until
+from services import engine_idle, named_children, start_null_worker, start_scheduler, wait_until
 from worker_service.null_worker import expected_tokens
 
 pytestmark = pytest.mark.slow
@@ -163,13 +163,8 @@ def test_chaos_kills_lose_nothing_but_a_killed_frontends_streams(tmp_path_factor
         assert counts.get("ok", 0) > 0, counts
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
             stub = generate_pb2_grpc.GenerationStub(ch)
-
-            def idle() -> bool:
-                s = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
-                return (s.num_running == 0 and s.num_waiting == 0
-                        and s.num_free_kv_blocks == s.num_kv_blocks)
-
-            assert wait_until(idle, timeout=30), stub.GetStats(generate_pb2.StatsRequest())
+            assert wait_until(lambda: engine_idle(stub), timeout=30), \
+                stub.GetStats(generate_pb2.StatsRequest())
     finally:
         sched.stop()
         worker_box[0].stop()

@@ -24,7 +24,7 @@ import pytest
 
 from client.null_model import write_null_model
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import children, start_null_worker, start_scheduler, start_worker, wait_until
+from services import children, engine_idle, start_null_worker, start_scheduler, start_worker, wait_until
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -103,11 +103,6 @@ def grpc_complete(stub, prompt, **sampling) -> generate_pb2.CompleteResponse:
     req.sampling.CopyFrom(generate_pb2.SamplingParams(**sampling))
     req.skip_special_tokens = True
     return stub.Complete(req, timeout=60)
-
-
-def idle(stub) -> bool:
-    s = stub.GetStats(generate_pb2.StatsRequest(), timeout=5)
-    return s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
@@ -282,14 +277,14 @@ def test_deadline_is_504_and_frees_the_request(null):
                                   extra_body={"ignore_eos": True})
     assert e.value.status_code == 504 and e.value.body["type"] == "timeout"
     assert TIMEOUT - 0.5 < time.monotonic() - t0 < TIMEOUT + 5
-    assert wait_until(lambda: idle(stub), timeout=10)
+    assert wait_until(lambda: engine_idle(stub), timeout=10)
     # Streaming: the deadline ends the stream with an error event.
     with pytest.raises(openai.APIError) as e:
         for _ in client.completions.create(model=model, prompt=[1, 2, 3], max_tokens=900,
                                            stream=True, extra_body={"ignore_eos": True}):
             pass
     assert "longer than" in str(e.value)
-    assert wait_until(lambda: idle(stub), timeout=10)
+    assert wait_until(lambda: engine_idle(stub), timeout=10)
 
 
 def test_client_disconnect_mid_stream_aborts_in_the_engine(null):
@@ -304,7 +299,7 @@ def test_client_disconnect_mid_stream_aborts_in_the_engine(null):
     assert stub.GetStats(generate_pb2.StatsRequest(), timeout=5).num_running == 1
     stream.close()   # drops the connection
     t0 = time.monotonic()
-    assert wait_until(lambda: idle(stub), timeout=2), stub.GetStats(generate_pb2.StatsRequest())
+    assert wait_until(lambda: engine_idle(stub), timeout=2), stub.GetStats(generate_pb2.StatsRequest())
     assert time.monotonic() - t0 < 1.0   # long before the 900 tokens (~4.5 s) would be done
     # A non-streaming request has nothing to write until the end: the handler is cancelled
     # the moment its connection drops (the client gives up after 0.5 s of ~2.5 s).
@@ -313,7 +308,7 @@ def test_client_disconnect_mid_stream_aborts_in_the_engine(null):
         impatient.completions.create(model=model, prompt=[7, 8], max_tokens=500,
                                      extra_body={"ignore_eos": True})
     t0 = time.monotonic()
-    assert wait_until(lambda: idle(stub), timeout=3)
+    assert wait_until(lambda: engine_idle(stub), timeout=3)
     assert time.monotonic() - t0 < 1.0
 
 
@@ -331,7 +326,7 @@ def test_full_queue_is_429(null):
     finally:
         for s in streams:
             s.close()
-    assert wait_until(lambda: idle(stub), timeout=5)
+    assert wait_until(lambda: engine_idle(stub), timeout=5)
     assert client.completions.create(model=model, prompt=[9, 9], max_tokens=2).usage \
         .completion_tokens == 2
 

@@ -23,7 +23,7 @@ import grpc.aio
 import pytest
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import rss_bytes, start_scheduler, start_worker, wait_until
+from services import engine_idle, rss_bytes, start_scheduler, start_worker, wait_until
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -78,19 +78,13 @@ def test_real_worker_memory_is_flat_after_warm_up(tmp_path_factory):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-
-            def idle() -> bool:
-                s = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
-                return (s.num_running == 0 and s.num_waiting == 0
-                        and s.num_free_kv_blocks == s.num_kv_blocks)
-
             rss = []
             for r in range(ROUNDS):
                 t0 = time.monotonic()
                 results = asyncio.run(one_round(sched.port, seed=r))
                 bad = [o for o in results if o != "ok"]
                 assert not bad, bad[:5]
-                assert wait_until(idle, timeout=30)
+                assert wait_until(lambda: engine_idle(stub), timeout=30)
                 rss.append(rss_bytes(worker.popen.pid))
                 print(f"round {r}: {time.monotonic() - t0:.1f}s, worker RSS {rss[-1] >> 20} MiB")
         assert rss[-1] - rss[1] <= RSS_BOUND, [v >> 20 for v in rss]

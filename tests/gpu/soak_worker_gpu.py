@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "protos")]
 
 import test_soak_worker as soak  # noqa: E402
-from services import Proc, rss_bytes, start_scheduler, wait_until  # noqa: E402
+from services import Proc, engine_idle, rss_bytes, start_scheduler, wait_until  # noqa: E402
 
 
 def gpu_mib(pid: int) -> int:
@@ -41,21 +41,17 @@ def main() -> int:
     sched = start_scheduler(pathlib.Path(args.model), [worker.port], block_size=256,
                             extra=["--max-model-len", "4096"])
     import grpc
-    from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+    from nanoserve.v1 import generate_pb2_grpc
     rows = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
             stub = generate_pb2_grpc.GenerationStub(ch)
 
-            def idle() -> bool:
-                s = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
-                return s.num_running == s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks
-
             for r in range(args.rounds):
                 t0 = time.monotonic()
                 results = asyncio.run(soak.one_round(sched.port, seed=r))
                 bad = [o for o in results if o != "ok"]
-                ok = wait_until(idle, timeout=30)
+                ok = wait_until(lambda: engine_idle(stub), timeout=30)
                 rows.append((r, time.monotonic() - t0, rss_bytes(worker.popen.pid) >> 20,
                              gpu_mib(worker.popen.pid), len(bad), ok))
                 print(f"round {r}: {rows[-1][1]:.1f}s worker RSS {rows[-1][2]} MiB, GPU "
