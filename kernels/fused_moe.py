@@ -1,0 +1,246 @@
+"""Fused MoE experts (issue 31, item 2): align tokens to experts, then two grouped GEMMs.
+
+Reference: `models.moe.moe_reference(x, gate_up, down, weights, ids)` (every expert over
+every token, dense routing). Not imported here: models/ will import this module, and
+kernels/ does not depend on models/. Only the selected experts' FLOPs are spent here:
+
+1. `align_tokens` (torch, no host sync, data-independent output sizes, so it can run inside
+   a CUDA graph): the T * k flat (token, k) slots sorted by expert, each expert's group
+   padded to a multiple of block_m with the sentinel slot T * k, and each block's expert.
+2. `_gate_up_silu_kernel`: per (block of block_m sorted slots, block_n intermediate
+   columns), gather x[slot // k], multiply by the block's expert's gate and up tiles (two
+   float32 accumulators), write silu(g) * u to act[slot] ([T * k, I], x's dtype).
+3. `_down_weighted_kernel`: out_slots[slot] = weights.flatten()[slot] * (act[slot] @
+   down[e].T) ([T * k, H], x's dtype); then a torch sum over the [T, k, H] view.
+
+The k reduction is a torch sum, not a fused float32 atomic add into [T, H]: the sum is
+deterministic (atomics add in whatever order the blocks finish, so the same request would
+not give bit-identical logits from run to run or batch to batch), needs no zeroed float32
+buffer nor a cast pass after it, and costs one read of T * k * H elements (k <= 8), small
+next to reading the experts' weights at decode sizes. On a GPU it is one extra kernel;
+whether an atomic epilogue wins at prefill sizes is a question for the benchmark.
+
+Numerics follow the reference's roundings in x's dtype: gate and up are rounded to x's
+dtype, silu rounded, the product rounded (as kernels/activation.py); the down product is
+accumulated in float32, scaled by the routing weight, rounded once. float32 inputs use
+full-precision dots (no TF32), so they match the reference closely.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Default tiles, keyed by the number of (token, k) slots. Not tuned on a GPU yet: the
+# small config keeps block_m at tl.dot's minimum (16) so that few padded rows are spent
+# when experts get a handful of tokens each (decode), the large one takes bigger tiles
+# for prefill. GPU tuning (per E, H, I, dtype; L2 grouping of blocks; split block sizes for
+# the two GEMMs) is still to do.
+SMALL_MAX_SLOTS = 1024
+DEFAULT_CONFIGS = {
+    "small": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "large": dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
+}
+
+
+def default_config(num_slots: int) -> dict:
+    """The default tiles for T * k = num_slots slots (a copy; callers may edit it)."""
+    return dict(DEFAULT_CONFIGS["small" if num_slots <= SMALL_MAX_SLOTS else "large"])
+
+
+# Two gaps of Triton's CPU interpreter (the tests) with bf16, numpy having no bf16: it
+# multiplies bf16 tiles as their raw uint16 bits, and it rounds float32 -> bf16 toward
+# zero (GPUs round to nearest even). There `_dot` widens both tiles to float32 first
+# (exact; the accumulation is float32 either way) and `_round` rounds to nearest even by
+# hand. Compiled kernels take the native dot and cast.
+_INTERPRET_ENV = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = tl.constexpr(_INTERPRET_ENV)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    if _INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _round(x, dt: tl.constexpr, RNE_BF16: tl.constexpr):
+    """float32 x -> dt. RNE_BF16 (interpreter, bf16 only): round the float32 bits to the
+    nearest even bf16 first, so that the interpreter's truncating cast is exact."""
+    if RNE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+def align_tokens(ids: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] expert ids -> (sorted_slots, block_expert, num_padded).
+
+    sorted_slots (int32, num_blocks * block_m): the flat slots t * k + j grouped by expert
+    (ascending expert, ascending slot within an expert), each group padded to a multiple of
+    block_m with the sentinel T * k; past the last group, sentinels only. block_expert
+    (int32, num_blocks): block b's expert, -1 for the unused blocks at the end.
+    num_padded (int64, 0-d, on ids' device): the used length of sorted_slots.
+
+    Sizes depend on shapes only: an expert's group wastes at most block_m - 1 slots and at
+    most min(E, T * k) experts are non-empty, so num_blocks = cdiv(T * k + min(E, T * k) *
+    (block_m - 1), block_m). No host sync (no .item(), no bincount, no nonzero)."""
+    assert ids.dim() == 2 and block_m > 0 and num_experts > 0
+    n = ids.numel()
+    device = ids.device
+    num_blocks = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m)
+    flat = ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    sorted_experts, order = torch.sort(flat, stable=True)          # slots grouped by expert
+    group_start = counts.cumsum(0) - counts                         # in the unpadded order
+    rank = torch.arange(n, device=device) - group_start[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    sorted_slots = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=device)
+    sorted_slots[dest] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)   # E past the end
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_slots, block_expert, padded_end[-1]
+
+
+@triton.jit
+def _gate_up_silu_kernel(X, W, Act, SortedSlots, BlockExpert, N, H, I,
+                         stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
+                         stride_as, stride_ai, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
+    """act[slot, n] = silu(gate[e] @ x[slot // k]) * (up[e] @ x[slot // k]) for the block's
+    slots and block_n columns n; gate rows are W[e, :I], up rows W[e, I:]."""
+    block = tl.program_id(0)
+    expert = tl.load(BlockExpert + block).to(tl.int64)
+    if expert < 0:
+        return
+    slots = tl.load(SortedSlots + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = slots < N                                      # the sentinel N pads groups
+    tokens = slots // TOP_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    g_ptrs = W + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        acc_g = _dot(x, wg, acc_g, PRECISION)
+        acc_u = _dot(x, wu, acc_u, PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    # The reference's roundings: gate, up, silu and the product each in the output dtype.
+    dt: tl.constexpr = Act.dtype.element_ty
+    g = _round(acc_g, dt, RNE_BF16).to(tl.float32)
+    u = _round(acc_u, dt, RNE_BF16).to(tl.float32)
+    silu = _round(g / (1.0 + tl.exp(-g)), dt, RNE_BF16).to(tl.float32)
+    dst = Act + slots[:, None] * stride_as + offs_n[None, :] * stride_ai
+    tl.store(dst, _round(silu * u, dt, RNE_BF16), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_weighted_kernel(Act, D, Weights, Out, SortedSlots, BlockExpert, N, H, I,
+                          stride_as, stride_ai, stride_de, stride_dh, stride_di,
+                          stride_os, stride_oh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                          RNE_BF16: tl.constexpr):
+    """out[slot, n] = weights[slot] * (act[slot] @ down[e, n]) for the block's slots and
+    block_n hidden columns n."""
+    block = tl.program_id(0)
+    expert = tl.load(BlockExpert + block).to(tl.int64)
+    if expert < 0:
+        return
+    slots = tl.load(SortedSlots + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = slots < N
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = Act + slots[:, None] * stride_as + offs_k[None, :] * stride_ai
+    d_ptrs = D + expert * stride_de + offs_n[None, :] * stride_dh + offs_k[:, None] * stride_di
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a, d, acc, PRECISION)
+        a_ptrs += BLOCK_K * stride_ai
+        d_ptrs += BLOCK_K * stride_di
+    w = tl.load(Weights + slots, mask=row_mask, other=0.0).to(tl.float32)
+    out = _round(acc * w[:, None], Out.dtype.element_ty, RNE_BF16)
+    dst = Out + slots[:, None] * stride_os + offs_n[None, :] * stride_oh
+    tl.store(dst, out, mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full-precision dot (no TF32), as torch's default fp32 matmul.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              weights: torch.Tensor, ids: torch.Tensor, *, block_m: int | None = None,
+              block_n: int | None = None, block_k: int | None = None,
+              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """moe_reference's result, [T, H] in x's dtype, spending only the selected experts'
+    FLOPs: x [T, H], gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I], weights
+    [T, k] routing weights, ids [T, k] expert ids (models.moe.route's outputs).
+
+    Tiles default to `default_config(T * k)` (decode-sized up to SMALL_MAX_SLOTS slots,
+    prefill-sized above; untuned on GPUs so far); any keyword given overrides its entry.
+    block_m, block_n, block_k must be powers of two >= 16 (tl.dot's minimum). Both GEMMs
+    share the tiles; block_n tiles I in the first, H in the second. No host sync, and the
+    launch grids depend on shapes only, so it can be captured in a CUDA graph."""
+    assert x.dim() == 2 and gate_up.dim() == 3 and down.dim() == 3
+    T, H = x.shape
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    assert gate_up.shape == (E, 2 * inter, H) and down.shape == (E, H, inter)
+    assert weights.shape == ids.shape and ids.shape[0] == T
+    assert gate_up.dtype == down.dtype == x.dtype
+    top_k = ids.shape[1]
+    n = T * top_k
+    cfg = default_config(n)
+    for key, value in dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                           num_warps=num_warps, num_stages=num_stages).items():
+        if value is not None:
+            cfg[key] = value
+    if n == 0:
+        return torch.zeros(T, H, dtype=x.dtype, device=x.device)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    sorted_slots, block_expert, _ = align_tokens(ids, E, bm)
+    num_blocks = block_expert.numel()
+    # Every real slot sits in exactly one block with an expert, so every row gets written.
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    out_slots = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    w_flat = weights.reshape(-1).contiguous()
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  PRECISION=_precision(x.dtype),
+                  RNE_BF16=_INTERPRET_ENV and x.dtype == torch.bfloat16)
+    _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn))](
+        x, gate_up, act, sorted_slots, block_expert, n, H, inter,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        act.stride(0), act.stride(1), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        **launch)
+    _down_weighted_kernel[(num_blocks, triton.cdiv(H, bn))](
+        act, down, w_flat, out_slots, sorted_slots, block_expert, n, H, inter,
+        act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        out_slots.stride(0), out_slots.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        **launch)
+    # The k reduction: deterministic torch sum (reduces in float32 for half types).
+    return out_slots.view(T, top_k, H).sum(dim=1)
