@@ -33,7 +33,7 @@ from services import engine_idle, named_children, start_null_worker, start_sched
 from worker_service.null_worker import expected_tokens
 
 pytestmark = pytest.mark.slow
-VOCAB, MAX_LEN = 1000, 1024
+VOCAB, MAX_LEN = 1000, 2048
 STREAMS = 240
 STEP_MS = 10
 KILLS = ["ns-engine-core"] * 3 + ["worker"] * 2 + ["ns-frontend-1"] * 2
@@ -52,7 +52,7 @@ class Run:
 
 async def one_stream(stubs, rng: random.Random, eos: int, run: Run) -> None:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 200))]
-    n = rng.randint(300, 600)
+    n = rng.randint(500, 900)
     want = expected_tokens(prompt, n, VOCAB, eos)
     req = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt),
