@@ -21,7 +21,6 @@ re-prefills: clients see a pause, not an error.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from array import array
@@ -32,7 +31,8 @@ from typing import Callable
 from nanoserve.v1 import worker_pb2
 from nanoserve.worker_group import GroupInfo, WorkerGroupError
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
-from scheduler_service.sequence import PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus
+from scheduler_service.sequence import (PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus,
+                                        sibling_options)
 from scheduler_service.worker_client import wait_for_group
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -110,9 +110,7 @@ class Engine:
         if sampling.n > 1:
             self._held[first] = [
                 Sequence(seq_id=seq_id + i, token_ids=prompt, arrival_time=arrival_time,
-                         sampling=dataclasses.replace(
-                    sampling, seed=None if sampling.seed is None
-                    else (sampling.seed + i) & 0xFFFFFFFFFFFFFFFF))
+                         sampling=sibling_options(sampling, i))
                 for i in range(1, sampling.n)]
         self.add(first)
 

@@ -18,7 +18,6 @@ token's noise from (seed, position), not from how many draws came before).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 from array import array
@@ -29,7 +28,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from scheduler_service import ipc
-from scheduler_service.sequence import SamplingOptions
+from scheduler_service.sequence import SamplingOptions, sibling_options
 from scheduler_service.turn_budget import TurnBudget
 
 log = logging.getLogger("nanoserve.frontend")
@@ -222,12 +221,9 @@ class EngineClient:
         for s in self.streams.values():
             if s.finish or s.error or s.prompt_ids is None:
                 continue
-            opts = s.sampling
+            opts = sibling_options(s.sampling, s.sibling)
             if s.generated and self._ended(s, opts):
                 continue
-            if opts.n > 1:
-                opts = dataclasses.replace(opts, n=1, seed=None if opts.seed is None
-                                           else (opts.seed + s.sibling) & 0xFFFFFFFFFFFFFFFF)
             self.sock.send(ipc.pack([ipc.ADD, s.seq_id, s.prompt_ids.tobytes(),
                                      ipc.pack_sampling(opts), s.generated.tobytes()]))
             resumed += 1

@@ -6,6 +6,7 @@ Pure Python: the scheduler service never imports torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -44,6 +45,13 @@ class SamplingOptions:
     def has_penalty(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def sibling_options(opts: SamplingOptions, i: int) -> SamplingOptions:
+    """Completion i of a request of opts.n as a sequence of its own: n = 1, seeded with
+    seed + i (the engine core's siblings, and a frontend resuming one after a restart)."""
+    return dataclasses.replace(opts, n=1, seed=None if opts.seed is None
+                               else (opts.seed + i) & 0xFFFFFFFFFFFFFFFF)
 
 
 @dataclass(eq=False)  # identity equality: two requests with the same tokens are still two
