@@ -176,10 +176,7 @@ class DistGroup:
                                 world_size=cfg.world_size, timeout=timeout)
         # Warm up: NCCL builds its communicators on the first collective; better here,
         # with a clear error, than inside the memory-profiling forward.
-        probe = torch.ones(1, device=device)
-        dist.all_reduce(probe)
-        if int(probe.item()) != cfg.world_size:
-            raise RuntimeError(f"all-reduce warm-up returned {probe.item()}, expected {cfg.world_size}")
+        all_ranks_meet(device, cfg.world_size, "all-reduce warm-up")
         self.tp = TPGroup(rank=cfg.rank, size=cfg.world_size)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         log.info("rank %d/%d joined %s over %s", cfg.rank, cfg.world_size, cfg.init_method,
@@ -230,6 +227,15 @@ class DistGroup:
             log.warning("destroy_process_group: %s", _first_line(e))
 
 
+def all_ranks_meet(device: torch.device, world_size: int, what: str) -> None:
+    """One all-reduce of ones over the default group: returns once every rank made the
+    same call, and checks that all world_size of them took part."""
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != world_size:
+        raise RuntimeError(f"{what} summed {probe.item()}, expected {world_size}")
+
+
 def group_broken(reason: str) -> NoReturn:
     """Exit now with EXIT_GROUP_BROKEN.
 
@@ -260,9 +266,7 @@ class TPModelRunner(ModelRunner):
         group on CPU (gloo, CI) exactly as it does under NCCL."""
         with _group_guard("Init", self.tp.rank):
             self._bind_device()
-            probe = self.tp.all_reduce(torch.ones(1, device=self.device))
-            if int(probe.item()) != self.tp.size:
-                raise RuntimeError(f"Init barrier summed {probe.item()}, expected {self.tp.size}")
+            all_ranks_meet(self.device, self.tp.size, "Init barrier")
             super().init_kv(num_blocks, block_size)
 
     def launch(self, req):
