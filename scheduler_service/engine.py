@@ -256,12 +256,15 @@ class Engine:
                 work.sampling.seed = s.seed or 0
                 work.sampling.logprobs = s.logprobs
                 work.sampling.top_logprobs = s.top_logprobs
+                p = seq.num_prompt_tokens
                 if s.has_penalty:   # the worker needs the whole history, cached part included
                     work.sampling.repetition_penalty = s.repetition_penalty
                     work.sampling.presence_penalty = s.presence_penalty
                     work.sampling.frequency_penalty = s.frequency_penalty
-                    p = seq.num_prompt_tokens
                     work.prompt_ids_i32 = array("i", seq.token_ids[:p]).tobytes()
+                if s.grammar:       # the grammar's state is rebuilt from the output so far
+                    work.sampling.grammar = s.grammar
+                if s.has_penalty or s.grammar:
                     work.output_ids_i32 = array("i", seq.token_ids[p:]).tobytes()
         req.token_ids_i32 = tokens.tobytes()
         return req

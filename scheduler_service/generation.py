@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 from nanoserve.v1 import generate_pb2
 from scheduler_service import metrics
+from scheduler_service.constraints import FormatError, grammar_from_proto
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.sequence import SamplingOptions
@@ -121,6 +122,11 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0)
+    if p.HasField("structured"):
+        try:
+            opts.grammar = grammar_from_proto(p.structured)
+        except FormatError as e:
+            raise invalid(str(e)) from None
     return check_sampling(opts, p.max_tokens if p.HasField("max_tokens") else None, prompt_len,
                           limits, list(p.stop))
 

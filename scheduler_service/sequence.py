@@ -40,6 +40,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0             # k most likely ids per step (0 = off)
+    grammar: str = ""                 # llguidance grammar the output must follow ("" = free)
 
     @property
     def has_penalty(self) -> bool:

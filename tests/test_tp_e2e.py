@@ -10,12 +10,14 @@ the group lets in-flight requests finish.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import random
 import signal
 import time
 
 import grpc
+import jsonschema
 import pytest
 import torch
 import transformers
@@ -115,6 +117,26 @@ def test_tp2_penalties_top_logprobs_and_n_match_tp1(stacks):
         assert [list(t.token_ids) for t in x.top_logprobs] == [list(t.token_ids) for t in y.top_logprobs]
         for t, u in zip(x.top_logprobs, y.top_logprobs):
             assert list(t.logprobs) == pytest.approx(list(u.logprobs), abs=1e-4)
+
+
+def test_tp2_constrained_sampling_matches_tp1(stacks):
+    """Only rank 0 keeps grammar state (it samples): seeded constrained completions under
+    TP=2 are the TP=1 ones, and match the schema."""
+    _, _, tp2, tp1 = stacks
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5},
+                                               "v": {"type": "array", "items": {"type": "integer"},
+                                                     "maxItems": 3}},
+              "required": ["k", "v"], "additionalProperties": False}
+    sampling = generate_pb2.SamplingParams(temperature=1.0, seed=4, max_tokens=120, n=3,
+                                           structured=generate_pb2.StructuredOutput(
+                                               json_schema=json.dumps(schema)))
+    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 9, 5, 9, 17]),
+                                       sampling=sampling, skip_special_tokens=True)
+    a, b = (s.stub.Complete(req, timeout=120) for s in (tp2, tp1))
+    assert [list(c.token_ids) for c in a.choices] == [list(c.token_ids) for c in b.choices]
+    for c in a.choices:
+        assert c.finish_reason == generate_pb2.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(c.text), schema)
 
 
 def test_tp2_kv_capacity_is_per_rank_minimum(stacks):

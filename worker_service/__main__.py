@@ -136,7 +136,7 @@ def serve_null(args: argparse.Namespace) -> int:
             limits["max_model_len"] = min(args.max_model_len, limits["max_model_len"])
         servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
-                                      **limits)
+                                      model_dir=args.model, **limits)
         server, port = await serve(servicer, args.host, args.port, args.secret, args.credentials)
         serve_metrics(args)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",

@@ -26,11 +26,13 @@ import torch
 
 from kernels.attention import AttentionMetadata, new_kv_cache, select_backend
 from kernels.backend_choice import AttentionShapes
+from kernels.grammar_mask import apply_token_bitmask_, apply_token_bitmask_ref
 from kernels.kv_quant import FP8_DTYPE
 from models.loader import config_dtype, load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.v1 import worker_pb2
+from worker_service.grammar import GrammarState, load_tokenizer
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
 from worker_service.step_plan import SeqTable, StepError, StepPlan
@@ -75,6 +77,23 @@ def _i32(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<i4")
 
 
+def _host_ids(pending: PendingStep):
+    """A getter of a launched step's sampled ids on the host (waits for their copy)."""
+    def ids() -> np.ndarray:
+        if pending.events:
+            pending.events[1].synchronize()
+        return pending.tokens.numpy()
+    return ids
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens of the constrained rows to -inf: the kernel on a GPU (in place on
+    this step's own copy of the logits), its torch reference elsewhere."""
+    if logits.device.type == "cuda":
+        return apply_token_bitmask_(logits, rows, masks)
+    return apply_token_bitmask_ref(logits, rows, masks)
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup = TPGroup()):
         self.config = config
@@ -117,6 +136,10 @@ class ModelRunner:
         self.block_size = 0
         self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
         self.penalties: PenaltyState | None = None   # rank 0 (it samples): penalized seqs
+        self.grammar: GrammarState | None = None     # rank 0: constrained seqs' matchers
+        # llguidance's tokenizer (~0.5 s to build for a 150k vocabulary): once, at start.
+        self.grammar_tokenizer = (load_tokenizer(config.model_dir, self.vocab_size, self.eos_token_id)
+                                  if tp.rank == 0 else None)
         self.graphs = None                  # DecodeGraphs, captured at init_kv on CUDA
         self.prefill_graphs = None          # PrefillGraphs, likewise (triton backend)
         # Samples of the last step that sampled (on device), for placeholder inputs.
@@ -205,6 +228,8 @@ class ModelRunner:
         self.block_size = block_size
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
+        self.grammar = (GrammarState(self.grammar_tokenizer, self.vocab_size, self.eos_token_id)
+                        if self.grammar_tokenizer is not None else None)
         if self.tp.rank == 0 and self.device.type == "cuda":
             compile_fused_sampling(self.vocab_size, self.dtype, self.device)
         self.last_sampled = None
@@ -261,6 +286,8 @@ class ModelRunner:
         plan = self.table.plan(req)
         if self.penalties is not None:
             self.penalties.update(req)
+        if self.grammar is not None:
+            self.grammar.update(req)
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         samples = self._forward_and_sample(plan, pending.events)
@@ -281,6 +308,8 @@ class ModelRunner:
                 pending.top_logprobs = to_host(samples.top_logprobs.float())
         if pending.events:
             pending.events[1].record()
+        if samples is not None and samples.constrained:   # their matchers take these ids next
+            self.grammar.sampled(samples.constrained, _host_ids(pending))
         return pending
 
     def finish(self, pending: PendingStep) -> worker_pb2.StepResponse:
@@ -311,11 +340,32 @@ class ModelRunner:
         batch = SamplingBatch.build(plan.sampling, plan.context_lens[sampling].tolist(),
                                     self.vocab_size, dev)
         pen = self.penalties.rows(plan.sampling_seq_ids, plan.sampling) if self.penalties else None
-        if pen is None:   # the usual case: nobody asked for a penalty
+        constrained = self.grammar.rows(plan.sampling_seq_ids) if self.grammar else []
+        if pen is None and not constrained:   # the usual case: nothing changes the logits
             return sample_step(logits, batch)
-        samples = sample_step(logits, batch, lambda x: self.penalties.apply(x, pen))
-        self.penalties.record(pen, samples.tokens)
+        masks = self._grammar_masks(constrained) if constrained else None
+
+        def adjust(x: torch.Tensor) -> torch.Tensor:
+            x = self.penalties.apply(x, pen) if pen is not None else x.clone()
+            return apply_token_bitmask(x, *masks) if masks is not None else x
+
+        samples = sample_step(logits, batch, adjust)
+        if pen is not None:
+            self.penalties.record(pen, samples.tokens)
+        samples.constrained = constrained
         return samples
+
+    def _grammar_masks(self, constrained: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, bitmasks) of the constrained sampling rows on the device. Runs while the
+        GPU computes this step's forward (already queued): first the matchers take the ids
+        of earlier steps (sampled before this forward began), then the masks are filled on
+        llguidance's threads into pinned memory and copied over asynchronously."""
+        self.grammar.catch_up()
+        cuda = self.device.type == "cuda"
+        host = torch.empty((len(constrained), self.grammar.words), dtype=torch.int32, pin_memory=cuda)
+        self.grammar.fill(constrained, host.numpy())
+        rows = np.array([i for i, _ in constrained], dtype=np.int64)
+        return to_device(rows, self.device), host.to(self.device, non_blocking=True)
 
     def _logits(self, plan: StepPlan, events=None) -> torch.Tensor | None:
         """The forward (every rank runs it) -> logits of the sampling rows, None if the step

@@ -14,6 +14,10 @@ completion depends only on its prompt's last token and length, never on batching
 preemption or restarts, so tests can predict every token (`expected_tokens`). The
 end-of-sequence id is never produced; use ignore_eos=False with a stop_token_ids to end
 early. Penalties are accepted and ignored; top_logprobs come back well-formed but made up.
+Grammars are followed for real when the model directory has a tokenizer.json (the same
+worker_service/grammar.py as the real worker): a constrained row takes the allowed id
+that the same hash picks, so the benchmark prices the masks' CPU and tests can check
+that every constrained output parses.
 
 No torch here: the benchmark and CI start it in a blink. grpc.aio rather than the
 blocking server: on a 2-core benchmark box the worker's own CPU competes with the
@@ -34,6 +38,7 @@ import numpy as np
 from nanoserve.security import OPEN_WORKER, AsyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.metrics import WorkerMetrics
+from worker_service.grammar import GrammarState, load_tokenizer
 from worker_service.step_plan import SeqTable, StepError
 
 log = logging.getLogger("nanoserve.worker")
@@ -70,7 +75,7 @@ class _Launched:
 
 class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, *, step_ms: float, vocab_size: int, max_model_len: int, eos_token_id: int,
-                 num_kv_blocks: int, model: str = "null"):
+                 num_kv_blocks: int, model: str = "null", model_dir: str | None = None):
         self.step_s = step_ms / 1e3
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -82,6 +87,9 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.device_free_at = 0.0   # when the emulated device finishes its last step
         self.steps = self.steps_overlapped = 0
         self.metrics = WorkerMetrics()
+        self.grammar_tokenizer = (load_tokenizer(model_dir, vocab_size, eos_token_id)
+                                  if model_dir else None)
+        self.grammar: GrammarState | None = None
 
     async def Info(self, request, context):
         block_size = request.block_size or 16
@@ -97,6 +105,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "num_kv_blocks and block_size must be > 0")
         self.table = SeqTable(request.num_kv_blocks, request.block_size, self.vocab_size,
                               self.max_model_len)
+        if self.grammar_tokenizer is not None:
+            self.grammar = GrammarState(self.grammar_tokenizer, self.vocab_size, self.eos_token_id)
         self.steps = self.steps_overlapped = 0
         self.metrics.initialized(request.num_kv_blocks, request.block_size)
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
@@ -139,6 +149,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             return grpc.StatusCode.INVALID_ARGUMENT, "Step before Init"
         try:
             plan = self.table.plan(req)
+            if self.grammar is not None:
+                self.grammar.update(req)
             tokens, want_logprobs = self._sample(plan)
         except StepError as e:
             return grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}"
@@ -165,10 +177,27 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             ids[plan.fill[0]] = self.last_sampled[plan.fill[1]]
         last = plan.last_token_index()
         tokens = next_tokens(ids[last], plan.positions[last] + 1, self.vocab_size, self.eos_token_id)
+        if self.grammar is not None:
+            self._constrain(plan, tokens)
         self.table.commit(plan)
         if len(tokens):
             self.last_sampled = tokens
         return tokens, plan.want_logprobs
+
+
+    def _constrain(self, plan, tokens: np.ndarray) -> None:
+        """Constrained rows: the allowed id at the place the free id's hash picks."""
+        rows = self.grammar.rows(plan.sampling_seq_ids)
+        if not rows:
+            return
+        masks = np.empty((len(rows), self.grammar.words), np.int32)
+        self.grammar.fill(rows, masks)
+        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        for j, (i, _) in enumerate(rows):
+            allowed = np.flatnonzero(bits[j])
+            tokens[i] = allowed[int(tokens[i]) % len(allowed)]
+        self.grammar.sampled(rows, lambda: tokens)
+        self.grammar.catch_up()
 
 
 async def serve(servicer: NullWorkerServicer, host: str, port: int, secret: str | None = None,

@@ -13,7 +13,7 @@ log-probabilities / top-K alternatives of the raw logits.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -125,6 +125,7 @@ class StepSamples:
     logprobs: torch.Tensor | None        # [N] float32: the sampled ids' log-probabilities
     top_ids: torch.Tensor | None = None  # [N, K] the K most likely ids, most likely first
     top_logprobs: torch.Tensor | None = None   # [N, K] float32
+    constrained: list = field(default_factory=list)   # (row, matcher): grammar rows
 
 
 def sample_step(logits: torch.Tensor, batch: SamplingBatch,

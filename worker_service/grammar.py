@@ -1,0 +1,126 @@
+"""Grammar state on the sampling rank: one llguidance matcher per constrained sequence.
+
+Why here (the README's architecture notes have the numbers): with two steps in flight the
+scheduler learns token N only after step N+1 has left, so masks built there would cost a
+constrained sequence a step per token. The sampling rank (TP rank 0) sees token N first:
+it launches step N+1's forward, then, while the GPU runs it, waits for step N's samples to
+reach pinned host memory (they were sampled before the forward began), advances each
+matcher by its token and fills step N+1's masks on llguidance's threads (it releases the
+GIL). The masks go to the GPU in one copy and one kernel applies them before sampling.
+A step without constrained rows does none of this.
+
+A sequence (re)sent in full carries its output so far (SeqWork.output_ids_i32): its
+matcher is rebuilt from the grammar and those ids, so the state survives preemption and
+a worker restart; ranks other than 0 keep no state. Compiled grammars are cached by text
+(a fresh matcher per sequence is a deep copy). numpy only: the null worker uses it too.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from nanoserve.v1 import worker_pb2
+
+log = logging.getLogger("nanoserve.worker")
+
+COMPILED_CACHE = 256   # grammars kept compiled
+
+
+def load_tokenizer(model_dir: str, vocab_size: int, eos_token_id: int) -> LLTokenizer | None:
+    """llguidance's view of the model's tokenizer.json (None where the model has none)."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+@dataclass
+class Awaiting:
+    """Samples of a launched step that matchers still have to consume."""
+    tokens: Callable[[], np.ndarray]          # waits for the step's ids on the host
+    rows: list[tuple[int, LLMatcher]]         # (sampling row, matcher) pairs
+
+
+class GrammarState:
+    def __init__(self, tokenizer: LLTokenizer, vocab_size: int, eos_token_id: int,
+                 threads: int | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.words = (vocab_size + 31) // 32   # int32 words per mask row
+        self.eos_only = np.zeros(self.words, np.int32)
+        self.eos_only.view(np.uint32)[eos_token_id // 32] = 1 << (eos_token_id % 32)
+        self.executor = LLExecutor(threads)
+        self.compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self.matchers: dict[int, LLMatcher] = {}   # seq_id -> matcher
+        self.awaiting: list[Awaiting] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def _fresh(self, grammar: str) -> LLMatcher:
+        m = self.compiled.get(grammar)
+        if m is None:
+            m = LLMatcher(self.tokenizer, grammar, log_level=0)
+            if m.is_error():
+                log.warning("grammar does not compile on the worker: %s", m.get_error())
+            self.compiled[grammar] = m
+            if len(self.compiled) > COMPILED_CACHE:
+                self.compiled.popitem(last=False)
+        else:
+            self.compiled.move_to_end(grammar)
+        return m.deep_copy()
+
+    def update(self, req: worker_pb2.StepRequest) -> None:
+        """Follow the step's drops and (re)sent sequences (after SeqTable.plan checked it)."""
+        if self.matchers:
+            for seq_id in req.drop_seq_ids:
+                self.matchers.pop(seq_id, None)
+        for w in req.seqs:
+            if not w.reset_block_table:
+                continue
+            self.matchers.pop(w.seq_id, None)
+            if w.sampling.grammar:
+                m = self._fresh(w.sampling.grammar)
+                output = np.frombuffer(w.output_ids_i32, "<i4").tolist()
+                if output:
+                    m.consume_tokens(output)
+                self.matchers[w.seq_id] = m
+
+    def rows(self, sampling_seq_ids: list[int]) -> list[tuple[int, LLMatcher]]:
+        """(sampling row, matcher) of the step's constrained rows."""
+        if not self.matchers:
+            return []
+        get = self.matchers.get
+        return [(i, m) for i, s in enumerate(sampling_seq_ids) if (m := get(s)) is not None]
+
+    def catch_up(self) -> None:
+        """Advance every matcher by the ids its earlier steps sampled (waits for them)."""
+        for a in self.awaiting:
+            tokens = a.tokens()
+            for i, m in a.rows:
+                m.consume_token(int(tokens[i]))
+        self.awaiting.clear()
+
+    def fill(self, rows: list[tuple[int, LLMatcher]], out: np.ndarray) -> None:
+        """Masks of `rows` into out [len(rows), words] int32, in parallel. A matcher in an
+        error state (it cannot be, unless its grammar failed on the worker) allows only the
+        end-of-sequence token, so the sequence ends instead of producing garbage."""
+        self.executor.unsafe_compute_mask_ptr([(m, j) for j, (_, m) in enumerate(rows)],
+                                              out.ctypes.data, self.words * 4, len(rows))
+        for j, (_, m) in enumerate(rows):
+            if m.is_error():
+                out[j] = self.eos_only
+
+    def sampled(self, rows: list[tuple[int, LLMatcher]], tokens: Callable[[], np.ndarray]) -> None:
+        """The step that masked `rows` is launched; `tokens()` will give its sampled ids."""
+        self.awaiting.append(Awaiting(tokens, rows))
