@@ -161,11 +161,13 @@ class Generation:
             raise invalid(f"token id {bad[0]} out of vocabulary (size {self.limits.vocab_size})")
         return self._checked(list(ids))
 
-    def prompt_from_chat(self, messages: list[dict]) -> list[int]:
+    def prompt_from_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """template_kwargs: what the chat template reads besides messages (tools,
+        enable_thinking, ...)."""
         if not messages:
             raise invalid("chat has no messages")
         try:
-            ids = self.tokenizer.encode_chat(messages)
+            ids = self.tokenizer.encode_chat(messages, **template_kwargs)
         except Exception as e:  # template errors are the caller's input
             raise invalid(f"chat template failed: {e}") from e
         return self._checked(ids)

@@ -6,7 +6,10 @@ SamplingParams, checked by the very code the gRPC API uses (`sampling_from_proto
 both protocols accept and refuse the same things. `RequestError`s keep their gRPC status
 name and are mapped to HTTP statuses in OpenAI's error shape. Streams are Server-Sent
 Events; a client that goes away cancels its handler (aiohttp handler_cancellation), which
-aborts the request in the engine core and frees its KV blocks.
+aborts the request in the engine core and frees its KV blocks. Output formats and tools
+come in through openai_structured.py; chat answers are split into reasoning_content,
+content and tool_calls by chat_output.py (reasoning where the model's chat template
+writes `<think>`, as Qwen3's does).
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from nanoserve.v1 import generate_pb2
+from scheduler_service.chat_output import (ChatOutputParser, Content, Reasoning, ToolCallArguments,
+                                           ToolCallStart, parse_chat_output)
 from scheduler_service.generation import (Delta, Generation, RequestError, invalid,
                                           sampling_from_proto)
+from scheduler_service.openai_structured import structured_output, tool_setup
 
 log = logging.getLogger("nanoserve.http")
 
@@ -71,6 +77,9 @@ class Request:
     logprobs: bool
     top_logprobs: int
     skip_special_tokens: bool
+    reasoning: bool = False      # chat: split <think>...</think> into reasoning_content
+    in_reasoning: bool = False   # chat: the prompt opened <think> (the answer starts inside)
+    tool_calls: bool = False     # chat: parse <tool_call> blocks into tool_calls
 
 
 def _field(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -142,6 +151,8 @@ def chat_messages(body: dict) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("each message needs a 'role' and 'content'")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise invalid("message 'tool_calls' must be a list")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
@@ -149,7 +160,9 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(str(c.get("text", "")) for c in content)
         elif content is not None and not isinstance(content, str):
             raise invalid("message 'content' must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content or ""})
+        # Assistant tool calls and tool results go to the template as OpenAI writes them.
+        out.append({"role": m["role"], "content": content or "",
+                    **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}})
     return out
 
 
@@ -239,14 +252,25 @@ class OpenAIApi:
         if not isinstance(body, dict):
             raise invalid("the body must be a JSON object")
         self._check_model(body.get("model"))
-        for name in ("tools", "functions", "logit_bias", "suffix"):   # refused, not ignored
+        for name in ("functions", "logit_bias", "suffix"):   # refused, not ignored
             if body.get(name):
                 raise invalid(f"'{name}' is not supported")
-        fmt = body.get("response_format")
-        if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise invalid("only response_format {'type': 'text'} is supported")
+        structured = structured_output(body)
+        tools = tool_setup(body) if chat else None
+        if tools and tools.structured is not None:
+            if structured is not None:
+                raise invalid("tool_choice 'required' or a named function comes with its own "
+                              "format: drop response_format")
+            structured = tools.structured
+        reasoning = in_reasoning = False
         if chat:
-            prompts = [self.gen.prompt_from_chat(chat_messages(body))]
+            kwargs = _field(body, "chat_template_kwargs", (dict,), {})
+            if tools.tools is not None:
+                kwargs = {**kwargs, "tools": tools.tools}
+            prompts = [self.gen.prompt_from_chat(chat_messages(body), **kwargs)]
+            template = self.gen.tokenizer.chat_template or ""
+            reasoning = "</think>" in template
+            in_reasoning = reasoning and self.gen.tokenizer.decode(prompts[0][-4:]).rstrip().endswith("<think>")
         else:
             if _field(body, "echo", (bool,), False):
                 raise invalid("'echo' is not supported")
@@ -257,12 +281,15 @@ class OpenAIApi:
             sampling, logprobs, k = sampling_params(body, chat)
         except (TypeError, ValueError) as e:   # a value protobuf cannot hold
             raise invalid(f"bad sampling value: {e}") from None
+        if structured is not None:
+            sampling.structured.CopyFrom(structured)
         for ids in prompts:   # the shared checks, for every prompt before any starts
             sampling_from_proto(sampling, len(ids), self.gen.limits)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
         return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
-                       logprobs, k, _field(body, "skip_special_tokens", (bool,), True))
+                       logprobs, k, _field(body, "skip_special_tokens", (bool,), True),
+                       reasoning, in_reasoning, bool(tools and tools.parse))
 
     async def _choices(self, req: Request) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) of every completion, interleaved as they come: choice
@@ -387,6 +414,11 @@ class Output:
         self.offsets = [0] * count          # completions' text_offset
         self.finish: list[str | None] = [None] * count
         self.usages = {}
+        # Chat answers with reasoning or tools: one parser per choice (streams).
+        self.split = chat and (req.reasoning or req.tool_calls)
+        self.parsers = [ChatOutputParser(req.reasoning, req.tool_calls, req.in_reasoning)
+                        for _ in range(count)] if self.split else []
+        self.called = [False] * count   # the choice made a tool call (finish_reason tool_calls)
 
     # ---- shared pieces ----
 
@@ -453,8 +485,18 @@ class Output:
             if self.req.logprobs:
                 lp = (self._chat_logprobs if self.chat else self._completion_logprobs)(self.logprobs[i])
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": self.finish[i]})
+                message, finish = {"role": "assistant", "content": text}, self.finish[i]
+                if self.split:
+                    parsed = parse_chat_output(text, self.req.reasoning, self.req.tool_calls,
+                                               self.req.in_reasoning)
+                    message["content"] = parsed.content
+                    if self.req.reasoning:
+                        message["reasoning_content"] = parsed.reasoning_content
+                    if parsed.tool_calls:
+                        message["tool_calls"] = parsed.tool_calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp,
                                 "finish_reason": self.finish[i]})
@@ -487,12 +529,42 @@ class Output:
         if entries is not None:
             lp = (self._chat_logprobs if self.chat else self._completion_logprobs)(entries)
         if self.chat:
-            choice = {"index": index, "delta": {"content": delta.text} if delta.text else {},
-                      "logprobs": lp, "finish_reason": delta.finish_reason}
+            finish = delta.finish_reason
+            if self.split:
+                parser = self.parsers[index]
+                events = parser.feed(delta.text) + (parser.finish() if finish is not None else [])
+                body = self._split_delta(index, events)
+                if self.called[index] and finish == "stop":
+                    finish = "tool_calls"
+                if not body and finish is None and not entries:
+                    return None
+            else:
+                body = {"content": delta.text} if delta.text else {}
+            choice = {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": delta.text, "logprobs": lp,
                       "finish_reason": delta.finish_reason}
         return self._envelope([choice])
+
+    def _split_delta(self, index: int, events: list) -> dict:
+        """A chat delta from parser events: reasoning_content / content text, and tool
+        calls as OpenAI streams them (id, type and name first, then argument text)."""
+        body: dict = {}
+        calls: list[dict] = []
+        for e in events:
+            if isinstance(e, Reasoning):
+                body["reasoning_content"] = body.get("reasoning_content", "") + e.text
+            elif isinstance(e, Content):
+                body["content"] = body.get("content", "") + e.text
+            elif isinstance(e, ToolCallStart):
+                self.called[index] = True
+                calls.append({"index": e.index, "id": e.id, "type": "function",
+                              "function": {"name": e.name, "arguments": ""}})
+            elif isinstance(e, ToolCallArguments):
+                calls.append({"index": e.index, "function": {"arguments": e.text}})
+        if calls:
+            body["tool_calls"] = calls
+        return body
 
     def usage_chunk(self) -> dict:
         return self._envelope([], self._usage())

@@ -16,7 +16,7 @@ Results match transformers `tokenizer(text)["input_ids"]`, `tokenizer.decode(ids
 `tokenizer.apply_chat_template(messages, tokenize=False)` for tokenizer.json-backed
 tokenizers (tests/test_tokenizer.py checks this). Not reproduced: transformers'
 `clean_up_tokenization_spaces` (it skips it for BPE models anyway, and it is meant for
-WordPiece), multi-template dicts other than "default", tools/documents in templates.
+WordPiece), multi-template dicts other than "default", documents in templates.
 """
 
 from __future__ import annotations
@@ -245,8 +245,8 @@ class Tokenizer:
             raise ValueError(f"chat template error: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of a rendered chat. The template writes bos itself, so no special tokens
         are added (as transformers `apply_chat_template(tokenize=True)`)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
                            add_special_tokens=False)

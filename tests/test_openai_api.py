@@ -222,10 +222,17 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
         assert e.value.body["code"] == "invalid_argument" and e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=[])
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as e:   # refused, not silently ignored
-        client.chat.completions.create(model=model, messages=CHAT, tools=[tool])
-    assert "tools" in e.value.body["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    for kw, fragment in [(dict(tools=[tool], tool_choice="required"), "nope"),
+                         (dict(tools=[tool], tool_choice={"type": "function",
+                                                          "function": {"name": "g"}}), "'g'"),
+                         (dict(tool_choice="required"), "tools"),
+                         (dict(response_format={"type": "xml"}), "xml"),
+                         (dict(extra_body={"guided_regex": "[a-", "guided_choice": ["a"]}), "one"),
+                         (dict(extra_body={"guided_regex": "[a-"}), "regex")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=CHAT, **kw)
+        assert fragment in e.value.body["message"], kw
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
     assert "gpt-4" in e.value.body["message"]
