@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep generating past the end-of-sequence token")
     samp.add_argument("--skip-special-tokens", action="store_true",
                       help="leave special tokens out of the text")
+    fmt = gen.add_argument_group("output format (at most one; the output is constrained to it)")
+    fmt.add_argument("--json-schema", metavar="FILE", help="a JSON Schema file")
+    fmt.add_argument("--json-object", action="store_true", help="any JSON object")
+    fmt.add_argument("--regex", metavar="RE", help="a regex the whole output matches")
+    fmt.add_argument("--grammar", metavar="FILE", help="a Lark or GBNF grammar file")
+    fmt.add_argument("--choice", action="append", metavar="S",
+                     help="one of these strings (repeatable)")
     out = gen.add_argument_group("output")
     out.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                      help="print text as it is generated (default), or all at once")
@@ -125,11 +132,20 @@ def _prompt(args: argparse.Namespace) -> Any:
     return text
 
 
+def _read(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                           stop=args.stop, stop_token_ids=args.stop_token_id,
-                          ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                          ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                          json_schema=_read(args.json_schema), json_object=args.json_object,
+                          regex=args.regex, grammar=_read(args.grammar), choice=args.choice)
 
 
 def cmd_generate(client: Client, args: argparse.Namespace) -> int:
@@ -189,7 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:   # its own flags (client/bench.py)
         from client.bench import main as bench_main
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    formats = [f for f in ("json_schema", "json_object", "regex", "grammar", "choice")
+               if getattr(args, f, None)]
+    if len(formats) > 1:
+        parser.error(f"give one output format, not {' and '.join(formats)}")
     try:
         with Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls,
                     tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:

@@ -75,12 +75,22 @@ class WorkloadConfig:
     temperature: float = 0.6
     seed: int = 0
     request_rate: float = 0.0   # requests/s with Poisson arrivals; 0 = offline (all at once)
+    json_schema: str | None = None    # constrain requests to this JSON Schema (its text)
+    constrained_fraction: float = 1.0  # of the requests, spread evenly
 
 
 @dataclass
 class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int             # already capped by the context left (what the server would do)
+    json_schema: str | None = None   # the output format, if this request is constrained
+
+
+def _read_text(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def make_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int) -> list[BenchRequest]:
@@ -99,6 +109,11 @@ def make_workload(cfg: WorkloadConfig, vocab_size: int, max_model_len: int) -> l
                              f"{max_model_len}-token context")
         ids = [t if t < vocab_size else t % vocab_size for t in ids]
         out.append(BenchRequest(ids, min(n, max_model_len - len(ids))))
+    if cfg.json_schema:   # request i is constrained when i * fraction crosses an integer
+        f = cfg.constrained_fraction
+        for i, r in enumerate(out):
+            if int((i + 1) * f) > int(i * f):
+                r.json_schema = cfg.json_schema
     return out
 
 
@@ -390,7 +405,8 @@ async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trac
     delay = start_at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
-    params = SamplingParams(temperature=temperature, max_tokens=req.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=req.max_tokens, ignore_eos=True,
+                            json_schema=req.json_schema)
     trace.submit = time.perf_counter()
     try:
         async for chunk in client.generate(req.prompt_ids, params):
@@ -660,6 +676,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
     # Imported here: the gRPC mode must not pay for (or need) torch.
     from scheduler_service.engine import Engine
     from scheduler_service.scheduler import SchedulerConfig
+    from scheduler_service.constraints import grammar_for
     from scheduler_service.sequence import SamplingOptions
     from scheduler_service.sequence import Sequence as EngineSequence
     from worker_service.local_group import LocalWorkerGroup
@@ -699,7 +716,9 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
                    progress: Progress | None) -> list[Trace]:
         """Submit at the given offsets (redrawing the bar meanwhile), wait for all."""
         seqs = [EngineSequence(next(seq_ids), r.prompt_ids, SamplingOptions(
-            temperature=wcfg.temperature, max_tokens=r.max_tokens, ignore_eos=True)) for r in reqs]
+            temperature=wcfg.temperature, max_tokens=r.max_tokens, ignore_eos=True,
+            grammar=grammar_for("json_schema", r.json_schema) if r.json_schema else ""))
+            for r in reqs]
         traces = {s.seq_id: Trace() for s in seqs}
         collector.expect(traces, progress)
         draw = progress.draw if progress is not None else (lambda: None)
@@ -795,6 +814,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--request-rate", type=float, default=0.0, metavar="R",
                    help="online mode: Poisson arrivals at R requests/s (0 = offline: all at once)")
+    w.add_argument("--json-schema", metavar="FILE",
+                   help="constrain requests to this JSON Schema (structured output); with "
+                        "ignore_eos, pick one that does not end early (client/bench_schema.json: "
+                        "an array of strings) so lengths match the free run")
+    w.add_argument("--constrained-fraction", type=float, default=1.0, metavar="F",
+                   help="with --json-schema: the fraction of requests constrained (spread evenly)")
     w.add_argument("--runs", type=int, default=1, metavar="N",
                    help="measured runs of the workload (one warm-up before them); the report "
                         "gives each and min / median / max")
@@ -902,7 +927,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
                           max_input_len=args.max_input_len, min_output_len=args.min_output_len,
                           max_output_len=args.max_output_len, temperature=args.temperature,
-                          seed=args.seed, request_rate=args.request_rate)
+                          seed=args.seed, request_rate=args.request_rate,
+                          json_schema=_read_text(args.json_schema),
+                          constrained_fraction=args.constrained_fraction)
     run: Callable = (run_in_process if args.in_process else run_null if args.null_worker
                      else run_grpc)
     outcomes, workload = run(args, wcfg)

@@ -121,6 +121,29 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     top_logprobs: int | None = None       # alternatives per token (needs logprobs)
+    # Output format (at most one): a JSON Schema (dict or JSON text), any JSON object, a
+    # regex the whole output matches, a Lark / GBNF grammar, or one of a list of strings.
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def structured(self) -> generate_pb2.StructuredOutput | None:
+        given = {name: value for name, value in (
+            ("json_schema", self.json_schema), ("json_object", self.json_object or None),
+            ("regex", self.regex), ("grammar", self.grammar), ("choice", self.choice))
+            if value is not None}
+        if len(given) > 1:
+            raise ValueError(f"give one output format, not {' and '.join(given)}")
+        if not given:
+            return None
+        (name, value), = given.items()
+        if name == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)
+        if name == "choice":
+            value = generate_pb2.Choices(values=list(value))
+        return generate_pb2.StructuredOutput(**{name: value})
 
     def to_proto(self) -> generate_pb2.SamplingParams:
         msg = generate_pb2.SamplingParams(stop=list(self.stop),
@@ -132,6 +155,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:  # proto3 `optional`: unset means "server default"
                 setattr(msg, name, value)
+        structured = self.structured()
+        if structured is not None:
+            msg.structured.CopyFrom(structured)
         return msg
 
 

@@ -236,6 +236,33 @@ def test_bench_in_process(model_dir, tmp_path):
     assert report["results"]["decode"]["gpu_timed"] is False
 
 
+@pytest.mark.slow
+def test_bench_constrained_in_process_and_null_worker(model_dir, tmp_path):
+    """--json-schema: half the requests constrained, through the real runner's masks and
+    through the null worker's; lengths are those of the free run (the schema never ends)."""
+    schema = ["--json-schema", str(ROOT / "client" / "bench_schema.json"),
+              "--constrained-fraction", "0.5"]
+    report = run_bench(["--in-process", "--model", str(model_dir), "--device", "cpu",
+                        "--block-size", "8", "--kv-cache-gb", "0.05", *TINY, *schema],
+                       tmp_path / "ip.json", env={"OMP_NUM_THREADS": "1"})
+    check_report(report, "in-process")
+    assert report["workload"]["json_schema"] and report["workload"]["constrained_fraction"] == 0.5
+    report = run_bench(["--null-worker", "--step-ms", "0", "--num-seqs", "32", "--warmup", "0",
+                        "--min-input-len", "20", "--max-input-len", "40", "--min-output-len",
+                        "20", "--max-output-len", "60", *schema], tmp_path / "n.json",
+                       check_no_torch=True)
+    run = report["runs"][0]
+    assert run["failed"] == 0 and run["output_tokens"] == run["expected_output_tokens"]
+
+
+def test_constrained_fraction_spreads_evenly():
+    cfg = WorkloadConfig(num_seqs=10, min_input_len=5, max_input_len=6, min_output_len=5,
+                         max_output_len=6, json_schema='{"type": "array"}', constrained_fraction=0.3)
+    marked = [r.json_schema is not None for r in make_workload(cfg, VOCAB, MAX_POS)]
+    assert sum(marked) == 3 and marked == [False, False, False, True, False, False, True,
+                                           False, False, True]
+
+
 # ---- pure helpers -----------------------------------------------------------------
 
 def test_reference_workload_matches_nano_vllm():

@@ -192,9 +192,11 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             return
         masks = np.empty((len(rows), self.grammar.words), np.int32)
         self.grammar.fill(rows, masks)
-        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
         for j, (i, _) in enumerate(rows):
-            allowed = np.flatnonzero(bits[j])
+            words = np.flatnonzero(masks[j])   # only the words with allowed ids: cheap
+            bits = np.unpackbits(masks[j, words].view(np.uint8), bitorder="little").reshape(-1, 32)
+            w, b = np.nonzero(bits)
+            allowed = words[w] * 32 + b
             tokens[i] = allowed[int(tokens[i]) % len(allowed)]
         self.grammar.sampled(rows, lambda: tokens)
         self.grammar.catch_up()
