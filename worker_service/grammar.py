@@ -13,6 +13,13 @@ A sequence (re)sent in full carries its output so far (SeqWork.output_ids_i32): 
 matcher is rebuilt from the grammar and those ids, so the state survives preemption and
 a worker restart; ranks other than 0 keep no state. Compiled grammars are cached by text
 (a fresh matcher per sequence is a deep copy). numpy only: the null worker uses it too.
+
+Deep copies of one compiled matcher share its lazily built lexer behind one lock, so
+llguidance fills their masks one after another however many threads it has (measured:
+128 masks took as long on 2 threads as on 1; from 2 compiled roots, half as long). A
+grammar is therefore compiled once per mask thread, lazily (one more root per new
+sequence until there are as many as threads), sequences are dealt over the roots, and a
+step's masks are handed to the threads grouped by root.
 """
 from __future__ import annotations
 
@@ -33,6 +40,11 @@ log = logging.getLogger("nanoserve.worker")
 COMPILED_CACHE = 256   # grammars kept compiled
 
 
+def mask_threads() -> int:
+    """llguidance's own default: 80% of the CPUs, at most 32."""
+    return max(1, min(32, int(0.8 * (os.cpu_count() or 1))))
+
+
 def load_tokenizer(model_dir: str, vocab_size: int, eos_token_id: int) -> LLTokenizer | None:
     """llguidance's view of the model's tokenizer.json (None where the model has none)."""
     path = os.path.join(model_dir, "tokenizer.json")
@@ -47,7 +59,14 @@ def load_tokenizer(model_dir: str, vocab_size: int, eos_token_id: int) -> LLToke
 class Awaiting:
     """Samples of a launched step that matchers still have to consume."""
     tokens: Callable[[], np.ndarray]          # waits for the step's ids on the host
-    rows: list[tuple[int, LLMatcher]]         # (sampling row, matcher) pairs
+    rows: list[tuple[int, "Matcher"]]         # (sampling row, matcher) pairs
+
+
+@dataclass(eq=False)
+class Matcher:
+    """One sequence's matcher and which compiled root it was copied from."""
+    m: LLMatcher
+    root: int
 
 
 class GrammarState:
@@ -59,26 +78,28 @@ class GrammarState:
         self.words = (vocab_size + 31) // 32   # int32 words per mask row
         self.eos_only = np.zeros(self.words, np.int32)
         self.eos_only.view(np.uint32)[eos_token_id // 32] = 1 << (eos_token_id % 32)
-        self.executor = LLExecutor(threads)
-        self.compiled: OrderedDict[str, LLMatcher] = OrderedDict()
-        self.matchers: dict[int, LLMatcher] = {}   # seq_id -> matcher
+        self.threads = threads or mask_threads()
+        self.executor = LLExecutor(self.threads)
+        # grammar -> (its compiled roots, sequences started from it so far)
+        self.compiled: OrderedDict[str, tuple[list[LLMatcher], int]] = OrderedDict()
+        self.matchers: dict[int, Matcher] = {}   # seq_id -> matcher
         self.awaiting: list[Awaiting] = []
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
-    def _fresh(self, grammar: str) -> LLMatcher:
-        m = self.compiled.get(grammar)
-        if m is None:
-            m = LLMatcher(self.tokenizer, grammar, log_level=0)
-            if m.is_error():
-                log.warning("grammar does not compile on the worker: %s", m.get_error())
-            self.compiled[grammar] = m
-            if len(self.compiled) > COMPILED_CACHE:
-                self.compiled.popitem(last=False)
-        else:
-            self.compiled.move_to_end(grammar)
-        return m.deep_copy()
+    def _fresh(self, grammar: str) -> Matcher:
+        roots, started = self.compiled.pop(grammar, ([], 0))
+        j = started % self.threads
+        if j == len(roots):   # another root, until there is one per thread
+            root = LLMatcher(self.tokenizer, grammar, log_level=0)
+            if root.is_error():
+                log.warning("grammar does not compile on the worker: %s", root.get_error())
+            roots.append(root)
+        self.compiled[grammar] = (roots, started + 1)   # most recently used last
+        if len(self.compiled) > COMPILED_CACHE:
+            self.compiled.popitem(last=False)
+        return Matcher(roots[j].deep_copy(), j)
 
     def update(self, req: worker_pb2.StepRequest) -> None:
         """Follow the step's drops and (re)sent sequences (after SeqTable.plan checked it)."""
@@ -93,10 +114,10 @@ class GrammarState:
                 m = self._fresh(w.sampling.grammar)
                 output = np.frombuffer(w.output_ids_i32, "<i4").tolist()
                 if output:
-                    m.consume_tokens(output)
+                    m.m.consume_tokens(output)
                 self.matchers[w.seq_id] = m
 
-    def rows(self, sampling_seq_ids: list[int]) -> list[tuple[int, LLMatcher]]:
+    def rows(self, sampling_seq_ids: list[int]) -> list[tuple[int, Matcher]]:
         """(sampling row, matcher) of the step's constrained rows."""
         if not self.matchers:
             return []
@@ -106,21 +127,22 @@ class GrammarState:
     def catch_up(self) -> None:
         """Advance every matcher by the ids its earlier steps sampled (waits for them)."""
         for a in self.awaiting:
-            tokens = a.tokens()
-            for i, m in a.rows:
-                m.consume_token(int(tokens[i]))
+            tokens = a.tokens().tolist()
+            self.executor.consume_token_par([(m.m, tokens[i]) for i, m in
+                                             sorted(a.rows, key=lambda r: r[1].root)])
         self.awaiting.clear()
 
-    def fill(self, rows: list[tuple[int, LLMatcher]], out: np.ndarray) -> None:
-        """Masks of `rows` into out [len(rows), words] int32, in parallel. A matcher in an
-        error state (it cannot be, unless its grammar failed on the worker) allows only the
-        end-of-sequence token, so the sequence ends instead of producing garbage."""
-        self.executor.unsafe_compute_mask_ptr([(m, j) for j, (_, m) in enumerate(rows)],
-                                              out.ctypes.data, self.words * 4, len(rows))
+    def fill(self, rows: list[tuple[int, Matcher]], out: np.ndarray) -> None:
+        """Masks of `rows` into out [len(rows), words] int32, in parallel (grouped by root,
+        see the module docstring). A matcher in an error state (it cannot be, unless its
+        grammar failed on the worker) allows only the end-of-sequence token, so the
+        sequence ends instead of producing garbage."""
+        work = sorted(((m.m, j) for j, (_, m) in enumerate(rows)), key=lambda t: rows[t[1]][1].root)
+        self.executor.unsafe_compute_mask_ptr(work, out.ctypes.data, self.words * 4, len(rows))
         for j, (_, m) in enumerate(rows):
-            if m.is_error():
+            if m.m.is_error():
                 out[j] = self.eos_only
 
-    def sampled(self, rows: list[tuple[int, LLMatcher]], tokens: Callable[[], np.ndarray]) -> None:
+    def sampled(self, rows: list[tuple[int, Matcher]], tokens: Callable[[], np.ndarray]) -> None:
         """The step that masked `rows` is launched; `tokens()` will give its sampled ids."""
         self.awaiting.append(Awaiting(tokens, rows))

@@ -26,6 +26,10 @@
 #            find-links, no index: these hosts have no internet); a client streams an answer
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
+#   structured nano-vllm's workload with every request JSON-schema constrained (client/bench_schema.json)
+#            against free, alternating x ST_RUNS (3) on one server, half constrained once, then
+#            tests/gpu/structured_check.py (validity, TTFT new/cached schema); the checkpoint
+#            gets Qwen3's real 151k-token tokenizer from .device/qwen-tokenizer (carry it)
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
 #   flash    build + install the trimmed flash-attn wheel (FLASH_ATTN_ARGS, FLASH_ATTN_TIMEOUT s),
 #            then its --smoke check; put it first so kernels/bench see it
@@ -118,6 +122,30 @@ for w in ${*:-kernels model bench}; do
       python3 -m client generate "The capital of France is" --max-tokens 24 2>&1 | tee "$OUT/serve_answer.txt" || rc=1
       grep -q "listening on .* (cuda:0, bfloat16" "$OUT/serve.log" || { echo "FAIL: no CUDA bf16 worker"; rc=1; }
       pkill -TERM -f scheduler_service.launch; sleep 5; tail -n 5 "$OUT/serve.log" ;;
+    structured)   # JSON-schema constrained against free, one server (Qwen's real vocabulary)
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      S=/tmp/qwen3-0.6b-qwen-vocab; rm -rf "$S"; mkdir -p "$S"
+      ln -s "$NANOSERVE_QWEN06B"/*.safetensors "$S"/
+      cp .device/qwen-tokenizer/* "$S"/   # Qwen3's tokenizer (build: tests/gpu/README.md)
+      python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['eos_token_id']=151645; json.dump(c,open(sys.argv[2],'w'))" \
+        "$NANOSERVE_QWEN06B/config.json" "$S/config.json"
+      python3 -m worker_service --model "$S" --port 50061 --max-model-len 4096 --log-level WARNING \
+        > "$OUT/st_worker.log" 2>&1 &
+      python3 -m scheduler_service --model "$S" --workers 127.0.0.1:50061 --port 50051 \
+        --max-model-len 4096 --log-level WARNING > "$OUT/st_scheduler.log" 2>&1 &
+      for i in $(seq 300); do grep -q listening "$OUT/st_scheduler.log" && break; sleep 1; done
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051 --client-procs 4)
+      for r in $(seq "${ST_RUNS:-3}"); do   # alternate, so drift hits both alike
+        "${B[@]}" --json "$OUT/st_free_$r.json" 2>>"$OUT/st_bench.err" | tail -n 12 > "$OUT/st_free_$r.txt" || rc=1
+        "${B[@]}" --json-schema client/bench_schema.json --json "$OUT/st_json_$r.json" \
+          2>>"$OUT/st_bench.err" | tail -n 12 > "$OUT/st_json_$r.txt" || rc=1
+      done
+      "${B[@]}" --json-schema client/bench_schema.json --constrained-fraction 0.5 \
+        --json "$OUT/st_half.json" 2>>"$OUT/st_bench.err" | tail -n 12 > "$OUT/st_half.txt" || rc=1
+      python3 tests/gpu/structured_check.py --target 127.0.0.1:50051 | tee "$OUT/structured.md" || rc=1
+      kill %2 %1 2>/dev/null; wait
+      tail -n 3 "$OUT"/st_*.log "$OUT"/st_bench.err
+      grep -H "output tok/s\|GPU idle" "$OUT"/st_*.txt ;;
     peer)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;
