@@ -209,7 +209,8 @@ async def serve(cfg: FrontendConfig, ready) -> None:
     info = await engine.start()
     limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
-                    default_max_tokens=cfg.default_max_tokens)
+                    default_max_tokens=cfg.default_max_tokens,
+                    structured_output=bool(info.get("structured_output")))
     gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
     service = GenerationService(gen, name)

@@ -51,6 +51,7 @@ class Limits:
     vocab_size: int
     max_kv_tokens: int           # a prompt must fit the whole KV cache
     default_max_tokens: int = 256
+    structured_output: bool = True   # the workers follow grammars
     max_stop_strings: int = 16
 
 
@@ -122,7 +123,11 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0)
-    if p.HasField("structured"):
+    if p.HasField("structured") and p.structured.WhichOneof("format") is not None:
+        if not limits.structured_output:
+            raise RequestError("FAILED_PRECONDITION", "this server's workers cannot constrain "
+                               "output: the model directory has no tokenizer.json that "
+                               "llguidance reads (see the worker's log)")
         try:
             opts.grammar = grammar_from_proto(p.structured)
         except FormatError as e:

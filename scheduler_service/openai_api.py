@@ -37,6 +37,7 @@ log = logging.getLogger("nanoserve.http")
 _STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
     "UNAUTHENTICATED": (401, "authentication_error"),
     "PERMISSION_DENIED": (403, "permission_error"),
     "NOT_FOUND": (404, "not_found_error"),

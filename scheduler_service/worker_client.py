@@ -129,7 +129,8 @@ class WorkerGroup:
                               vocab_size=first.vocab_size,
                               max_model_len=min(i.max_model_len for i in infos),
                               eos_token_id=first.eos_token_id,
-                              kv_cache_dtype=first.kv_cache_dtype)
+                              kv_cache_dtype=first.kv_cache_dtype,
+                              structured_output=first.structured_output)
         return self.info
 
     async def _on_every_rank(self, call) -> list:

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import engine_idle, start_scheduler, start_worker, wait_until
+from services import engine_idle, start_null_worker, start_scheduler, start_worker, wait_until
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -214,6 +214,25 @@ def test_worker_killed_mid_stream_constrained_output_still_valid(model_dir):
             for text, reason in zip(texts, finish):
                 assert reason == generate_pb2.FINISH_REASON_STOP, text
                 jsonschema.validate(json.loads(text), schema)
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+def test_workers_that_cannot_follow_grammars_refuse_formats(model_dir):
+    """A worker without a tokenizer llguidance reads says so (WorkerInfo.structured_output):
+    formats are refused (FAILED_PRECONDITION), not silently ignored; free requests run."""
+    worker = start_null_worker()   # no model directory: no tokenizer.json
+    sched = start_scheduler(model_dir, [worker.port])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(request([1, 2, 3], FORMATS["regex"], max_tokens=4), timeout=30)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "tokenizer.json" in e.value.details()
+            assert len(stub.Complete(request([1, 2, 3], max_tokens=4, ignore_eos=True),
+                                     timeout=30).token_ids) == 4
     finally:
         sched.stop()
         worker.stop()

@@ -46,13 +46,21 @@ def mask_threads() -> int:
 
 
 def load_tokenizer(model_dir: str, vocab_size: int, eos_token_id: int) -> LLTokenizer | None:
-    """llguidance's view of the model's tokenizer.json (None where the model has none)."""
+    """llguidance's view of the model's tokenizer.json; None (logged) where the model has
+    none or llguidance cannot read it: the worker then says it cannot follow grammars
+    (WorkerInfo.structured_output) and the scheduler refuses formats instead of ignoring them."""
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
+        log.warning("no tokenizer.json in %s: requests with an output format are refused", model_dir)
         return None
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    return LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
+    try:
+        return LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
+    except ValueError as e:
+        log.warning("llguidance cannot read %s (%s): requests with an output format are refused",
+                    path, e)
+        return None
 
 
 @dataclass

@@ -63,7 +63,8 @@ class LocalWorkerGroup:
         self.info = GroupInfo(model=self.model_name, fingerprint=r.fingerprint, world_size=1,
                               num_kv_blocks=blocks, block_size=block_size,
                               vocab_size=r.vocab_size, max_model_len=r.max_model_len,
-                              eos_token_id=r.eos_token_id)
+                              eos_token_id=r.eos_token_id,
+                              structured_output=r.grammar_tokenizer is not None)
         return self.info
 
     async def send(self, request: worker_pb2.StepRequest) -> None:

@@ -97,7 +97,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             rank=0, world_size=1, model=self.model, model_fingerprint=f"null-{self.vocab_size}",
             num_kv_blocks=max(self.capacity_tokens * 16 // block_size, 1), block_size=block_size,
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-            eos_token_id=self.eos_token_id, device="null", dtype="none", attention_backend="none")
+            eos_token_id=self.eos_token_id, device="null", dtype="none", attention_backend="none",
+            structured_output=self.grammar_tokenizer is not None)
 
     async def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:

@@ -46,7 +46,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_fingerprint=r.fingerprint, num_kv_blocks=r.kv_capacity(block_size),
             block_size=block_size, vocab_size=r.vocab_size, max_model_len=r.max_model_len,
             eos_token_id=r.eos_token_id, device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
-            attention_backend=r.backend.name, kv_cache_dtype=r.kv_cache_dtype_name)
+            attention_backend=r.backend.name, kv_cache_dtype=r.kv_cache_dtype_name,
+            structured_output=r.grammar_tokenizer is not None)
 
     def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:

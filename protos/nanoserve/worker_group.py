@@ -31,3 +31,4 @@ class GroupInfo:
     max_model_len: int
     eos_token_id: int
     kv_cache_dtype: str = ""
+    structured_output: bool = False   # rank 0 follows grammars (WorkerInfo.structured_output)
