@@ -33,21 +33,20 @@ import torch
 import triton
 import triton.language as tl
 
-# Default tiles, keyed by the number of (token, k) slots. Not tuned on a GPU yet: the
-# small config keeps block_m at tl.dot's minimum (16) so that few padded rows are spent
-# when experts get a handful of tokens each (decode), the large one takes bigger tiles
-# for prefill. GPU tuning (per E, H, I, dtype; L2 grouping of blocks; split block sizes for
-# the two GEMMs) is still to do.
-SMALL_MAX_SLOTS = 1024
-DEFAULT_CONFIGS = {
-    "small": dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
-    "large": dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
-}
+# Tiles by the number of (token, k) slots, from a sweep at Qwen3-30B-A3B's shapes on an H200
+# (tests/gpu/moe_check.py kernels; tests/gpu/RESULTS.md): decode batches keep block_m at
+# tl.dot's minimum (16) so that experts with a handful of tokens waste few padded rows;
+# bigger batches take taller tiles. Within 0-9% of the sweep's best at every measured size.
+TILE_TIERS = (   # (most slots, tiles)
+    (1280, dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)),
+    (4096, dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)),
+    (None, dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3)),
+)
 
 
 def default_config(num_slots: int) -> dict:
     """The default tiles for T * k = num_slots slots (a copy; callers may edit it)."""
-    return dict(DEFAULT_CONFIGS["small" if num_slots <= SMALL_MAX_SLOTS else "large"])
+    return dict(next(tiles for most, tiles in TILE_TIERS if most is None or num_slots <= most))
 
 
 # Two gaps of Triton's CPU interpreter (the tests) with bf16, numpy having no bf16: it
@@ -201,8 +200,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     FLOPs: x [T, H], gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I], weights
     [T, k] routing weights, ids [T, k] expert ids (models.moe.route's outputs).
 
-    Tiles default to `default_config(T * k)` (decode-sized up to SMALL_MAX_SLOTS slots,
-    prefill-sized above; untuned on GPUs so far); any keyword given overrides its entry.
+    Tiles default to `default_config(T * k)` (TILE_TIERS); any keyword given overrides its
+    entry.
     block_m, block_n, block_k must be powers of two >= 16 (tl.dot's minimum). Both GEMMs
     share the tiles; block_n tiles I in the first, H in the second. No host sync, and the
     launch grids depend on shapes only, so it can be captured in a CUDA graph."""

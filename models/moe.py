@@ -7,11 +7,11 @@ partial outputs. Parameters are stacked per layer, as Hugging Face keeps them in
 `experts.down_proj` [E, H, I / tp]; the loader fills them from the per-expert tensors
 (`experts.{e}.gate_proj.weight`, ...) that Qwen publishes, or from already-stacked ones.
 
-The experts' math here is the reference (`moe_reference`): every expert over every token,
-weighted by a dense [T, E] routing matrix that is zero outside each token's top k. It is
-exact and has no data-dependent shapes, so it runs inside CUDA graphs, but it spends E / k
-times the FLOPs of the selected experts; the fused grouped-GEMM kernels of issue 31 are to
-replace it on GPUs and be tested against it.
+On a GPU the experts run through kernels/fused_moe.py (tokens sorted to their experts, two
+grouped GEMMs: only the selected experts' weights are read and their FLOPs spent; no host
+sync, so it runs inside the decode CUDA graphs). Elsewhere, and as its test's reference,
+`moe_reference`: every expert over every token, weighted by a dense [T, E] routing matrix
+that is zero outside each token's top k (exact, E / k times the FLOPs).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_moe import fused_moe
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -98,10 +99,12 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.gate.weight.weight_loader = replicated_weight_loader
         self.experts = MoEExperts(config.num_experts, config.hidden_size,
                                   config.moe_intermediate_size, tp)
+        self.fused = False   # CPU: True runs the fused kernels (Triton's interpreter; tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = moe_reference(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        experts = fused_moe if x.is_cuda or self.fused else moe_reference
+        out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         return self.tp.all_reduce(out)
 
 
