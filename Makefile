@@ -12,6 +12,7 @@ MODEL  ?=
 TP     ?= 1
 HTTP_PORT ?=
 KV_DTYPE ?=
+QUANTIZATION ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS_serve := worker,proto
 EXTRAS_test  := worker,proto,dev
@@ -25,6 +26,7 @@ help:
 	@echo "make serve MODEL=dir      serve a Hugging Face Qwen3 directory (GPU host), TP=N for N ranks,"
 	@echo "                          HTTP_PORT=8000 to add the OpenAI-compatible HTTP API,"
 	@echo "                          KV_DTYPE=fp8 for an fp8 KV cache (~2x the blocks)"
+	@echo "                          QUANTIZATION=fp8 for FP8 weights (linear layers)"
 	@echo "make proto                regenerate the gRPC stubs from protos/"
 	@echo "make flash-attn           build + install a trimmed flash-attn wheel (GPU host with nvcc, ~6-13 min)"
 
@@ -61,7 +63,7 @@ demo: $(VENV)/.installed-demo proto
 serve: $(VENV)/.installed-serve proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
 	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
-		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),)
+		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),) $(if $(QUANTIZATION),--quantization $(QUANTIZATION),)
 
 # Trimmed flash-attn 2 wheel from PyPI's sdist (only the kernels the worker calls), built
 # against FA_PYTHON's torch with nvcc and installed there. FLASH_ATTN_ARGS: see

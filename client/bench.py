@@ -689,6 +689,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
     runner = ModelRunner(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
@@ -834,6 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--attention-backend", default="auto",
                     choices=["auto", "flash_attn", "triton", "torch"])
     ip.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ip.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
+                    help="weights (worker --quantization)")
     ip.add_argument("--block-size", type=int, default=256)
     ip.add_argument("--num-kv-blocks", type=int, default=0, help="0 = all that fit")
     ip.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -6,7 +6,9 @@ the sharded activation, and all-reduce the partial sums. An attention block or M
 one column-parallel layer followed by one row-parallel layer: one all-reduce each.
 
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)` that copies
-this rank's slice of a full checkpoint tensor into it.
+this rank's slice of a full checkpoint tensor into it. After loading, `quantize_fp8()` turns
+a layer's weight into e4m3 with per-output-channel scales (kernels/fp8_linear.py), each rank
+quantizing its own slice.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_linear import FP8, fp8_linear, quantize_rows
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -35,8 +38,19 @@ class LinearBase(nn.Module):
                       shard_id: object = None) -> None:
         raise NotImplementedError
 
+    def quantize_fp8(self) -> None:
+        """Weight -> e4m3 + a float32 scale per output channel (`weight_scale` [out, 1])."""
+        q, scale = quantize_rows(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.register_buffer("weight_scale", scale)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight.dtype == FP8:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -148,5 +162,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias

@@ -3,6 +3,13 @@
 Every checkpoint tensor must land in a parameter, and every parameter (every part of a
 merged one) must be filled: a silent partial load produces a model that runs and emits
 garbage, the worst failure to debug from a server.
+
+FP8: checkpoints published in block-scaled e4m3 (`quantization_config.quant_method` "fp8",
+`weight_block_size`, a `weight_scale_inv` beside each quantized weight, as Qwen's) are
+dequantized tensor by tensor as they load; with quantization "fp8" (such a checkpoint's
+default, or `--quantization fp8` on a bf16 one) every linear layer is then requantized per
+output channel (kernels/fp8_linear.py). Embeddings, the LM head, norms and MoE experts
+stay in the model's dtype.
 """
 from __future__ import annotations
 
@@ -14,10 +21,13 @@ import transformers
 from safetensors import safe_open
 from torch import nn
 
+from kernels.fp8_linear import FP8, dequantize_blocks
+from models.linear import LinearBase
 from models.parallel import TPGroup
 from models.qwen3 import Qwen3ForCausalLM
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
+QUANTIZATIONS = ("auto", "none", "fp8")   # auto: what the checkpoint is (fp8 or none)
 
 
 def config_dtype(config) -> torch.dtype:
@@ -69,11 +79,34 @@ def _expected_shards(param: nn.Parameter, param_name: str,
     return shards or {None}
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader."""
+def fp8_blocks(config) -> tuple[int, int] | None:
+    """The block shape of a block-scaled FP8 checkpoint (None for an unquantized one)."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") != "fp8":
+        raise ValueError(f"unsupported quantization_config {q.get('quant_method')!r} "
+                         "(supported: fp8 with weight_block_size)")
+    block = q.get("weight_block_size")
+    if not block or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError("only block-scaled FP8 checkpoints with dynamic activation scales "
+                         f"are supported, got {q}")
+    return int(block[0]), int(block[1])
+
+
+def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | None = None) -> None:
+    """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader
+    (blocks: a block-scaled FP8 checkpoint's block shape: its weights are dequantized)."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    scales: dict[str, str] = {}   # FP8 checkpoints: weight name -> the file of its scale
+    if blocks is not None:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                scales.update({n.removesuffix("_scale_inv"): path for n in f.keys()
+                               if n.endswith(".weight_scale_inv")})
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
@@ -82,7 +115,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+                if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+                        or name.endswith(".weight_scale_inv")):
                     continue
                 param_name, shard_id = _destination(name, mapping)
                 param = params.get(param_name)
@@ -91,6 +125,13 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     continue
                 weight_loader = param.weight_loader
                 tensor = f.get_tensor(name)
+                if tensor.dtype == FP8:
+                    if name not in scales:
+                        raise ValueError(f"{name} is FP8 but has no weight_scale_inv "
+                                         "(or the config has no quantization_config)")
+                    with safe_open(scales[name], framework="pt", device="cpu") as g:
+                        scale = g.get_tensor(name + "_scale_inv")
+                    tensor = dequantize_blocks(tensor, scale, blocks, param.dtype)
                 if shard_id is None:
                     weight_loader(param, tensor)
                     loaded[param_name] |= getattr(param, "expected_shards", {None})
@@ -107,11 +148,15 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", attn_backend=None
+               device: torch.device | str = "cpu", attn_backend=None, quantization: str = "auto"
                ) -> tuple[Qwen3ForCausalLM, transformers.PretrainedConfig]:
     """Build the model directly on `device` in `dtype` (default: the checkpoint's) and load
-    this TP rank's shards. Returns (model in eval mode, config)."""
+    this TP rank's shards; quantization (QUANTIZATIONS): FP8 linear layers or not. Returns
+    (model in eval mode, config)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}: expected one of {QUANTIZATIONS}")
     config = load_config(model_dir)
+    blocks = fp8_blocks(config)
     dtype = dtype or config_dtype(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -120,5 +165,9 @@ def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | Non
             model = Qwen3ForCausalLM(config, tp=tp, attn_backend=attn_backend)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, blocks)
+    if quantization == "fp8" or (quantization == "auto" and blocks is not None):
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.quantize_fp8()
     return model.eval(), config

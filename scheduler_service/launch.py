@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="every worker's KV cache: auto = the model's dtype; fp8 = e4m3 with a "
                         "scale per token, ~2x the blocks (sm_89+ GPUs)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
+                   help="every worker's weights: auto = as the checkpoint is; fp8 = e4m3 linear "
+                        "layers, per-channel scales (sm_89+ GPUs)")
     p.add_argument("--worker-args", default="",
                    help="extra flags for every worker, e.g. '--dtype bfloat16 --kv-cache-gb 2'")
     sup = p.add_argument_group(
@@ -87,6 +90,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
             cmd += ["--metrics-port", str(args.metrics_port + 1 + rank)]
         if args.kv_cache_dtype != "auto":
             cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+        if args.quantization != "auto":
+            cmd += ["--quantization", args.quantization]
         cmds.append(cmd + args.worker_args.split())
     workers = ",".join(f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tp))
     sched = [py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,

@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto = the model's dtype; fp8 = e4m3 with one scale per token "
                         "(about twice the KV blocks; triton or torch backend, sm_89+ GPUs)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
+                   help="weights: auto = as the checkpoint is (block-scaled FP8 checkpoints: fp8); fp8 = "
+                        "e4m3 linear layers with per-channel scales, activations quantized per "
+                        "token (about half the weight bytes; sm_89+ GPUs for the FP8 GEMM)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = runner_class(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+        quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager), tp)

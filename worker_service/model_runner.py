@@ -46,6 +46,7 @@ class RunnerConfig:
     dtype: str = "auto"                   # auto = config's torch_dtype
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"          # auto = the model's dtype; fp8 = e4m3 + per-token scales
+    quantization: str = "auto"            # weights: auto (as the checkpoint) | none | fp8
     gpu_memory_utilization: float = 0.9   # CUDA: fraction of total memory for weights+activations+KV
     kv_cache_gb: float = 1.0              # CPU: KV cache size
     max_num_batched_tokens: int = 8192    # largest prefill the profiler plans for
@@ -119,7 +120,8 @@ class ModelRunner:
                                       kv_fp8=self.kv_fp8)
         log.info("attention backend: %s", self.backend.name)
         self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
-                                                device=self.device, attn_backend=self.backend)
+                                                device=self.device, attn_backend=self.backend,
+                                                quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,

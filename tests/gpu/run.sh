@@ -30,6 +30,8 @@
 #            against free, alternating x ST_RUNS (3) on one server, half constrained once, then
 #            tests/gpu/structured_check.py (validity, TTFT new/cached schema); the checkpoint
 #            gets Qwen3's real 151k-token tokenizer from .device/qwen-tokenizer (carry it)
+#   fp8      FP8 weights: GEMMs, 0.6B logits vs HF, Qwen3-8B shapes in-process (bf16 / fp8 /
+#            fp8 + fp8 KV) and through gRPC (fp8 + fp8 KV) x FP8_RUNS (1), nano-vllm x PEER_RUNS (2)
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
 #   flash    build + install the trimmed flash-attn wheel (FLASH_ATTN_ARGS, FLASH_ATTN_TIMEOUT s),
 #            then its --smoke check; put it first so kernels/bench see it
@@ -146,6 +148,28 @@ for w in ${*:-kernels model bench}; do
       kill %2 %1 2>/dev/null; wait
       tail -n 3 "$OUT"/st_*.log "$OUT"/st_bench.err
       grep -H "output tok/s\|GPU idle" "$OUT"/st_*.txt ;;
+    fp8)   # FP8 weights (issue 32): GEMMs, logits vs HF, nano-vllm's workload at Qwen3-8B shapes
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      timeout 120 python3 tests/gpu/fp8_check.py gemm > "$OUT/fp8_gemm.md" || rc=1
+      timeout 120 python3 tests/gpu/fp8_check.py logits "$NANOSERVE_QWEN06B" > "$OUT/fp8_logits.md" 2>/dev/null || rc=1
+      M8=/dev/shm/qwen3-8b; [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --warmup 4)
+      L=(--in-process --model $M8 --device cuda --max-model-len 4096 --runs "${FP8_RUNS:-1}")
+      for q in none fp8 fp8-kv; do
+        X=(--quantization "${q%-kv}"); [ $q = fp8-kv ] && X+=(--kv-cache-dtype fp8)
+        timeout 150 "${B[@]}" "${L[@]}" "${X[@]}" --json "$OUT/fp8_local_$q.json" > "$OUT/fp8_local_$q.txt" 2>&1 || rc=1
+      done
+      python3 -m worker_service --model $M8 --port 50061 --max-model-len 4096 --log-level WARNING \
+        --quantization fp8 --kv-cache-dtype fp8 > "$OUT/fp8_worker.log" 2>&1 &
+      python3 -m scheduler_service --model $M8 --workers 127.0.0.1:50061 --port 50051 \
+        --max-model-len 4096 --log-level WARNING > "$OUT/fp8_scheduler.log" 2>&1 &
+      for i in $(seq 300); do grep -q listening "$OUT/fp8_scheduler.log" && break; sleep 1; done
+      timeout 150 "${B[@]}" --target 127.0.0.1:50051 --client-procs 4 --runs "${FP8_RUNS:-1}" \
+        --json "$OUT/fp8_grpc.json" > "$OUT/fp8_grpc.txt" 2>&1 || rc=1
+      kill %2 %1 2>/dev/null; wait
+      timeout 200 bash .peer/run_nano_vllm.sh $M8 "${PEER_RUNS:-2}" > "$OUT/fp8_peer.txt" 2>&1 || rc=1
+      cat "$OUT/fp8_gemm.md" "$OUT/fp8_logits.md"; grep -H "Throughput" "$OUT/fp8_peer.txt"
+      grep -H "output tok/s\|^ *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]*$" "$OUT"/fp8_local_*.txt "$OUT/fp8_grpc.txt" ;;
     peer)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;

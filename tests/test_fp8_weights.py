@@ -1,0 +1,189 @@
+"""FP8 weights (kernels/fp8_linear.py, models/loader.py): the quantization against float64
+arithmetic written out here, the model against Hugging Face with the same quantization
+applied by hooks, and block-scaled FP8 checkpoints (Qwen's format) loaded."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from kernels.fp8_linear import FP8, dequantize_blocks, fp8_linear_ref, quantize_rows
+from models.linear import LinearBase
+from models.loader import load_model
+from paged_kv import PagedKV
+from test_qwen3_vs_hf import random_prompts, run_step
+from tiny_checkpoint import tiny_qwen3_dir
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fake_quant(t: torch.Tensor) -> torch.Tensor:
+    """Per-row e4m3 round trip, written independently of kernels/fp8_linear.py."""
+    scale = t.double().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return ((t.double() / scale).float().to(torch.float8_e4m3fn).double() * scale).to(t.dtype)
+
+
+def test_rows_quantize_to_e4m3_with_the_row_max_at_448():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(33, 70, generator=g) * torch.logspace(-3, 1, 33)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == FP8 and scale.shape == (33, 1)
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((33,), 448.0))
+    back = q.float() * scale
+    torch.testing.assert_close(back, fake_quant(w), rtol=1e-6, atol=0)
+    big = w.abs() > w.abs().amax(dim=1, keepdim=True) / 64   # normal e4m3 range: 3-bit mantissa
+    assert ((back - w).abs() <= w.abs() * 2.0 ** -4 * 1.0001)[big].all()
+
+
+def test_linear_reference_is_the_scaled_product():
+    g = torch.Generator().manual_seed(1)
+    x, w, bias = torch.randn(7, 48, generator=g), torch.randn(24, 48, generator=g), torch.randn(24)
+    q, scale = quantize_rows(w)
+    y = fp8_linear_ref(x, q, scale, bias)
+    expect = fake_quant(x).double() @ (q.double() * scale.double()).T + bias.double()
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantize_blocks_with_partial_edge_blocks():
+    g = torch.Generator().manual_seed(2)
+    q = (torch.randn(70, 90, generator=g) * 50).to(FP8)
+    scale_inv = torch.rand(3, 3, generator=g) + 0.5      # blocks of 32 x 40: edges partial
+    out = dequantize_blocks(q, scale_inv, (32, 40), torch.float32)
+    for i in range(70):
+        for j in range(0, 90, 7):
+            assert out[i, j] == q[i, j].float() * scale_inv[i // 32, j // 40]
+
+
+def hf_fake_quantized(model_dir) -> transformers.PreTrainedModel:
+    """HF's model with what FP8 weights compute: each linear's weight per-channel
+    round-tripped through e4m3, its input per token (a forward pre-hook)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager")
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEARS:
+            module.weight.data = fake_quant(module.weight.data)
+            module.register_forward_pre_hook(lambda m, args: (fake_quant(args[0]),))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, seed=21)
+
+
+def our_logits(path, prompts, **kw) -> list[torch.Tensor]:
+    model, _ = load_model(str(path), **kw)
+    cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
+    return run_step(model, cache, prompts, [(i, 0, len(p)) for i, p in enumerate(prompts)])
+
+
+def test_fp8_model_matches_hf_with_the_same_quantization(model_dir):
+    prompts = random_prompts(389, [6, 17], seed=3)
+    model, _ = load_model(str(model_dir), quantization="fp8")
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == FP8 for m in linears)
+    assert model.lm_head.weight.dtype == torch.float32   # embeddings and LM head stay
+    ours = our_logits(model_dir, prompts, quantization="fp8")
+    hf = hf_fake_quantized(model_dir)
+    plain = our_logits(model_dir, prompts)
+    with torch.no_grad():
+        for p, logits, unquantized in zip(prompts, ours, plain):
+            ref = hf(p[None]).logits[0]
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+            assert (logits - unquantized).abs().max() > 1e-3   # the quantization did something
+
+
+def write_block_fp8(src, dst, block=(48, 40)):
+    """A copy of a float32 checkpoint in Qwen's FP8 format: linear weights e4m3 in blocks,
+    `weight_scale_inv` beside each, quantization_config in config.json."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        out = {}
+        for name, t in tensors.items():
+            if name.rsplit(".", 2)[-2] not in LINEARS:
+                out[name] = t
+                continue
+            n, k = t.shape
+            bn, bk = block
+            scale_inv = torch.zeros(-(-n // bn), -(-k // bk))
+            q = torch.empty(n, k, dtype=FP8)
+            for i in range(0, n, bn):
+                for j in range(0, k, bk):
+                    tile = t[i:i + bn, j:j + bk]
+                    s = tile.abs().max().clamp(min=1e-12) / 448
+                    scale_inv[i // bn, j // bk] = s
+                    q[i:i + bn, j:j + bk] = (tile / s).to(FP8)
+            out[name], out[name + "_scale_inv"] = q, scale_inv
+        save_file(out, str(f))
+    return dst
+
+
+def test_block_fp8_checkpoint_loads_dequantized_then_fp8(model_dir, tmp_path):
+    """Qwen's format: each weight dequantized from its blocks, then served as FP8 (auto) or
+    in the model's dtype (none): the same as a float checkpoint of the dequantized weights."""
+    fp8_dir = write_block_fp8(model_dir, tmp_path / "fp8")
+    model, _ = load_model(str(fp8_dir), quantization="none")
+    tensors = load_file(next(fp8_dir.glob("*.safetensors")))
+    q = tensors["model.layers.1.mlp.down_proj.weight"]
+    expect = dequantize_blocks(q, tensors["model.layers.1.mlp.down_proj.weight_scale_inv"], (48, 40),
+                               torch.float32)
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight, expect)
+    dense_dir = tmp_path / "dequantized"   # the same weights as a float checkpoint
+    shutil.copytree(model_dir, dense_dir)
+    save_file({name: dequantize_blocks(t, tensors[name + "_scale_inv"], (48, 40), torch.float32)
+               if t.dtype == FP8 else t for name, t in tensors.items()
+               if not name.endswith("_scale_inv")}, str(next(dense_dir.glob("*.safetensors"))))
+    prompts = random_prompts(389, [9], seed=4)
+    auto = our_logits(fp8_dir, prompts)          # auto: FP8, as the checkpoint is
+    again = our_logits(dense_dir, prompts, quantization="fp8")
+    torch.testing.assert_close(auto[0], again[0], rtol=0, atol=0)
+
+
+def test_fp8_tensor_without_its_scale_is_refused(model_dir, tmp_path):
+    fp8_dir = write_block_fp8(model_dir, tmp_path / "fp8")
+    f = next(fp8_dir.glob("*.safetensors"))
+    tensors = load_file(f)
+    del tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, str(f))
+    with pytest.raises(ValueError, match="o_proj.weight is FP8 but has no weight_scale_inv"):
+        load_model(str(fp8_dir))
+
+
+@pytest.mark.slow
+def test_worker_with_fp8_weights_streams_hf_fake_quantized_greedy_tokens(model_dir):
+    """`--quantization fp8` through the real services: greedy tokens are those of HF with
+    the same quantization (each step's logits are the test above's, so the argmax agrees)."""
+    import grpc
+
+    from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+    from services import start_scheduler, start_worker
+    worker = start_worker(model_dir, extra=["--quantization", "fp8"])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port])
+        prompt = [5, 77, 130, 9, 250, 31]
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            got = stub.Complete(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt),
+                sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)),
+                timeout=120).token_ids
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+    hf = hf_fake_quantized(model_dir)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert list(got) == ids[len(prompt):]
