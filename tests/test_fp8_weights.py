@@ -187,3 +187,16 @@ def test_worker_with_fp8_weights_streams_hf_fake_quantized_greedy_tokens(model_d
         for _ in range(16):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     assert list(got) == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("rows, k", [(1, 64), (5, 1500), (3, 4096)])
+def test_quantize_kernel_matches_reference(rows, k):
+    """The one-launch kernel (the GPU path; Triton's interpreter here) against quantize_rows."""
+    from kernels.fp8_linear import quantize_rows_
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
+    x[0, :3] = 0.0
+    q, scale = quantize_rows_(x)
+    q_ref, scale_ref = quantize_rows(x)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), q_ref.float())
