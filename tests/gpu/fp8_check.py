@@ -13,38 +13,13 @@ L2 of the logits against HF fp32, and how often the argmax agrees with fp32's.
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
 import torch  # noqa: E402
-
-
-def rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def graph_us(fn, reps: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+from moe_check import graph_us, rel  # noqa: E402  (same measuring tools)
 
 
 def gemm() -> None:
