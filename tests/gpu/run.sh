@@ -128,7 +128,7 @@ for w in ${*:-kernels model bench}; do
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       S=/tmp/qwen3-0.6b-qwen-vocab; rm -rf "$S"; mkdir -p "$S"
       ln -s "$NANOSERVE_QWEN06B"/*.safetensors "$S"/
-      cp .device/qwen-tokenizer/* "$S"/   # Qwen3's tokenizer (build: tests/gpu/README.md)
+      cp .device/qwen-tokenizer/* "$S"/   # Qwen3's tokenizer: tests/gpu/make_qwen_tokenizer.py
       python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['eos_token_id']=151645; json.dump(c,open(sys.argv[2],'w'))" \
         "$NANOSERVE_QWEN06B/config.json" "$S/config.json"
       python3 -m worker_service --model "$S" --port 50061 --max-model-len 4096 --log-level WARNING \
