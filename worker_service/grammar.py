@@ -37,7 +37,7 @@ from nanoserve.v1 import worker_pb2
 
 log = logging.getLogger("nanoserve.worker")
 
-COMPILED_CACHE = 256   # grammars kept compiled
+COMPILED_CACHE = 64    # grammars kept compiled (each with up to one root per mask thread)
 
 
 def mask_threads() -> int:
