@@ -562,7 +562,8 @@ def run_null(args: argparse.Namespace, wcfg: WorkloadConfig
     the gRPC mode against them."""
     from client.null_stack import NullStack
     with NullStack(step_ms=args.step_ms, max_model_len=args.max_model_len,
-                   scheduler_args=shlex.split(args.scheduler_args)) as stack:
+                   scheduler_args=shlex.split(args.scheduler_args),
+                   tokenizer_dir=args.null_tokenizer) as stack:
         args.target = stack.target
         args.device_name = f"null worker, {args.step_ms:g} ms/step"
         outcomes, workload = run_grpc(
@@ -803,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--step-ms", type=float, default=7.0,
                     help="the null worker's emulated device time per step (0 = the control "
                          "plane's ceiling)")
+    nw.add_argument("--null-tokenizer", metavar="DIR",
+                    help="the null model's tokenizer from this model directory (default: a "
+                         "tiny BPE); Qwen3's prices grammar masks (--json-schema) as served")
     nw.add_argument("--scheduler-args", default="",
                     help="extra flags for the scheduler it starts, e.g. '--frontends 2'")
     w = p.add_argument_group("workload (defaults: nano-vllm's bench.py)")

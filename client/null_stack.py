@@ -22,7 +22,9 @@ _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
 
 class NullStack:
     def __init__(self, step_ms: float = 7.0, max_model_len: int = 4096,
-                 scheduler_args: list[str] = (), timeout: float = 120.0):
+                 scheduler_args: list[str] = (), timeout: float = 120.0,
+                 tokenizer_dir: str | None = None):
+        self.tokenizer_dir = tokenizer_dir
         self.step_ms = step_ms
         self.max_model_len = max_model_len
         self.scheduler_args = list(scheduler_args)
@@ -33,7 +35,7 @@ class NullStack:
 
     def __enter__(self) -> "NullStack":
         self._tmp = tempfile.TemporaryDirectory(prefix="nanoserve-null-model-")
-        model = str(write_null_model(Path(self._tmp.name)))
+        model = str(write_null_model(Path(self._tmp.name), tokenizer_dir=self.tokenizer_dir))
         try:
             worker = self._start([
                 "worker_service", "--null", "--model", model, "--step-ms", str(self.step_ms),

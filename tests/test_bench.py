@@ -339,3 +339,15 @@ def test_grpc_floor_measures_both_ends(tmp_path):
     assert per_token > 0
     assert r["max_tokens_per_s"] == pytest.approx(2 / per_token * 1e6)
     assert "output tok/s (gRPC alone)" in proc.stdout
+
+
+def test_null_model_takes_another_models_tokenizer(model_dir, tmp_path):
+    """--null-tokenizer: the null model gets that tokenizer and its end-of-sequence id, so a
+    null worker's grammar masks cover the real vocabulary."""
+    from client.null_model import write_null_model
+    from tokenizers import Tokenizer
+    path = write_null_model(tmp_path / "m", vocab_size=VOCAB, tokenizer_dir=str(model_dir))
+    assert (path / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+    eos = json.loads((model_dir / "tokenizer_config.json").read_text())["eos_token"]
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == tok.token_to_id(eos)
