@@ -269,9 +269,8 @@ class OpenAIApi:
             if tools.tools is not None:
                 kwargs = {**kwargs, "tools": tools.tools}
             prompts = [self.gen.prompt_from_chat(chat_messages(body), **kwargs)]
-            template = self.gen.tokenizer.chat_template or ""
-            reasoning = "</think>" in template
-            in_reasoning = reasoning and self.gen.tokenizer.decode(prompts[0][-4:]).rstrip().endswith("<think>")
+            reasoning = "<think>" in (self.gen.tokenizer.chat_template or "")
+            in_reasoning = reasoning and self._opens_reasoning(kwargs)
         else:
             if _field(body, "echo", (bool,), False):
                 raise invalid("'echo' is not supported")
@@ -291,6 +290,17 @@ class OpenAIApi:
         return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
                        logprobs, k, _field(body, "skip_special_tokens", (bool,), True),
                        reasoning, in_reasoning, bool(tools and tools.parse))
+
+    def _opens_reasoning(self, template_kwargs: dict) -> bool:
+        """The template's generation prompt ends with `<think>` (thinking-only models): the
+        answer starts inside the reasoning. Read off a one-message render (the suffix does
+        not depend on the messages, only on flags such as enable_thinking)."""
+        try:
+            text = self.gen.tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                                          True, **template_kwargs)
+        except ValueError:
+            return False
+        return text.rstrip().endswith("<think>")
 
     async def _choices(self, req: Request) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) of every completion, interleaved as they come: choice

@@ -187,3 +187,35 @@ def test_enable_thinking_false_reaches_the_template(client):
     off = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+def test_template_that_opens_think_starts_the_answer_in_reasoning(tmp_path_factory):
+    """Templates that write `<think>` into the prompt (Qwen3 thinking-only models): the answer
+    starts inside the reasoning, and everything up to `</think>` is reasoning_content."""
+    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=8,
+                               max_position_embeddings=2048)
+    opened = tmp_path_factory.mktemp("opened") / "model"
+    import shutil
+    shutil.copytree(model_dir, opened)
+    (opened / "chat_template.jinja").write_text(
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{%- endif %}")
+    worker = start_worker(opened)
+    sched = None
+    try:
+        sched = start_scheduler(opened, [worker.port],
+                                extra=["--http-port", "0", "--served-model-name", "tiny"])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sched.http_port}/v1", api_key="x")
+        for seed in range(3):
+            out = client.chat.completions.create(
+                model="tiny", messages=CHAT, temperature=1.0, seed=seed, max_tokens=80,
+                extra_body={"guided_regex": r"[a-z]{1,8}( [a-z]{1,8}){0,2}\n</think>\n\n[a-z]{1,8}"})
+            message = out.choices[0].message
+            assert out.choices[0].finish_reason == "stop"
+            reasoning = message.model_extra["reasoning_content"]
+            assert reasoning and "think>" not in reasoning and reasoning == reasoning.strip()
+            assert message.content and message.content.isalpha()
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
