@@ -12,7 +12,8 @@ with templates that open `<think>` in the prompt the output starts inside it
 whitespace after `</think>` are stripped. Tool calls (Hermes format) are parsed only in
 content and only when the request had tools: each `<tool_call>` block whose body is a
 JSON object with a string "name" becomes a call (arguments re-serialized as a JSON
-string); whitespace around valid blocks is dropped; a block that doesn't parse, or is
+string); whitespace around valid blocks is dropped (the whitespace before one still
+separates content on both sides of it); a block that does not parse, or is
 left open at the end, stays content, tags and all.
 
 Text arrives in streaming chunks split anywhere, so `ChatOutputParser` holds back any
@@ -99,6 +100,8 @@ class ChatOutputParser:
         self._lead = in_reasoning and reasoning  # strip leading whitespace next
         self._block = ""        # the open <tool_call> block, raw
         self._index = 0         # next tool call index
+        self._said = False      # some content was emitted
+        self._sep = ""          # whitespace that stood before a call, owed to later content
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -165,7 +168,10 @@ class ChatOutputParser:
                 out.append(ToolCallStart(self._index, "call_" + secrets.token_hex(12), call[0]))
                 out.append(ToolCallArguments(self._index, call[1]))
                 self._index += 1
-                self._held, self._lead = "", True  # whitespace around a call is dropped
+                # Whitespace around a call is dropped, unless content stands on both sides:
+                # then the whitespace before the call still separates them.
+                self._sep = self._sep or (self._held if self._said else "")
+                self._held, self._lead = "", True
 
     def _reasoning(self, text: str, out: list[Event]) -> None:
         if self._lead:
@@ -185,7 +191,8 @@ class ChatOutputParser:
         body = text.rstrip() if self.tools else text
         self._held = text[len(body):]
         if body:
-            out.append(Content(body))
+            out.append(Content(self._sep + body))
+            self._said, self._sep = True, ""
 
 
 def parse_chat_output(text: str, reasoning: bool, tools: bool,

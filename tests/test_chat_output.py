@@ -35,6 +35,7 @@ CASES = [
     ("<thinking> is not a tag", True, True, False),
     ("ends inside reasoning </thin", True, True, True),
     ("", True, True, False),
+    ("hi " + CALL1 + " bye\n" + CALL2 + "\n\nend", True, True, False),
 ]
 
 
@@ -122,6 +123,12 @@ def test_two_tool_calls():
     assert json.loads(p.tool_calls[1]["function"]["arguments"]) == {"q": "a <b> </tool c", "n": 2}
     ids = [c["id"] for c in p.tool_calls]
     assert len(set(ids)) == 2 and all(i.startswith("call_") and len(i) == 29 for i in ids)
+
+
+def test_text_on_both_sides_of_calls_keeps_its_separator():
+    p = parse_chat_output(CASES[-1][0], reasoning=True, tools=True)
+    assert p.content == "hi bye\nend"   # the whitespace before each call separates
+    assert [c["function"]["name"] for c in p.tool_calls] == ["get_weather", "lookup"]
 
 
 def test_only_tool_call_gives_none_content():
