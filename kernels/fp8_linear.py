@@ -11,6 +11,7 @@ dequantized at load with `dequantize_blocks` and requantized per channel.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -89,7 +90,9 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def scaled_mm_supported(device: torch.device) -> bool:
+    """Asked by every FP8 linear layer of every eager step: answered once per device."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
