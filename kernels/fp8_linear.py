@@ -6,7 +6,8 @@ calibration) and per output channel for weights, the scheme vLLM's `--quantizati
 uses: y = (x_q @ w_q.T) * sx[token] * sw[channel], the product accumulated in float32.
 On sm_89+ GPUs `torch._scaled_mm` does exactly that in one GEMM; elsewhere
 `fp8_linear_ref` computes the same values from dequantized operands (the tests' and CPU's
-path). Checkpoints published in FP8 (Qwen's: 128 x 128 blocks, `weight_scale_inv`) are
+path). For a handful of tokens a Triton weight-only kernel (W8A16: x stays bf16, each
+weight tile is widened in registers) is faster still; `fp8_linear` routes by token count. Checkpoints published in FP8 (Qwen's: 128 x 128 blocks, `weight_scale_inv`) are
 dequantized at load with `dequantize_blocks` and requantized per channel.
 """
 from __future__ import annotations
@@ -50,32 +51,36 @@ def _to_e4m3(q):
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, Scale, K, stride_x, stride_q, BLOCK: tl.constexpr):
-    """One row: its amax, then every element / (amax / 448) as e4m3; two passes over the row."""
+def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    """One row: its amax, then every element / (amax / 448) as e4m3; two passes over the row.
+    Rows from R on are padding: they come out zero."""
     row = tl.program_id(0).to(tl.int64)
+    real = row < R
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
     tl.store(Scale + row, scale)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
         tl.store(Q + row * stride_q + offs, _to_e4m3(q), mask=offs < K)
 
 
-def quantize_rows_(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in one kernel launch (the decode path quantizes every linear layer's
-    input: five torch ops each cost more than the GEMM saves)."""
+    input: five torch ops each cost more than the GEMM saves), the row count rounded up to
+    a multiple of pad_rows_to with zero rows."""
     rows, k = x.shape
     assert x.stride(1) == 1
-    q = torch.empty(rows, k, dtype=FP8, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows:
-        _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=1024)
+    padded = -(-rows // pad_rows_to) * pad_rows_to
+    q = torch.empty(padded, k, dtype=FP8, device=x.device)
+    scale = torch.empty(padded, 1, dtype=torch.float32, device=x.device)
+    if padded:
+        _quantize_rows_kernel[(padded,)](x, q, scale, rows, k, x.stride(0), q.stride(0), BLOCK=1024)
     return q, scale
 
 
@@ -90,6 +95,102 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype)
 
 
+# --- Weight-only FP8 (W8A16): e4m3 weights, activations left in their own dtype ---------
+
+def fp8_weight_only_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (any float dtype), w_q [N, K] e4m3, w_scale [N, 1] float32 -> [..., N] in
+    x's dtype: x times the dequantized weight, in float32; x itself is not quantized."""
+    y = x.float() @ (w_q.float() * w_scale.float().reshape(-1, 1)).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def w8a16_block_m(tokens: int) -> int:
+    """Token rows per program: tl.dot's minimum (16) at decode sizes, so that few padded
+    rows are multiplied; taller tiles (fewer re-reads of each weight tile) as T grows."""
+    for block_m in (16, 32, 64):
+        if tokens <= block_m:
+            return block_m
+    return 128
+
+
+@triton.jit
+def _w8a16_kernel(X, W, Scale, Bias, Y, T, N, K,
+                  stride_xt, stride_xk, stride_wn, stride_wk, stride_yt, stride_yn,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Y[m, n] = (sum_k X[m, k] * W[n, k]) * Scale[n] (+ Bias[n]) for one BLOCK_M x BLOCK_N
+    tile. Exists because decode GEMMs are bound by the weight bytes read: e4m3 weights
+    halve them, and leaving x unquantized saves its quantize kernel and its rounding error.
+    Each e4m3 tile is widened to x's dtype in registers (exact for bf16/fp16/fp32), fed to
+    tl.dot with float32 accumulation; the per-channel scale is applied once, after the K
+    loop. Program axis 0 walks the output channels, axis 1 the (few) token tiles."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < T
+    n_mask = offs_n < N
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
+    # The weight tile is read transposed, [BLOCK_K, BLOCK_N], the dot's right operand.
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    dt: tl.constexpr = X.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(dt)
+        if _INTERPRET:   # numpy has no bf16: the interpreter would multiply raw bits
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if RNE_BF16:   # the interpreter truncates float32 -> bf16; round to nearest even first
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        acc = bits.to(tl.float32, bitcast=True)
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_yt + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None, *, block_m: int | None = None,
+                           block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                           num_stages: int = 3) -> torch.Tensor:
+    """fp8_weight_only_ref's values in one Triton launch: x [..., K] (bf16, fp16 or fp32),
+    w_q [N, K] e4m3, w_scale [N, 1] float32, bias [N] or None -> [..., N] in x's dtype.
+    block_m defaults to w8a16_block_m(T); blocks are powers of two >= 16 (tl.dot's
+    minimum). No host sync and a grid from shapes only (CUDA-graph capturable)."""
+    shape = x.shape
+    K = shape[-1]
+    N = w_q.shape[0]
+    assert w_q.dtype == FP8 and w_q.shape == (N, K), (w_q.dtype, w_q.shape, K)
+    assert w_scale.numel() == N and w_scale.dtype == torch.float32
+    assert bias is None or bias.shape == (N,)
+    x2 = x.reshape(-1, K)
+    T = x2.shape[0]
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T and N:
+        scale = w_scale.reshape(-1).contiguous()
+        bm = block_m or w8a16_block_m(T)
+        grid = (triton.cdiv(N, block_n), triton.cdiv(T, bm))
+        _w8a16_kernel[grid](
+            x2, w_q, scale, bias if bias is not None else scale, y, T, N, K,
+            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), y.stride(0), y.stride(1),
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            RNE_BF16=bool(_INTERPRET) and x.dtype == torch.bfloat16,
+            num_warps=num_warps, num_stages=num_stages)
+    return y.reshape(*shape[:-1], N)
+
+
 @functools.lru_cache(maxsize=None)
 def scaled_mm_supported(device: torch.device) -> bool:
     """Asked by every FP8 linear layer of every eager step: answered once per device."""
@@ -97,17 +198,32 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+# Routing measured on an H100 at Qwen3-8B shapes (tests/gpu/fp8_check.py gemm / sweep,
+# tests/gpu/RESULTS.md): up to 16 tokens the weight-only kernel reads the e4m3 weights at
+# 1.4-2.5 TB/s where _scaled_mm plus the activation quantization take 1.1-1.6x longer;
+# beyond that _scaled_mm wins (the weight-only kernel turns compute-bound). _scaled_mm's
+# kernel for 129-256 rows is 1.3-1.6x slower than for 256 rows: more than 128 rows are
+# padded to a multiple of 128.
+W8A16_MAX_TOKENS = 16
+W8A16_TILES = dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+SCALED_MM_ROW_MULTIPLE = 128
+
+
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8_linear_ref's values; one `torch._scaled_mm` (rowwise scales) on sm_89+."""
+    """x [..., K] @ the e4m3 weight: fp8_linear_ref's values (one `torch._scaled_mm`,
+    rowwise scales) on sm_89+, fp8_weight_only_ref's for up to W8A16_MAX_TOKENS tokens."""
     if not scaled_mm_supported(x.device):
         return fp8_linear_ref(x, w_q, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    x_q, x_scale = quantize_rows_(x2)
-    y = torch._scaled_mm(x_q, w_q.T, scale_a=x_scale, scale_b=w_scale.reshape(1, -1), out_dtype=x.dtype,
-                         bias=bias)
-    return y.reshape(*shape[:-1], w_q.shape[0])
+    rows = x2.shape[0]
+    if rows <= W8A16_MAX_TOKENS:
+        return fp8_weight_only_linear(x, w_q, w_scale, bias, **W8A16_TILES)
+    x_q, x_scale = quantize_rows_(x2, SCALED_MM_ROW_MULTIPLE if rows > 128 else 1)
+    y = torch._scaled_mm(x_q, w_q.T, scale_a=x_scale, scale_b=w_scale.reshape(1, -1),
+                         out_dtype=x.dtype, bias=bias)
+    return y[:rows].reshape(*shape[:-1], w_q.shape[0])
 
 
 def dequantize_blocks(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -21,15 +21,20 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    fast: Any = field(default=None, compare=False, repr=False)   # models.fast_all_reduce
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"invalid TP rank/size {self.rank}/{self.size}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over ranks (in place when size > 1); identity for size 1."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum x over ranks; identity for size 1. Use the result: decode-sized tensors
+        return a new tensor from peer memory (`fast`), others are summed in place by NCCL."""
+        if self.size == 1:
+            return x
+        if self.fast is not None and self.fast.handles(x):
+            return self.fast(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -200,3 +200,7 @@ def test_quantize_kernel_matches_reference(rows, k):
     q_ref, scale_ref = quantize_rows(x)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     assert torch.equal(q.float(), q_ref.float())
+    padded, padded_scale = quantize_rows_(x, pad_rows_to=4)   # _scaled_mm's row padding
+    assert padded.shape == (-(-rows // 4) * 4, k) and padded_scale.shape == (padded.shape[0], 1)
+    assert torch.equal(padded[:rows].float(), q_ref.float())
+    assert not padded[rows:].float().any()

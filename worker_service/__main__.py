@@ -78,6 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every rank beats once a second through rank 0's store; a peer silent "
                          "this long is dead or hung and this rank exits (so the whole group is "
                          "restarted in seconds, not after NCCL's own timeout)")
+    tp.add_argument("--all-reduce", choices=("auto", "nccl"), default="auto",
+                    help="auto: tensors up to 8 MiB (decode steps) are summed through peer "
+                         "memory over NVLink (torch symmetric memory; one-shot/two-shot "
+                         "kernels, inside CUDA graphs), larger ones by NCCL; falls back to "
+                         "NCCL alone where peer memory is unavailable. nccl: NCCL for all")
     null = p.add_argument_group(
         "null worker (control-plane benchmarks and tests)",
         "--null serves the same Worker API without a model or torch: every step takes "
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             group = distributed.DistGroup(distributed.DistConfig(
                 rank=args.rank, world_size=args.world_size, init_method=args.dist_init,
                 timeout_s=args.dist_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                all_reduce=args.all_reduce,
                 backend=distributed.backend_for(torch.device(device))),
                 torch.device(device), distributed.model_fingerprint(args.model))
         except (OSError, ValueError, RuntimeError) as e:

@@ -43,6 +43,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from models import fast_all_reduce
 from models.parallel import TPGroup
 from worker_service.model_runner import ModelRunner, StepError
 
@@ -66,6 +67,7 @@ class DistConfig:
     timeout_s: float          # rendezvous and collective timeout
     backend: str              # "nccl" or "gloo"
     heartbeat_timeout_s: float = 5.0   # a peer silent this long is dead
+    all_reduce: str = "auto"  # "auto": peer memory for decode-sized tensors; "nccl": NCCL only
 
 
 def backend_for(device: torch.device) -> str:
@@ -137,7 +139,8 @@ def _rendezvous(cfg: DistConfig, fingerprint: str) -> dist.TCPStore:
                                f"{cfg.timeout_s:.0f}s")
         time.sleep(WATCH_INTERVAL_S)
 
-    mine = {"world_size": cfg.world_size, "fingerprint": fingerprint, "backend": cfg.backend}
+    mine = {"world_size": cfg.world_size, "fingerprint": fingerprint, "backend": cfg.backend,
+            "all_reduce": cfg.all_reduce}
     store.set(f"{_PREFIX}rank/{cfg.rank}", json.dumps(mine))
     problem = None
     for r in range(cfg.world_size):
@@ -177,10 +180,12 @@ class DistGroup:
         # Warm up: NCCL builds its communicators on the first collective; better here,
         # with a clear error, than inside the memory-profiling forward.
         all_ranks_meet(device, cfg.world_size, "all-reduce warm-up")
-        self.tp = TPGroup(rank=cfg.rank, size=cfg.world_size)
+        fast = fast_all_reduce.create(device) if cfg.all_reduce == "auto" else None
+        self.tp = TPGroup(rank=cfg.rank, size=cfg.world_size, fast=fast)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-        log.info("rank %d/%d joined %s over %s", cfg.rank, cfg.world_size, cfg.init_method,
-                 cfg.backend)
+        log.info("rank %d/%d joined %s over %s%s", cfg.rank, cfg.world_size, cfg.init_method,
+                 cfg.backend, " (peer-memory all-reduce up to "
+                 f"{fast.two_shot_max >> 20} MiB)" if fast else "")
 
     def _watch(self) -> None:
         """Exit when rank 0's store disappears, a replacement rank abandons this group or a

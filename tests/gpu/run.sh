@@ -10,6 +10,7 @@
 #   samplers the fused sampling kernels' GPU time at decode batches (SAMPLERS_ARGS)
 #   profile  per-kernel GPU time of one decode step (with sampling) at batch 131, fused vs unfused
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
+#   allreduce NCCL vs peer-memory all-reduce, 64 KiB-16 MiB, on every GPU of the host
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3; 0 = skip) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
 #            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways;
@@ -28,7 +29,8 @@
 #            ../shared/peer-bench), on the same checkpoint
 #   structured nano-vllm's workload with every request JSON-schema constrained (client/bench_schema.json)
 #            against free, alternating x ST_RUNS (3) on one server, half constrained once, then
-#            tests/gpu/structured_check.py (validity, TTFT new/cached schema); the checkpoint
+#            tests/gpu/structured_check.py (validity, TTFT new/cached schema); ST_SCHEMA picks
+#            another schema file; the checkpoint
 #            gets Qwen3's real 151k-token tokenizer from .device/qwen-tokenizer (carry it)
 #   fp8      FP8 weights: GEMMs, 0.6B logits vs HF, Qwen3-8B shapes in-process (bf16 / fp8 /
 #            fp8 + fp8 KV) and through gRPC (fp8 + fp8 KV) x FP8_RUNS (1), nano-vllm x PEER_RUNS (2)
@@ -64,6 +66,7 @@ for w in ${*:-kernels model bench}; do
       python3 -m kernels.build_flash_attn --smoke 2>&1 | tee "$OUT/flash_smoke.log" || rc=1 ;;
     kernels|model|tp|sampling) python3 "tests/gpu/test_${w}_gpu.py" 2>&1 | tee "$OUT/$w.md" || rc=1 ;;
     unit) python3 -m pytest -q -p no:cacheprovider ${UNIT_ARGS:-tests/test_kernels_*.py} 2>&1 | tee "$OUT/unit.md" || rc=1 ;;
+    allreduce) python3 tests/gpu/bench_all_reduce.py 2>&1 | tee "$OUT/allreduce.md" || rc=1 ;;
     attn) python3 tests/gpu/bench_decode_attention.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attn.md" || rc=1 ;;
     linear) python3 tests/gpu/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.md" || rc=1 ;;
     samplers) python3 tests/gpu/bench_sampling.py ${SAMPLERS_ARGS:-} 2>&1 | tee "$OUT/samplers.md" || rc=1 ;;
@@ -139,10 +142,10 @@ for w in ${*:-kernels model bench}; do
       B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051 --client-procs 4)
       for r in $(seq "${ST_RUNS:-3}"); do   # alternate, so drift hits both alike
         "${B[@]}" --json "$OUT/st_free_$r.json" 2>>"$OUT/st_bench.err" | tail -n 12 > "$OUT/st_free_$r.txt" || rc=1
-        "${B[@]}" --json-schema client/bench_schema.json --json "$OUT/st_json_$r.json" \
+        "${B[@]}" --json-schema "${ST_SCHEMA:-client/bench_schema.json}" --json "$OUT/st_json_$r.json" \
           2>>"$OUT/st_bench.err" | tail -n 12 > "$OUT/st_json_$r.txt" || rc=1
       done
-      "${B[@]}" --json-schema client/bench_schema.json --constrained-fraction 0.5 \
+      "${B[@]}" --json-schema "${ST_SCHEMA:-client/bench_schema.json}" --constrained-fraction 0.5 \
         --json "$OUT/st_half.json" 2>>"$OUT/st_bench.err" | tail -n 12 > "$OUT/st_half.txt" || rc=1
       python3 tests/gpu/structured_check.py --target 127.0.0.1:50051 | tee "$OUT/structured.md" || rc=1
       kill %2 %1 2>/dev/null; wait
@@ -150,7 +153,7 @@ for w in ${*:-kernels model bench}; do
       grep -H "output tok/s\|GPU idle" "$OUT"/st_*.txt ;;
     fp8)   # FP8 weights (issue 32): GEMMs, logits vs HF, nano-vllm's workload at Qwen3-8B shapes
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
-      timeout 120 python3 tests/gpu/fp8_check.py gemm > "$OUT/fp8_gemm.md" || rc=1
+      timeout 200 python3 tests/gpu/fp8_check.py gemm > "$OUT/fp8_gemm.md" || rc=1
       timeout 120 python3 tests/gpu/fp8_check.py logits "$NANOSERVE_QWEN06B" > "$OUT/fp8_logits.md" 2>/dev/null || rc=1
       M8=/dev/shm/qwen3-8b; [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
       B=(python3 -m client.bench --no-progress --device-name "$GPU" --warmup 4)

@@ -119,11 +119,13 @@ def decode_throughput(path, tp, device) -> float:
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
+    from models import fast_all_reduce
     from models.parallel import TPGroup
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, device_id=device)
+    fast = fast_all_reduce.create(device)
     rows = []
     for name in SHAPES:
         path = pathlib.Path(out_dir) / name
@@ -135,25 +137,28 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             ref_logits, ref_tokens = logits_and_greedy(path, TPGroup(), device)
             tp1_tps = decode_throughput(path, TPGroup(), device)
         dist.barrier()
-        logits, tokens = logits_and_greedy(path, TPGroup(rank, 2), device)
-        tp2_tps = decode_throughput(path, TPGroup(rank, 2), device)
+        logits, tokens = logits_and_greedy(path, TPGroup(rank, 2, fast=fast), device)
+        tp2_nccl = decode_throughput(path, TPGroup(rank, 2), device)
+        tp2_tps = decode_throughput(path, TPGroup(rank, 2, fast=fast), device)
         if rank == 0:
             def err(a, b):
                 return float((a - b).norm() / b.norm())
             agree = [next((j for j in range(tokens.shape[1]) if tokens[i, j] != ref_tokens[i, j]),
                           tokens.shape[1]) for i in range(tokens.shape[0])]
             rows.append((name, err(logits, ref_logits), err(ref_logits, fp32_logits),
-                         err(logits, fp32_logits), agree, tp1_tps, tp2_tps))
+                         err(logits, fp32_logits), agree, tp1_tps, tp2_nccl, tp2_tps))
         dist.barrier()
     if rank == 0:
-        print(f"\n{torch.cuda.get_device_name(0)} x2, torch {torch.__version__}, NCCL")
+        print(f"\n{torch.cuda.get_device_name(0)} x2, torch {torch.__version__}; TP=2 "
+              f"all-reduce: {'peer memory up to 8 MiB, NCCL above' if fast else 'NCCL (no peer memory)'}")
         print("\nlogits: rel. L2 error of bf16 runs (TP=2 vs TP=1, and each vs our TP=1 in fp32); "
               f"decode: batch {BATCH}, context {CONTEXT}")
         print("\n| shape | TP=2 vs TP=1 | TP=1 vs fp32 | TP=2 vs fp32 | greedy tokens agreeing "
-              "TP=2/TP=1 (of 16) | decode tok/s TP=1 | decode tok/s TP=2 |")
-        print("|---|---|---|---|---|---|---|")
-        for name, e21, e1, e2, agree, t1, t2 in rows:
-            print(f"| {name} | {e21:.4f} | {e1:.4f} | {e2:.4f} | {agree} | {t1:,.0f} | {t2:,.0f} |")
+              "TP=2/TP=1 (of 16) | decode tok/s TP=1 | TP=2, NCCL only | TP=2 | TP=2 / TP=1 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, e21, e1, e2, agree, t1, t2n, t2 in rows:
+            print(f"| {name} | {e21:.4f} | {e1:.4f} | {e2:.4f} | {agree} | {t1:,.0f} | {t2n:,.0f} "
+                  f"| {t2:,.0f} | {t2 / t1:.2f}x |")
     dist.destroy_process_group()
 
 

@@ -1,0 +1,114 @@
+"""All-reduce of decode-sized tensors over NVLink through peer memory; NCCL for the rest.
+
+Why: a TP decode step all-reduces two tensors per layer of a few hundred KB to a few MB
+(batch x hidden x 2 bytes). At those sizes NCCL's ring costs its latency, not NVLink's
+bandwidth. With every rank's buffer mapped into every other rank's address space (torch
+symmetric memory: CUDA VMM allocations exchanged once at start), one kernel per rank copies
+its tensor into its own buffer, meets the peers at a barrier on the buffers' signal pads,
+and sums all ranks' buffers straight out of peer memory ("one shot"). Two-shot (each rank
+reduces 1/N of the tensor, then gathers the other parts) moves fewer bytes per link and
+wins for larger tensors. Both kernels are torch's (`torch.ops.symm_mem`), capturable in
+CUDA graphs. Beyond `two_shot_max` bytes, NCCL's ring is the better algorithm and is kept.
+
+Every rank sums the ranks' values in rank order, so all ranks get bit-identical results,
+as TP requires (each rank continues from its own copy of the sum).
+
+NVLink multicast (the `multimem` kernels) is not used: the lent GPU hosts keep it off.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("nanoserve.worker")
+
+# Measured on 2x H200 (tests/gpu/bench_all_reduce.py, tests/gpu/RESULTS.md): one-shot is
+# fastest up to ONE_SHOT_MAX bytes, two-shot beyond (1.1-1.6x NCCL up to 8 MiB, near it at
+# 16 MiB); NCCL above TWO_SHOT_MAX, where its ring is built for the job.
+ONE_SHOT_MAX = 256 << 10
+TWO_SHOT_MAX = 8 << 20
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass
+class FastAllReduce:
+    """A symmetric buffer of `size` bytes shared by every rank of `group_name`."""
+    group_name: str
+    buffer: torch.Tensor            # uint8 [size], symmetric: viewed as the input's dtype
+    one_shot_max: int = ONE_SHOT_MAX
+    two_shot_max: int = TWO_SHOT_MAX
+
+    def handles(self, x: torch.Tensor) -> bool:
+        """Whether x goes through peer memory (else: NCCL)."""
+        nbytes = x.numel() * x.element_size()
+        return (x.device == self.buffer.device and x.dtype in DTYPES and x.is_contiguous()
+                and nbytes % 16 == 0 and 0 < nbytes <= min(self.two_shot_max, self.buffer.numel()))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks, as a new tensor (x is left as it was)."""
+        nbytes = x.numel() * x.element_size()
+        staged = self.buffer[:nbytes].view(x.dtype)
+        if nbytes <= self.one_shot_max:
+            out = torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x.view(-1), "sum",
+                                                              self.group_name)
+            return out.view(x.shape)
+        staged.copy_(x.view(-1))
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+        return staged.view(x.shape).clone()
+
+
+def create(device: torch.device, group: dist.ProcessGroup | None = None,
+           size: int = TWO_SHOT_MAX) -> FastAllReduce | None:
+    """Set up peer buffers for every rank of `group` (default: the world); a collective.
+
+    Returns None, on every rank alike, where peer memory cannot work: CPU or gloo; ranks on
+    different hosts; a process that cannot see its peers' GPUs (one GPU visible per
+    container, as docker-compose deploys workers); a driver without VMM peer access. Each
+    stage's outcome is agreed on over the group before the next, so a failure on one rank
+    cannot leave the others waiting in a rendezvous."""
+    if device.type != "cuda":
+        return None
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    # Where every rank is: (host, GPU index as this process numbers them).
+    mine = device.index if device.index is not None else torch.cuda.current_device()
+    here = torch.tensor([zlib.crc32(socket.gethostname().encode()), mine],
+                        dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(here) for _ in range(world)]
+    dist.all_gather(everyone, here, group=group)
+    hosts = {int(t[0]) for t in everyone}
+    gpus = [int(t[1]) for t in everyone]
+    reachable = (len(hosts) == 1 and len(set(gpus)) == world
+                 and max(gpus) < torch.cuda.device_count()
+                 and all(g == mine or torch.cuda.can_device_access_peer(mine, g) for g in gpus))
+    buffer = None
+    if _all_agree(reachable, device, group):
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+            buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        except Exception as e:  # noqa: BLE001 - any failure means: not here
+            log.warning("peer memory unavailable (%s)", e)
+    if not _all_agree(buffer is not None, device, group):
+        log.info("all-reduce: NCCL for all sizes (no peer memory between these ranks)")
+        return None
+    try:
+        symm_mem.rendezvous(buffer, group.group_name)
+        ok = True
+    except Exception as e:  # noqa: BLE001
+        log.warning("peer-memory rendezvous failed (%s)", e)
+        ok = False
+    if not _all_agree(ok, device, group):
+        return None
+    return FastAllReduce(group.group_name, buffer)
+
+
+def _all_agree(ok: bool, device: torch.device, group: dist.ProcessGroup) -> bool:
+    """True on every rank if ok is true on every rank (one NCCL all-reduce)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -1,0 +1,96 @@
+"""Weight-only FP8 GEMM (kernels/fp8_linear.py: fp8_weight_only_linear, e4m3 weights with
+per-channel scales, activations unquantized) vs its torch reference, on CPU via the
+interpreter.
+
+Sizes are tiny but ragged: T in {1, 5, 37}, N in {64, 200}, K in {128, 300}, so token,
+channel and reduction tiles are partial; channel scales span two decades, so a scale
+applied to the wrong channel (or not at all) shows.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+# Must precede the first `import triton` (tests/conftest.py does the same, globally);
+# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
+if not os.environ.get("NANOSERVE_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.fp8_linear import (FP8, fp8_weight_only_linear, fp8_weight_only_ref, quantize_rows,
+                                w8a16_block_m)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def make_case(t: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0,
+              lead: tuple[int, ...] | None = None) -> tuple:
+    """x [*lead or t, k] in dtype, e4m3 weights [n, k] with per-row scales, bias [n] (in
+    dtype) or None; outputs are O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*(lead or (t,)), k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g) / k ** 0.5 * torch.logspace(-1, 1, n)[:, None]
+    w_q, w_scale = quantize_rows(w)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return (x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE),
+            None if b is None else b.to(DEVICE))
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: tight. bf16/fp16: both round float32 sums to the output dtype, so about one
+    ulp of it apart (2e-2 relative to the output's scale leaves margin)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    scale = ref.float().abs().max().item()
+    tol = 1e-4 if ref.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
+CASES = list(itertools.product([1, 5, 37], [64, 200], [128, 300]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, n, k", CASES)
+def test_weight_only_matches_ref(t: int, n: int, k: int, dtype: torch.dtype) -> None:
+    for bias in (False, True):
+        x, w_q, w_scale, b = make_case(t, n, k, dtype, bias, seed=t * n + k)
+        ref = fp8_weight_only_ref(x, w_q, w_scale, b)
+        assert_matches(fp8_weight_only_linear(x, w_q, w_scale, b), ref)
+
+
+def test_weight_only_3d_input_and_fp16() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w_q, w_scale, b = make_case(0, 72, 160, dtype, bias=True, seed=3, lead=(2, 3))
+        out = fp8_weight_only_linear(x, w_q, w_scale, b)
+        assert out.shape == (2, 3, 72)
+        assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale, b))
+        assert_matches(out[1], fp8_weight_only_linear(x[1], w_q, w_scale, b))
+
+
+def test_weight_only_several_token_tiles_and_small_blocks() -> None:
+    """block_m 16 over 37 tokens: three token tiles (the default puts them in one)."""
+    x, w_q, w_scale, b = make_case(37, 200, 300, torch.bfloat16, bias=True, seed=4)
+    out = fp8_weight_only_linear(x, w_q, w_scale, b, block_m=16, block_n=32, block_k=32)
+    assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale, b))
+
+
+def test_weight_only_differs_from_wrong_references() -> None:
+    """The comparison can fail: without the scale, or with the scales of other channels."""
+    x, w_q, w_scale, b = make_case(5, 200, 300, torch.float32, bias=False, seed=5)
+    out = fp8_weight_only_linear(x, w_q, w_scale)
+    assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale))
+    for wrong in (torch.ones_like(w_scale), w_scale.flip(0)):
+        with pytest.raises(AssertionError):
+            assert_matches(out, fp8_weight_only_ref(x, w_q, wrong))
+    assert w_q.dtype == FP8
+
+
+def test_weight_only_empty_batch_and_block_m() -> None:
+    x, w_q, w_scale, _ = make_case(0, 64, 128, torch.bfloat16, bias=False)
+    assert fp8_weight_only_linear(x, w_q, w_scale).shape == (0, 64)
+    assert [w8a16_block_m(t) for t in (1, 16, 17, 32, 33, 64, 65, 512)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128]
