@@ -51,7 +51,7 @@ import random
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from client.client import Stats
@@ -126,7 +126,7 @@ def for_run(workload: list[BenchRequest], run: int, vocab_size: int) -> list[Ben
         return workload
     high = min(vocab_size, PROMPT_ID_HIGH + 1)
     shift = run * 3571   # (a tiny test vocabulary may map a run onto another: no matter)
-    return [BenchRequest([(t + shift) % high for t in r.prompt_ids], r.max_tokens)
+    return [replace(r, prompt_ids=[(t + shift) % high for t in r.prompt_ids])
             for r in workload]
 
 
@@ -704,7 +704,13 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=min(args.max_model_len or info.max_model_len, info.max_model_len),
             eos_token_id=info.eos_token_id)
-        return Engine(group, info, config, collector.on_output, overlap=not args.no_overlap)
+        ff = None
+        if args.fast_forward and info.structured_output:
+            from nanoserve.grammar_tokenizer import load_tokenizer
+            from scheduler_service.fast_forward import FastForward
+            ff = FastForward(load_tokenizer(args.model, info.vocab_size, info.eos_token_id))
+        return Engine(group, info, config, collector.on_output, overlap=not args.no_overlap,
+                      fast_forward=ff)
 
     runner_thread = _EngineThread(group, args.block_size, args.num_kv_blocks, make_engine)
     engine, info = runner_thread.engine, runner_thread.engine.info
@@ -852,6 +858,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(0: all prefills eager)")
     ip.add_argument("--no-overlap", action="store_true",
                     help="one step in flight (the engine waits for each step's ids)")
+    ip.add_argument("--fast-forward", action="store_true",
+                    help="with --json-schema: forced tokens without a step each (scheduler "
+                         "--fast-forward; through gRPC pass it to the scheduler)")
     ip.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ip.add_argument("--max-model-len", type=int, default=4096,
                     help="context length (capped by the model's)")

@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-overlap", action="store_true",
                    help="keep one step in flight instead of two (by default step N+1 is "
                         "scheduled and sent while the workers compute step N)")
+    p.add_argument("--fast-forward", action="store_true",
+                   help="structured output: where a request's format allows exactly one "
+                        "continuation (a JSON schema's fixed keys and punctuation), emit those "
+                        "tokens without a decode step each; they run as extra decode rows of "
+                        "the next step. Requests with logprobs or penalties sample every token")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,
@@ -143,6 +148,7 @@ class ControlPlane:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             overlap=not args.no_overlap, log_level=args.log_level,
+            fast_forward=args.fast_forward, model_dir=args.model,
             worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret)
         self.frontend_configs = [FrontendConfig(

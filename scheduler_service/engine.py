@@ -30,6 +30,8 @@ from typing import Callable
 
 from nanoserve.v1 import worker_pb2
 from nanoserve.worker_group import GroupInfo, WorkerGroupError
+from scheduler_service import fast_forward
+from scheduler_service.fast_forward import FastForward
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
 from scheduler_service.sequence import (PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus,
                                         sibling_options)
@@ -58,6 +60,7 @@ class StepOutputs:
 class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
+    num_fast_forward_tokens: int = 0   # of those, known from a grammar without a sample
     # Decode-step time breakdown (ms, summed): what the benchmark's idle analysis reads.
     num_decode_steps: int = 0
     num_decode_seqs: int = 0
@@ -72,8 +75,10 @@ class EngineStats:
 class Engine:
     def __init__(self, group, info: GroupInfo, config: SchedulerConfig,
                  on_output: Callable[[StepOutputs], None], overlap: bool = True,
-                 on_health: Callable[[bool], None] | None = None):
+                 on_health: Callable[[bool], None] | None = None,
+                 fast_forward: FastForward | None = None):
         self.group = group
+        self.fast_forward = fast_forward   # None: constrained sequences sample every token
         self.info = info
         self.config = config
         self.scheduler = Scheduler(config)
@@ -146,6 +151,8 @@ class Engine:
             elif self.scheduler.abort(item) is None and self._held:
                 for sibs in self._held.values():   # a sibling not queued yet
                     sibs[:] = [s for s in sibs if s.seq_id != item]
+            elif self.fast_forward is not None:
+                self.fast_forward.drop(item)
         if self._held:
             self._release_held()
         if rejected:
@@ -227,7 +234,11 @@ class Engine:
             seqs = batch.seqs
             batch.seq_ids = [s.seq_id for s in seqs]
             req.decode.seq_ids_u64 = array("Q", batch.seq_ids).tobytes()
-            inputs = array("i", [s.token_ids[-1] for s in seqs])
+            if batch.num_tokens == len(seqs):
+                inputs = array("i", [s.token_ids[-1] for s in seqs])
+            else:   # fast-forward: a sequence's uncomputed tokens, each a decode row
+                inputs = array("i", [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]])
+                req.decode.num_tokens_i32 = array("i", [s.num_scheduled_tokens for s in seqs]).tobytes()
             if inputs.count(PENDING_TOKEN) != len(inputs):   # some ids already known
                 req.decode.token_ids_i32 = inputs.tobytes()
             if batch.new_blocks:
@@ -264,6 +275,8 @@ class Engine:
                     work.prompt_ids_i32 = array("i", seq.token_ids[:p]).tobytes()
                 if s.grammar:       # the grammar's state is rebuilt from the output so far
                     work.sampling.grammar = s.grammar
+                    work.sampling.fast_forward = (self.fast_forward is not None
+                                                  and fast_forward.eligible(seq))
                 if s.has_penalty or s.grammar:
                     work.output_ids_i32 = array("i", seq.token_ids[p:]).tobytes()
         req.token_ids_i32 = tokens.tobytes()
@@ -294,7 +307,34 @@ class Engine:
             out.top_logprobs = self._top_logprobs(batch, resp, done)
         out.finished = [(s.seq_id, s.finish_reason, s.usage_cached_tokens or 0)
                         for s in done if s.status is SequenceStatus.FINISHED]
+        if self.fast_forward is not None:
+            self._fast_forward(done, out)
         return out
+
+    def _fast_forward(self, done: list[Sequence], out: StepOutputs) -> None:
+        """Tokens the grammars of `done` force next: known now, sent with this step's."""
+        ff = self.fast_forward
+        for seq in done:
+            if seq.status is SequenceStatus.FINISHED:
+                ff.drop(seq.seq_id)
+                continue
+            if not fast_forward.eligible(seq):
+                continue
+            forced = ff.forced(seq)
+            known = self.scheduler.fast_forward(seq, forced) if forced else []
+            if not known:
+                continue
+            out.seq_ids = [*out.seq_ids, *[seq.seq_id] * len(known)]
+            out.token_ids = [*out.token_ids, *known]
+            if out.logprobs is not None:
+                out.logprobs.extend([0.0] * len(known))
+            if out.top_logprobs is not None:
+                out.top_logprobs.extend([([], [])] * len(known))
+            self.stats.num_generated_tokens += len(known)
+            self.stats.num_fast_forward_tokens += len(known)
+            if seq.status is SequenceStatus.FINISHED:
+                ff.drop(seq.seq_id)
+                out.finished.append((seq.seq_id, seq.finish_reason, seq.usage_cached_tokens or 0))
 
     @staticmethod
     def _top_logprobs(batch: Batch, resp: worker_pb2.StepResponse, done: list[Sequence]

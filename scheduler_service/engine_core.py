@@ -24,10 +24,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.security import channel_credentials
 from nanoserve.worker_group import WorkerGroupError
 from scheduler_service import ipc, metrics
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
+from scheduler_service.fast_forward import FastForward
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.worker_client import WorkerGroup, wait_for_group
 
@@ -45,6 +47,8 @@ class EngineCoreConfig:
     max_model_len: int = 0          # 0 = the workers' limit
     max_waiting: int = 1024
     overlap: bool = True
+    fast_forward: bool = False           # --fast-forward (scheduler_service/fast_forward.py)
+    model_dir: str = ""                  # its tokenizer.json, for fast-forward
     log_level: str = "INFO"
     worker_tls_ca: str | None = None     # PEM paths: TLS to the workers when set
     worker_tls_cert: str | None = None   # our client cert, for workers that require one
@@ -73,8 +77,12 @@ class EngineCore:
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id)
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len}
+        ff = None
+        if cfg.fast_forward and info.structured_output:
+            tokenizer = load_tokenizer(cfg.model_dir, info.vocab_size, info.eos_token_id)
+            ff = FastForward(tokenizer) if tokenizer is not None else None
         self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,
-                             on_health=self._send_health)
+                             on_health=self._send_health, fast_forward=ff)
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)   # never drop a step's tokens
@@ -174,6 +182,7 @@ class EngineCore:
                 "num_kv_blocks": sched.block_manager.num_blocks,
                 "num_free_kv_blocks": sched.block_manager.num_free_blocks,
                 "num_preemptions": sched.num_preemptions, "workers_healthy": e.healthy,
+                "num_fast_forward_mismatches": sched.num_fast_forward_mismatches,
                 **dataclasses.asdict(e.stats)}
 
     # ---- core -> frontends ------------------------------------------------------------

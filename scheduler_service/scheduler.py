@@ -7,6 +7,11 @@ newest running sequence is preempted by recompute: its blocks are released and i
 re-prefilled later over all its tokens (prefix-cache hits make that cheap when its old
 blocks have not been reused yet).
 
+Fast-forward (structured output): where a sequence's grammar forces its next tokens, the
+engine core hands them to `fast_forward`: they become known at once, and the next decode
+step computes them as extra decode rows of that sequence (one sample, at its last), so a
+schema's fixed keys and punctuation cost no step each.
+
 Overlap: a step's results are folded in two halves. `advance` runs as soon as the step is
 sent (its KV will exist; each sampling seq gets a PENDING_TOKEN placeholder), so the next
 step can be scheduled while the worker computes; `resolve` fills the placeholders when
@@ -59,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_fast_forward_mismatches = 0   # in-flight samples that were not the forced token
         self._live: dict[int, Sequence] = {}  # seq_id -> seq, for abort
         self._released: list[int] = []
 
@@ -116,6 +122,7 @@ class Scheduler:
             if seq.num_pending_tokens:
                 del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]
                 seq.num_pending_tokens = 0
+            seq.ahead.clear()
             seq.status = SequenceStatus.WAITING
             seq.block_table = []
             seq.num_cached_tokens = seq.num_computed_tokens = 0
@@ -177,27 +184,37 @@ class Scheduler:
         seqs: list[Sequence] = []
         new_blocks: list[tuple[int, int]] = []
         done: list[Sequence] = []   # every token sampled (pending): nothing left to compute
-        while self.running and len(seqs) < limit:
+        rows = 0    # decode rows: one per sequence, more for fast-forward tokens
+        while self.running and rows < limit:
             seq = self.running.popleft()
             n = len(seq.token_ids)
             if seq.num_pending_tokens and n >= seq.len_limit:
                 done.append(seq)
                 continue
+            todo = n - seq.num_computed_tokens   # 1, or 1 + forced tokens after a fast-forward
+            if todo > 1 and rows + todo > limit:
+                self.running.appendleft(seq)     # next step
+                break
             # BlockManager.can_append / may_append, inlined: this runs for every running
             # sequence every step, and almost never finds one that needs a block.
-            if len(seq.block_table) * bs < n:   # its next token needs a block
-                while not bm.num_free_blocks:
-                    if not self.running:
+            if len(seq.block_table) * bs < n:   # its next token(s) need a block
+                first = len(new_blocks)
+                for _ in range(-(-n // bs) - len(seq.block_table)):
+                    while not bm.num_free_blocks and self.running:
+                        self._preempt(self.running.pop())  # the newest loses its KV
+                    if not bm.num_free_blocks:
+                        del new_blocks[first:]
                         self._preempt(seq)
                         break
-                    self._preempt(self.running.pop())  # the newest loses its KV
-                else:
                     new_blocks.append((len(seqs), bm.append_block(seq)))
-                    seq.num_scheduled_tokens = 1
+                else:
+                    seq.num_scheduled_tokens = todo
                     seqs.append(seq)
+                    rows += todo
                 continue
-            seq.num_scheduled_tokens = 1
+            seq.num_scheduled_tokens = todo
             seqs.append(seq)
+            rows += todo
         self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
         return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks)
                 if seqs else None)
@@ -253,8 +270,14 @@ class Scheduler:
         out: list[Sequence] = []
         finished = False
         for k, seq in enumerate(seqs):
-            if seq.status is SequenceStatus.FINISHED or not seq.num_pending_tokens:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted (or finished) after schedule(): its result is dropped
+            if seq.ahead:  # fast-forward knew this one: the worker sampled the forced token
+                if sampled[k] != seq.ahead.pop(0):
+                    self.num_fast_forward_mismatches += 1
+                continue
+            if not seq.num_pending_tokens:
+                continue
             token = sampled[k]
             ids = seq.token_ids
             pos = len(ids) - seq.num_pending_tokens
@@ -284,6 +307,38 @@ class Scheduler:
             self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
             self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
         return out
+
+    def fast_forward(self, seq: Sequence, forced: list[int]) -> list[int]:
+        """Tokens seq's grammar forces after its newest known one become known now: the
+        sample of its step in flight (if any) is forced[0] (the worker samples that token
+        for a fast-forward sequence), the rest are appended, their KV computed by its next
+        decode step. Returns the tokens that became known, cut where a stop id or the length
+        limit ends the sequence (it is finished then)."""
+        if seq.status is SequenceStatus.FINISHED or not forced or seq.num_pending_tokens > 1:
+            return []
+        ids = seq.token_ids
+        known: list[int] = []
+        reason = None
+        for token in forced:
+            if seq.num_pending_tokens:       # the in-flight sample: known before it arrives
+                ids[-1] = token
+                seq.num_pending_tokens = 0
+                seq.ahead.append(token)
+            else:
+                ids.append(token)
+            known.append(token)
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif len(ids) >= seq.len_limit:
+                reason = "length"
+            if reason is not None:
+                del self._live[seq.seq_id]
+                (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+                self._release(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+                break
+        return known
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:

@@ -69,6 +69,9 @@ class Sequence:
     num_scheduled_tokens: int = 0  # tokens to compute in the current step
     num_hashed_blocks: int = 0    # leading full blocks registered in the hash table (BlockManager's)
     num_pending_tokens: int = 0   # trailing PENDING_TOKEN placeholders (steps in flight)
+    # Samples of steps in flight already known: fast-forward put the token its grammar
+    # forces in their place (the worker samples that token); resolve skips them, oldest first.
+    ahead: list[int] = field(default_factory=list)
     # Prompt tokens served from the prefix cache at first admission: what usage reports
     # (a re-prefill after preemption hitting its own old blocks is not the client's saving).
     usage_cached_tokens: int | None = None

@@ -99,12 +99,15 @@ def check_report(report: dict, mode: str) -> None:
 def test_runs_after_the_first_reuse_no_prompt() -> None:
     """Repeated runs keep the lengths but never the ids of the run before: the prefix cache
     must not serve a second run's prefill (nano-vllm runs each time with an empty cache)."""
-    base = make_workload(WorkloadConfig(), 151936, 4096)
+    base = make_workload(WorkloadConfig(json_schema='{"type": "array"}', constrained_fraction=0.5),
+                         151936, 4096)
     assert for_run(base, 0, 151936) is base
+    assert sum(r.json_schema is not None for r in base) == len(base) // 2   # the format stays
     runs = [for_run(base, k, 151936) for k in range(1, 5)]
     for run in runs:
         assert [len(r.prompt_ids) for r in run] == [len(r.prompt_ids) for r in base]
         assert [r.max_tokens for r in run] == [r.max_tokens for r in base]
+        assert [r.json_schema for r in run] == [r.json_schema for r in base]
         assert all(0 <= t <= 10000 for r in run for t in r.prompt_ids)
     firsts = [tuple(tuple(r.prompt_ids[:16]) for r in run) for run in [base, *runs]]
     assert len(set(firsts)) == 5

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from llguidance import LLMatcher
 
+from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.v1 import worker_pb2
 from scheduler_service.constraints import grammar_for
 from tiny_checkpoint import tiny_qwen3_dir
-from worker_service.grammar import GrammarState, load_tokenizer
+from worker_service.grammar import GrammarState
 
 VOCAB, EOS = 389, 0
 SCHEMA = json.dumps({"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3})
@@ -87,3 +88,42 @@ def test_a_matcher_in_error_allows_only_eos(tokenizer):
     masks = np.zeros((1, state.words), np.int32)
     state.fill(state.rows([1]), masks)
     assert allowed(masks[0]) == {EOS}
+
+
+def test_fast_forward_samples_the_forced_token_and_takes_in_forced_rows(tokenizer):
+    """A fast-forward matcher where its grammar forces bytes allows only the first forced
+    token (what the scheduler expects); the decode rows after a sequence's first are
+    forced tokens its matcher takes in before its next mask. A plain matcher's mask is
+    llguidance's own."""
+    grammar = grammar_for("json_schema", json.dumps(
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+         "required": ["name"], "additionalProperties": False}))
+    state = GrammarState(tokenizer, VOCAB, EOS, threads=1)
+    req = worker_pb2.StepRequest()
+    for seq_id, ff in ((1, True), (2, False)):
+        w = req.seqs.add(seq_id=seq_id, reset_block_table=True)
+        w.sampling.grammar, w.sampling.fast_forward = grammar, ff
+    state.update(req)
+    ref = LLMatcher(tokenizer, grammar)
+    forced = ref.compute_ff_tokens()                  # '{"name": "' in canonical tokens
+    assert len(forced) >= 2
+    masks = np.zeros((2, state.words), np.int32)
+    state.fill(state.rows([1, 2]), masks)
+    plain = np.zeros((1, state.words), np.int32)
+    ref.unsafe_compute_mask_ptr(plain.ctypes.data, state.words * 4)
+    assert allowed(masks[0]) == {forced[0]}
+    assert allowed(masks[1]) == allowed(plain[0])     # (llguidance itself mostly allows
+    # only the canonical token where bytes are forced: the two often agree)
+    state.sampled(state.rows([1, 2]), lambda: np.array([forced[0], forced[0]]))
+    state.catch_up()
+    # The next step runs seq 1's sample and the rest of the forced tokens as decode rows.
+    step = worker_pb2.StepRequest()
+    step.decode.seq_ids_u64 = np.array([1], "<u8").tobytes()
+    step.decode.num_tokens_i32 = np.array([len(forced)], "<i4").tobytes()
+    step.decode.token_ids_i32 = np.array([-1, *forced[1:]], "<i4").tobytes()
+    state.update(step)
+    state.fill(state.rows([1]), masks[:1])
+    ref.consume_tokens(forced)
+    expect = np.zeros((1, state.words), np.int32)
+    ref.unsafe_compute_mask_ptr(expect.ctypes.data, state.words * 4)
+    assert allowed(masks[0]) == allowed(expect[0]) and len(allowed(masks[0])) > 1

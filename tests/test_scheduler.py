@@ -387,3 +387,82 @@ def test_recompute_all_requeues_everything_for_re_prefill():
     batch = s.schedule()                          # re-prefill of every token, no stale hits
     assert batch.is_prefill and [x.seq_id for x in batch.seqs] == [0, 1, 2]
     assert [x.num_scheduled_tokens for x in batch.seqs] == [10, 10, 9]
+
+
+# ---- fast-forward (structured output) --------------------------------------------------
+
+
+def test_fast_forward_knows_the_step_in_flight_and_runs_the_rest_as_decode_rows():
+    """Overlap: step 2 is in flight when step 1's token arrives and the grammar forces
+    [40, 41, 42, 43]: step 2's sample is 40 (known now), 41-43 join the next decode step
+    as rows of their own (crossing into a third block), one sample after them."""
+    s = make(num_kv_blocks=16, block_size=4)
+    a, b = seq(1, [1, 2, 3]), seq(2, [4, 5])
+    s.add(a)
+    s.add(b)
+    s.postprocess(s.schedule(), [10, 20])                # prefill: a = [1,2,3,10]
+    step1 = s.schedule()
+    s.advance(step1)
+    step2 = s.schedule()
+    s.advance(step2)                                      # a = [1,2,3,10,P1,P2]
+    assert s.resolve(step1, [11, 21]) == [a, b]           # a = [1,2,3,10,11,P2]
+    assert s.fast_forward(a, [40, 41, 42, 43]) == [40, 41, 42, 43]
+    assert a.token_ids == [1, 2, 3, 10, 11, 40, 41, 42, 43] and a.ahead == [40]
+    assert a.num_pending_tokens == 0 and a.num_computed_tokens == 5
+    step3 = s.schedule()
+    assert shape(step3) == [(1, 5, 4, True), (2, 4, 1, True)]
+    assert len(a.block_table) == 3 and len(b.block_table) == 2
+    assert step3.new_blocks == [(0, a.block_table[2]), (1, b.block_table[1])]
+    s.advance(step3)
+    assert s.resolve(step2, [40, 22]) == [b]              # a's sample was known: skipped
+    assert a.ahead == [] and s.num_fast_forward_mismatches == 0
+    assert s.resolve(step3, [50, 23]) == [a, b]
+    assert a.token_ids == [1, 2, 3, 10, 11, 40, 41, 42, 43, 50] and a.num_computed_tokens == 9
+
+
+def test_fast_forward_without_a_step_in_flight_appends_every_forced_token():
+    s = make(num_kv_blocks=16, block_size=4)
+    a = seq(1, [1, 2, 3])
+    s.add(a)
+    s.postprocess(s.schedule(), [10])                     # no overlap: nothing in flight
+    assert s.fast_forward(a, [40, 41]) == [40, 41]
+    assert a.ahead == [] and a.num_computed_tokens == 3
+    assert shape(s.schedule()) == [(1, 3, 3, True)]       # 10, 40, 41: three rows
+
+
+def test_a_sample_other_than_the_forced_token_is_counted():
+    s = make(num_kv_blocks=16, block_size=4)
+    a = seq(1, [1, 2, 3])
+    s.add(a)
+    s.postprocess(s.schedule(), [10])
+    step1 = s.schedule()
+    s.advance(step1)
+    s.fast_forward(a, [40])
+    s.resolve(step1, [39])
+    assert s.num_fast_forward_mismatches == 1 and a.token_ids[-1] == 40
+
+
+@pytest.mark.parametrize("opts, forced, known, reason", [
+    ({"stop_token_ids": (41,)}, [40, 41, 42], [40, 41], "stop"),
+    ({"max_tokens": 3}, [40, 41, 42], [40, 41], "length"),
+])
+def test_fast_forward_ends_where_a_stop_id_or_the_length_limit_falls(opts, forced, known, reason):
+    s = make(num_kv_blocks=16, block_size=4)
+    a = seq(1, [1, 2, 3], **opts)
+    s.add(a)
+    s.postprocess(s.schedule(), [10])
+    assert s.fast_forward(a, forced) == known
+    assert a.status is F and a.finish_reason == reason and a.token_ids == [1, 2, 3, 10, *known]
+    assert not s.has_work() and s.block_manager.num_free_blocks == 16
+
+
+def test_fast_forward_rows_wait_for_blocks_by_preempting_the_newest():
+    s = make(num_kv_blocks=3, block_size=4)
+    a, b = seq(1, [1, 2, 3]), seq(2, [4, 5, 6])
+    s.add(a)
+    s.add(b)
+    s.postprocess(s.schedule(), [10, 20])                 # a, b: one full block each
+    s.fast_forward(a, [40, 41, 42, 43, 44])               # a needs 2 more blocks; 1 is free
+    batch = s.schedule()
+    assert shape(batch) == [(1, 3, 6, True)] and s.num_preemptions == 1
+    assert b.status is W and len(a.block_table) == 3

@@ -138,6 +138,45 @@ def test_mixed_prefill_and_decode_in_one_step():
     assert plan.fill[0].tolist() == [3]   # seq 1's input: its sample from step 1
 
 
+def fast_forward(step_id, seq_ids, per, tokens, new_blocks=()):
+    req = decode(step_id, seq_ids, tokens, new_blocks)
+    req.decode.num_tokens_i32 = np.array(per, "<i4").tobytes()
+    return req
+
+
+def test_fast_forward_tokens_run_as_decode_rows_of_their_sequence():
+    """Seq 1 runs its sample (placeholder) and 3 forced tokens, crossing into a new block;
+    seq 2 one token: 5 decode rows, one sample per sequence, at its last row."""
+    t = SeqTable(NUM_BLOCKS, BS, VOCAB, MAX_LEN)
+    t.commit(t.plan(prefill(1, [(1, [10], 0, 3), (2, [20], 0, 2)], [1, 2, 3, 4, 5])))
+    plan = t.plan(fast_forward(2, [1, 2], [4, 1], [PLACEHOLDER, 7, 8, 9, PLACEHOLDER],
+                               new_blocks=[(0, 11)]))
+    assert plan.is_decode and plan.seq_ids == [1, 1, 1, 1, 2]
+    assert plan.positions.tolist() == [3, 4, 5, 6, 2]
+    assert plan.context_lens.tolist() == [4, 5, 6, 7, 3]
+    assert plan.slot_mapping.tolist() == expected_slots([10, 11], [3, 4, 5, 6]) + [20 * BS + 2]
+    assert plan.sample.tolist() == [False, False, False, True, True]
+    assert plan.sampling_seq_ids == [1, 2]
+    assert plan.fill[0].tolist() == [0, 4] and plan.fill[1].tolist() == [0, 1]
+    t.commit(plan)
+    nxt = t.plan(decode(3, [1, 2], new_blocks=()))
+    assert nxt.positions.tolist() == [7, 3]                 # 4 and 1 tokens further on
+    assert nxt.fill[1].tolist() == [0, 1]                   # their samples, in row order
+
+
+@pytest.mark.parametrize("per, tokens, message", [
+    ([2], [1, PLACEHOLDER], "first token"),
+    ([0], [], "count >= 1"),
+    ([1, 1], [1], "count >= 1"),
+    ([2], [1, 2, 3], "token ids"),
+])
+def test_bad_fast_forward_rows_are_step_errors(per, tokens, message):
+    t = SeqTable(NUM_BLOCKS, BS, VOCAB, MAX_LEN)
+    t.commit(t.plan(prefill(1, [(1, [10, 11], 0, 3)], [1, 2, 3])))
+    with pytest.raises(StepError, match=message):
+        t.plan(fast_forward(2, [1], per, tokens))
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: decode(2, [9]), "unknown"),
     (lambda: prefill(2, [(9, [], 0, 1)], [1], reset=False), "unknown"),

@@ -23,7 +23,6 @@ step's masks are handed to the threads grouped by root.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import OrderedDict
@@ -45,24 +44,6 @@ def mask_threads() -> int:
     return max(1, min(32, int(0.8 * (os.cpu_count() or 1))))
 
 
-def load_tokenizer(model_dir: str, vocab_size: int, eos_token_id: int) -> LLTokenizer | None:
-    """llguidance's view of the model's tokenizer.json; None (logged) where the model has
-    none or llguidance cannot read it: the worker then says it cannot follow grammars
-    (WorkerInfo.structured_output) and the scheduler refuses formats instead of ignoring them."""
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        log.warning("no tokenizer.json in %s: requests with an output format are refused", model_dir)
-        return None
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        return LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
-    except ValueError as e:
-        log.warning("llguidance cannot read %s (%s): requests with an output format are refused",
-                    path, e)
-        return None
-
-
 @dataclass
 class Awaiting:
     """Samples of a launched step that matchers still have to consume."""
@@ -72,9 +53,11 @@ class Awaiting:
 
 @dataclass(eq=False)
 class Matcher:
-    """One sequence's matcher and which compiled root it was copied from."""
+    """One sequence's matcher, which compiled root it was copied from, and whether it
+    samples fast-forward tokens (WorkerSampling.fast_forward)."""
     m: LLMatcher
     root: int
+    fast_forward: bool = False
 
 
 class GrammarState:
@@ -92,11 +75,12 @@ class GrammarState:
         self.compiled: OrderedDict[str, tuple[list[LLMatcher], int]] = OrderedDict()
         self.matchers: dict[int, Matcher] = {}   # seq_id -> matcher
         self.awaiting: list[Awaiting] = []
+        self.forced: list[tuple[Matcher, list[int]]] = []   # fast-forward tokens to take in
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
-    def _fresh(self, grammar: str) -> Matcher:
+    def _fresh(self, grammar: str, fast_forward: bool = False) -> Matcher:
         roots, started = self.compiled.pop(grammar, ([], 0))
         j = started % self.threads
         if j == len(roots):   # another root, until there is one per thread
@@ -107,7 +91,7 @@ class GrammarState:
         self.compiled[grammar] = (roots, started + 1)   # most recently used last
         if len(self.compiled) > COMPILED_CACHE:
             self.compiled.popitem(last=False)
-        return Matcher(roots[j].deep_copy(), j)
+        return Matcher(roots[j].deep_copy(), j, fast_forward)
 
     def update(self, req: worker_pb2.StepRequest) -> None:
         """Follow the step's drops and (re)sent sequences (after SeqTable.plan checked it)."""
@@ -119,11 +103,20 @@ class GrammarState:
                 continue
             self.matchers.pop(w.seq_id, None)
             if w.sampling.grammar:
-                m = self._fresh(w.sampling.grammar)
+                m = self._fresh(w.sampling.grammar, w.sampling.fast_forward)
                 output = np.frombuffer(w.output_ids_i32, "<i4").tolist()
                 if output:
                     m.m.consume_tokens(output)
                 self.matchers[w.seq_id] = m
+        d = req.decode
+        if d.num_tokens_i32 and self.matchers:   # fast-forward: all but the first token are forced
+            per = np.frombuffer(d.num_tokens_i32, "<i4")
+            tokens = np.frombuffer(d.token_ids_i32, "<i4")
+            ends = np.cumsum(per)
+            for seq_id, n, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), per.tolist(),
+                                      ends.tolist()):
+                if n > 1 and (m := self.matchers.get(seq_id)) is not None:
+                    self.forced.append((m, tokens[end - n + 1:end].tolist()))
 
     def rows(self, sampling_seq_ids: list[int]) -> list[tuple[int, Matcher]]:
         """(sampling row, matcher) of the step's constrained rows."""
@@ -142,14 +135,23 @@ class GrammarState:
 
     def fill(self, rows: list[tuple[int, Matcher]], out: np.ndarray) -> None:
         """Masks of `rows` into out [len(rows), words] int32, in parallel (grouped by root,
-        see the module docstring). A matcher in an error state (it cannot be, unless its
-        grammar failed on the worker) allows only the end-of-sequence token, so the
-        sequence ends instead of producing garbage."""
+        see the module docstring), after the matchers took in the step's fast-forward
+        tokens (they follow every sampled id, which catch_up gave them). A matcher in an
+        error state (it cannot be, unless its grammar failed on the worker) allows only the
+        end-of-sequence token, so the sequence ends instead of producing garbage; a
+        fast-forward matcher where its grammar forces a continuation allows only the first
+        forced token, the one the scheduler expects."""
+        for m, tokens in self.forced:
+            m.m.consume_tokens(tokens)
+        self.forced.clear()
         work = sorted(((m.m, j) for j, (_, m) in enumerate(rows)), key=lambda t: rows[t[1]][1].root)
         self.executor.unsafe_compute_mask_ptr(work, out.ctypes.data, self.words * 4, len(rows))
         for j, (_, m) in enumerate(rows):
             if m.m.is_error():
                 out[j] = self.eos_only
+            elif m.fast_forward and (forced := m.m.compute_ff_tokens()):
+                out[j] = 0
+                out[j].view(np.uint32)[forced[0] // 32] = 1 << (forced[0] % 32)
 
     def sampled(self, rows: list[tuple[int, Matcher]], tokens: Callable[[], np.ndarray]) -> None:
         """The step that masked `rows` is launched; `tokens()` will give its sampled ids."""

@@ -31,8 +31,9 @@ from kernels.kv_quant import FP8_DTYPE
 from models.loader import config_dtype, load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
+from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.v1 import worker_pb2
-from worker_service.grammar import GrammarState, load_tokenizer
+from worker_service.grammar import GrammarState
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
 from worker_service.step_plan import SeqTable, StepError, StepPlan

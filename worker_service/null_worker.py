@@ -35,10 +35,11 @@ import grpc
 import grpc.aio
 import numpy as np
 
+from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.security import OPEN_WORKER, AsyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.metrics import WorkerMetrics
-from worker_service.grammar import GrammarState, load_tokenizer
+from worker_service.grammar import GrammarState
 from worker_service.step_plan import SeqTable, StepError
 
 log = logging.getLogger("nanoserve.worker")

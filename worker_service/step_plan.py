@@ -206,21 +206,40 @@ class SeqTable:
                     raise StepError(f"sequence {dec_seq_ids[i]}: more blocks than max_model_len needs")
                 self.tables[row, n] = block
                 self.table_len[row] = n + 1
+            if len(set(dec_seq_ids) | set(seq_ids)) != nd + len(seq_ids):
+                raise StepError("a sequence appears twice in one step")
+            per = np.frombuffer(d.num_tokens_i32, "<i4").astype(np.int64) if d.num_tokens_i32 else None
+            if per is not None and (len(per) != nd or (per < 1).any()):
+                raise StepError(f"decode num_tokens must hold one count >= 1 for each of {nd} sequences")
+            n_dec = nd if per is None else int(per.sum())
+            dec_tokens = (np.frombuffer(d.token_ids_i32, "<i4").astype(np.int64) if d.token_ids_i32
+                          else np.full(n_dec, PLACEHOLDER, np.int64))
+            if len(dec_tokens) != n_dec:
+                raise StepError(f"decode batch has {len(dec_tokens)} token ids for {n_dec} tokens")
+            dec_offset = np.zeros(n_dec, np.int64)
+            dec_sample = [True] * n_dec
+            if per is not None:   # fast-forward: each token a decode row, the last one samples
+                first = np.repeat(np.cumsum(per) - per, per)
+                dec_offset = np.arange(n_dec) - first
+                if (dec_tokens[dec_offset > 0] == PLACEHOLDER).any():
+                    raise StepError("a placeholder input (-1) must be its sequence's first token")
+                dec_seq_ids = np.repeat(dec_ids, per).tolist()
+                dec_rows = np.repeat(dec_rows, per).tolist()
+                dec_sample = (dec_offset == np.repeat(per - 1, per)).tolist()
             seq_ids += dec_seq_ids
             rows += dec_rows
-            dec_tokens = (np.frombuffer(d.token_ids_i32, "<i4").astype(np.int64) if d.token_ids_i32
-                          else np.full(nd, PLACEHOLDER, np.int64))
-            if len(dec_tokens) != nd:
-                raise StepError(f"decode batch has {len(dec_tokens)} token ids for {nd} sequences")
+        elif len(set(seq_ids)) != len(seq_ids):
+            raise StepError("a sequence appears twice in one step")
         if not rows:
             raise StepError("empty step")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise StepError("a sequence appears twice in one step")
 
         rows_a = np.array(rows, dtype=np.int64)
-        num_tokens = np.array(n_tok + [1] * nd, dtype=np.int64)
-        start_pos = np.concatenate([np.array(starts, dtype=np.int64), self.computed[rows_a[len(n_tok):]]])
-        sample_a = np.array(sample + [True] * nd, dtype=bool)
+        n_dec = len(rows) - len(n_tok)
+        num_tokens = np.array(n_tok + [1] * n_dec, dtype=np.int64)
+        start_pos = np.concatenate([np.array(starts, dtype=np.int64),
+                                    self.computed[rows_a[len(n_tok):]] + dec_offset if nd
+                                    else np.zeros(0, np.int64)])
+        sample_a = np.array(sample + (dec_sample if nd else []), dtype=bool)
         token_ids = np.concatenate([prefill_tokens, dec_tokens]) if nd else prefill_tokens
         if nd and not len(n_tok):
             positions = start_pos.copy()
@@ -273,7 +292,11 @@ class SeqTable:
     def commit(self, plan: StepPlan) -> None:
         """The step is launched: its tokens are in the KV cache and its samples are the
         ones later placeholders refer to."""
-        self.computed[plan.rows] = plan.context_lens
+        rows, ctx = plan.rows, plan.context_lens
+        if len(rows) > 1 and (rows[1:] == rows[:-1]).any():   # fast-forward rows: the last counts
+            keep = np.r_[rows[1:] != rows[:-1], True]
+            rows, ctx = rows[keep], ctx[keep]
+        self.computed[rows] = ctx
         sampled = [s for s, keep in zip(plan.seq_ids, plan.sample.tolist()) if keep]
         if sampled:
             self.last_rows = {s: i for i, s in enumerate(sampled)}

@@ -1,0 +1,67 @@
+"""Fast-forward tokens: where a sequence's grammar allows exactly one continuation (a JSON
+schema's fixed keys and punctuation), the engine core knows those tokens without a step.
+
+The engine core follows each fast-forward sequence's grammar with a matcher of its own,
+advanced by every token the sequence gets (the worker's sampling rank keeps another, for
+masks). After each, llguidance's `compute_ff_tokens` gives the canonical tokens of the
+bytes the grammar forces; Scheduler.fast_forward makes them known at once, and the next
+decode step computes them as extra decode rows. The worker samples the first forced token
+itself (WorkerSampling.fast_forward): its matcher is in the same state and gives the same
+tokens, so the sample of the step already in flight is known before it arrives.
+
+Measured on this repo's 2-core VM (Qwen3's tokenizer, a 4-key JSON schema): taking in a
+token ~4 us, asking for forced tokens ~0.5 us (~32 us when some are forced).
+Only sequences without logprobs or penalties fast-forward: a forced token has no
+sampled logprob, and penalties would need the forced tokens counted on the worker.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from llguidance import LLMatcher, LLTokenizer
+
+from scheduler_service.sequence import Sequence
+
+log = logging.getLogger("nanoserve.engine")
+
+COMPILED_CACHE = 64   # grammars kept compiled (a sequence's matcher is a deep copy)
+
+
+def eligible(seq: Sequence) -> bool:
+    """Whether seq fast-forwards (see the module docstring)."""
+    s = seq.sampling
+    return bool(s.grammar) and not (s.logprobs or s.top_logprobs or s.has_penalty)
+
+
+class FastForward:
+    def __init__(self, tokenizer: LLTokenizer):
+        self.tokenizer = tokenizer
+        self.compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self.matchers: dict[int, tuple[LLMatcher, int]] = {}   # seq_id -> (matcher, outputs taken in)
+
+    def forced(self, seq: Sequence) -> list[int]:
+        """Take seq's known output tokens into its matcher; the tokens its grammar forces
+        next ([] where none is forced, or the grammar is done or broken)."""
+        m, taken = self.matchers.get(seq.seq_id) or (self._fresh(seq.sampling.grammar), 0)
+        known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens
+        if known > taken:
+            m.consume_tokens(seq.token_ids[seq.num_prompt_tokens + taken:seq.num_prompt_tokens + known])
+        self.matchers[seq.seq_id] = (m, known)
+        if m.is_error() or m.is_stopped():
+            return []
+        return m.compute_ff_tokens()
+
+    def drop(self, seq_id: int) -> None:
+        self.matchers.pop(seq_id, None)
+
+    def _fresh(self, grammar: str) -> LLMatcher:
+        root = self.compiled.pop(grammar, None)
+        if root is None:
+            root = LLMatcher(self.tokenizer, grammar, log_level=0)
+            if root.is_error():
+                log.warning("grammar does not compile in the engine core: %s", root.get_error())
+        self.compiled[grammar] = root   # most recently used last
+        if len(self.compiled) > COMPILED_CACHE:
+            self.compiled.popitem(last=False)
+        return root.deep_copy()

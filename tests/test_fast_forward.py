@@ -1,0 +1,135 @@
+"""Fast-forward tokens end to end (scheduler --fast-forward): a real worker and the control
+plane on loopback, a random-weight tiny Qwen3.
+
+Where a format forces its next tokens, the engine core appends them without a sampling step
+and the worker computes them as extra decode rows of the next step. Checked against
+independent references: every completion validates (jsonschema); greedy completions are,
+token by token, Hugging Face's argmax over what the format allows wherever the format left
+a choice (teacher-forced logits of the whole output: the KV the extra rows wrote must be
+right for that); free requests in the same steps stay token-exact with HF greedy; the
+engine core's forced tokens always match what the worker sampled.
+"""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import numpy as np
+import pytest
+import torch
+import transformers
+from llguidance import LLMatcher
+
+from nanoserve.grammar_tokenizer import load_tokenizer
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_service.constraints import grammar_for
+from services import start_scheduler, start_worker
+from tiny_checkpoint import tiny_qwen3_dir
+
+pytestmark = pytest.mark.slow
+VOCAB, EOS = 389, 0
+SCHEMA = {   # fixed keys between short values: long forced runs
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5},
+                   "city": {"type": "string", "maxLength": 5},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "maxItems": 2}},
+    "required": ["name", "city", "age", "tags"],
+    "additionalProperties": False,
+}
+FORMAT = generate_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=11)
+
+
+@pytest.fixture(scope="module")
+def stub(model_dir):
+    worker = start_worker(model_dir)
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=8, extra=["--fast-forward"])
+        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
+        yield generate_pb2_grpc.GenerationStub(channel)
+        channel.close()
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def request(prompt, constrained=True, **sampling) -> generate_pb2.GenerateRequest:
+    params = generate_pb2.SamplingParams(**sampling)
+    if constrained:
+        params.structured.CopyFrom(FORMAT)
+    return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), sampling=params,
+                                        skip_special_tokens=True)
+
+
+def stats(stub) -> generate_pb2.Stats:
+    return stub.GetStats(generate_pb2.StatsRequest())
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_sampled_completions_validate_and_forced_tokens_skip_steps(stub, hf_model):
+    before = stats(stub)
+    free = [[7, 8, 9, 10], [20 + i for i in range(30)]]
+    with ThreadPoolExecutor(16) as pool:
+        constrained = [pool.submit(stub.Complete, request([3, 5 + seed % 7, 11], temperature=1.0,
+                                                          seed=seed, max_tokens=200), timeout=120)
+                       for seed in range(16)]
+        greedy = [pool.submit(stub.Complete, request(p, False, temperature=0.0, max_tokens=24,
+                                                     ignore_eos=True), timeout=120) for p in free]
+        for p, f in zip(free, greedy):   # free rows share steps with fast-forward rows
+            assert list(f.result().token_ids) == hf_greedy(hf_model, p, 24)
+        answers = [f.result() for f in constrained]
+    stopped = [a for a in answers if a.finish_reason == generate_pb2.FINISH_REASON_STOP]
+    assert len(stopped) >= 14, [a.text for a in answers]
+    for a in stopped:
+        jsonschema.validate(json.loads(a.text), SCHEMA)
+    after = stats(stub)
+    generated = after.num_generated_tokens - before.num_generated_tokens
+    forced = after.num_fast_forward_tokens - before.num_fast_forward_tokens
+    assert forced > 0.3 * sum(len(a.token_ids) for a in answers), (forced, generated)
+    assert after.num_fast_forward_mismatches == 0
+
+
+def test_greedy_is_the_masked_argmax_of_hf_wherever_the_format_leaves_a_choice(stub, hf_model,
+                                                                               model_dir):
+    tokenizer = load_tokenizer(str(model_dir), VOCAB, EOS)
+    grammar = grammar_for("json_schema", json.dumps(SCHEMA))
+    checked = 0
+    for prompt in ([3, 4, 5], [30, 31, 32, 33, 34, 35, 36], [100]):
+        a = stub.Complete(request(prompt, temperature=0.0, max_tokens=200), timeout=120)
+        assert a.finish_reason == generate_pb2.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(a.text), SCHEMA)
+        out = list(a.token_ids)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:]
+        m = LLMatcher(tokenizer, grammar)
+        for i, token in enumerate(out):
+            mask = np.frombuffer(m.compute_bitmask(), np.uint8)
+            allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little")[:VOCAB])
+            assert token in allowed, (i, token)
+            if not m.compute_ff_tokens() and len(allowed) > 1:   # the model chose here
+                assert token == int(allowed[logits[i, allowed].argmax()]), (prompt, i)
+                checked += 1
+            m.consume_token(token)
+    assert checked >= 10
+    assert stats(stub).num_fast_forward_mismatches == 0
