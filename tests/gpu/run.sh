@@ -30,7 +30,7 @@
 #   structured nano-vllm's workload with every request JSON-schema constrained (client/bench_schema.json)
 #            against free, alternating x ST_RUNS (3) on one server, half constrained once, then
 #            tests/gpu/structured_check.py (validity, TTFT new/cached schema); ST_SCHEMA picks
-#            another schema file; the checkpoint
+#            another schema file, ST_SCHED_ARGS adds scheduler flags (--fast-forward); the checkpoint
 #            gets Qwen3's real 151k-token tokenizer from .device/qwen-tokenizer (carry it)
 #   fp8      FP8 weights: GEMMs, 0.6B logits vs HF, Qwen3-8B shapes in-process (bf16 / fp8 /
 #            fp8 + fp8 KV) and through gRPC (fp8 + fp8 KV) x FP8_RUNS (1), nano-vllm x PEER_RUNS (2)
@@ -136,8 +136,9 @@ for w in ${*:-kernels model bench}; do
         "$NANOSERVE_QWEN06B/config.json" "$S/config.json"
       python3 -m worker_service --model "$S" --port 50061 --max-model-len 4096 --log-level WARNING \
         > "$OUT/st_worker.log" 2>&1 &
+      # shellcheck disable=SC2086
       python3 -m scheduler_service --model "$S" --workers 127.0.0.1:50061 --port 50051 \
-        --max-model-len 4096 --log-level WARNING > "$OUT/st_scheduler.log" 2>&1 &
+        --max-model-len 4096 --log-level WARNING ${ST_SCHED_ARGS:-} > "$OUT/st_scheduler.log" 2>&1 &
       for i in $(seq 300); do grep -q listening "$OUT/st_scheduler.log" && break; sleep 1; done
       B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051 --client-procs 4)
       for r in $(seq "${ST_RUNS:-3}"); do   # alternate, so drift hits both alike
