@@ -361,6 +361,8 @@ class Engine:
                                            if s.status != SequenceStatus.FINISHED}.values())
         for seq in failed:
             self.scheduler.abort(seq.seq_id)
+            if self.fast_forward is not None:
+                self.fast_forward.drop(seq.seq_id)
         if failed:
             self.on_output(StepOutputs(errors=[(s.seq_id, "INTERNAL", str(err)) for s in failed]))
         self.scheduler.recompute_all()   # the workers' KV is gone

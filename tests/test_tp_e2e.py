@@ -66,7 +66,7 @@ def start_stack(model_dir, world_size: int, **tp) -> Stack:
                else [start_worker(model_dir)])
     try:
         sched = start_scheduler(model_dir, [w.port for w in workers], block_size=BLOCK,
-                                extra=["--max-num-batched-tokens", "64"])
+                                extra=["--max-num-batched-tokens", "64", "--fast-forward"])
     except BaseException:
         _stop_all(*workers)
         raise
@@ -121,7 +121,8 @@ def test_tp2_penalties_top_logprobs_and_n_match_tp1(stacks):
 
 def test_tp2_constrained_sampling_matches_tp1(stacks):
     """Only rank 0 keeps grammar state (it samples): seeded constrained completions under
-    TP=2 are the TP=1 ones, and match the schema."""
+    TP=2 are the TP=1 ones, and match the schema; both fast-forward the schema's keys (its
+    forced tokens run as extra decode rows on every rank)."""
     _, _, tp2, tp1 = stacks
     schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5},
                                                "v": {"type": "array", "items": {"type": "integer"},
@@ -132,8 +133,11 @@ def test_tp2_constrained_sampling_matches_tp1(stacks):
                                                json_schema=json.dumps(schema)))
     req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 9, 5, 9, 17]),
                                        sampling=sampling, skip_special_tokens=True)
+    stats = lambda s: s.stub.GetStats(generate_pb2.StatsRequest())  # noqa: E731
+    before = stats(tp2).num_fast_forward_tokens
     a, b = (s.stub.Complete(req, timeout=120) for s in (tp2, tp1))
     assert [list(c.token_ids) for c in a.choices] == [list(c.token_ids) for c in b.choices]
+    assert stats(tp2).num_fast_forward_tokens > before and stats(tp2).num_fast_forward_mismatches == 0
     for c in a.choices:
         assert c.finish_reason == generate_pb2.FINISH_REASON_STOP
         jsonschema.validate(json.loads(c.text), schema)
