@@ -187,11 +187,13 @@ def test_formats_that_do_not_compile_are_invalid_argument(stub, structured, frag
     assert after.num_steps == before.num_steps   # refused before any work
 
 
-def test_worker_killed_mid_stream_constrained_output_still_valid(model_dir):
-    """The new worker rebuilds each matcher from the output the scheduler resends."""
+@pytest.mark.parametrize("flags", [[], ["--fast-forward"]], ids=["sampled", "fast-forward"])
+def test_worker_killed_mid_stream_constrained_output_still_valid(model_dir, flags):
+    """The new worker rebuilds each matcher from the output the scheduler resends (with
+    fast-forward: samples known ahead are forgotten with the steps that never answered)."""
     worker = start_worker(model_dir)
     port = worker.port
-    sched = start_scheduler(model_dir, [port], block_size=8)
+    sched = start_scheduler(model_dir, [port], block_size=8, extra=flags)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
