@@ -1,6 +1,7 @@
 """Start the real services as separate processes on 127.0.0.1 for end-to-end tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -174,6 +175,23 @@ def start_scheduler(model_dir: Path, worker_ports: list[int], block_size: int = 
     return Proc("scheduler", ["scheduler_service", "--model", str(model_dir), "--workers", workers,
                               "--port", "0", "--block-size", str(block_size),
                               "--log-level", "WARNING", *extra]).start()
+
+
+@contextlib.contextmanager
+def generation_stub(model_dir: Path, block_size: int = 8, extra: list[str] = ()):
+    """A real worker and scheduler on loopback for the duration: the Generation stub."""
+    import grpc
+    from nanoserve.v1 import generate_pb2_grpc
+    worker = start_worker(model_dir)
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=block_size, extra=extra)
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            yield generate_pb2_grpc.GenerationStub(channel)
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
 
 
 def engine_idle(stub) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import jsonschema
 import numpy as np
 import pytest
@@ -23,9 +22,10 @@ import transformers
 from llguidance import LLMatcher
 
 from nanoserve.grammar_tokenizer import load_tokenizer
-from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from nanoserve.v1 import generate_pb2
 from scheduler_service.constraints import grammar_for
-from services import start_scheduler, start_worker
+from services import generation_stub
+from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -49,17 +49,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(model_dir):
-    worker = start_worker(model_dir)
-    sched = None
-    try:
-        sched = start_scheduler(model_dir, [worker.port], block_size=8, extra=["--fast-forward"])
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-        yield generate_pb2_grpc.GenerationStub(channel)
-        channel.close()
-    finally:
-        if sched:
-            sched.stop()
-        worker.stop()
+    with generation_stub(model_dir, extra=["--fast-forward"]) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +68,6 @@ def request(prompt, constrained=True, **sampling) -> generate_pb2.GenerateReques
 
 def stats(stub) -> generate_pb2.Stats:
     return stub.GetStats(generate_pb2.StatsRequest())
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def test_sampled_completions_validate_and_forced_tokens_skip_steps(stub, hf_model):

@@ -20,7 +20,8 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import engine_idle, start_null_worker, start_scheduler, start_worker, wait_until
+from services import (engine_idle, generation_stub, start_null_worker, start_scheduler, start_worker,
+                      wait_until)
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -50,17 +51,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(model_dir):
-    worker = start_worker(model_dir)
-    sched = None
-    try:
-        sched = start_scheduler(model_dir, [worker.port], block_size=8)
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-        yield generate_pb2_grpc.GenerationStub(channel)
-        channel.close()
-    finally:
-        if sched:
-            sched.stop()
-        worker.stop()
+    with generation_stub(model_dir) as stub:
+        yield stub
 
 
 def request(prompt, structured=None, **sampling) -> generate_pb2.GenerateRequest:

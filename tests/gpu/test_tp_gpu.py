@@ -4,7 +4,9 @@ For each shape (random bf16 weights, HF default init):
   * logits of a ragged prefill and greedy tokens of a batched paged decode, TP=2 against
     TP=1 (rel. L2 error of the logits; tokens agreeing before the first bf16 near-tie);
   * decode throughput of the real ModelRunner (CUDA graphs, Triton attention, on-GPU
-    sampling) at batch 256, context 1024: TP=1 on GPU 0, then TP=2 over both GPUs.
+    sampling) at batch 256, context 1024, each step launched before the previous one's
+    answer is read (as the worker serves): TP=1 on GPU 0, then TP=2 over both GPUs, with
+    NCCL alone and with the peer-memory all-reduce.
 
     python tests/gpu/test_tp_gpu.py          # on a 2-GPU host; prints the RESULTS table
 """
@@ -109,8 +111,13 @@ def decode_throughput(path, tp, device) -> float:
         runner.step(request(s + 1, s == 0))
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    for s in range(TIMED_STEPS):
-        runner.step(request(s + 4, False))
+    pending = None
+    for s in range(TIMED_STEPS):   # pipelined as the worker serves: step s+1 launched first
+        launched = runner.launch(request(s + 4, False))
+        if pending is not None:
+            runner.finish(pending)
+        pending = launched
+    runner.finish(pending)
     elapsed = time.perf_counter() - t0
     del runner
     torch.cuda.empty_cache()
