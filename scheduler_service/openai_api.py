@@ -193,6 +193,7 @@ class OpenAIApi:
         self.gen = gen
         self.cfg = cfg
         self.created = int(time.time())
+        self._opens: dict[str, bool] = {}   # _opens_reasoning by its template kwargs
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 << 20)
@@ -294,13 +295,20 @@ class OpenAIApi:
     def _opens_reasoning(self, template_kwargs: dict) -> bool:
         """The template's generation prompt ends with `<think>` (thinking-only models): the
         answer starts inside the reasoning. Read off a one-message render (the suffix does
-        not depend on the messages, only on flags such as enable_thinking)."""
-        try:
-            text = self.gen.tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
-                                                          True, **template_kwargs)
-        except ValueError:
-            return False
-        return text.rstrip().endswith("<think>")
+        not depend on the messages, only on flags such as enable_thinking), once per set of
+        flags: a chat request renders the template once, for its prompt."""
+        key = json.dumps(template_kwargs, sort_keys=True, default=str)
+        if key not in self._opens:
+            try:
+                text = self.gen.tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                                              True, **template_kwargs)
+                opens = text.rstrip().endswith("<think>")
+            except ValueError:
+                opens = False
+            if len(self._opens) >= 256:
+                self._opens.clear()
+            self._opens[key] = opens
+        return self._opens[key]
 
     async def _choices(self, req: Request) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, delta) of every completion, interleaved as they come: choice
