@@ -61,7 +61,8 @@ from client.proc_cpu import diff as proc_cpu_diff, host_cores, own_cpu_s, python
 PROMPT_ID_HIGH = 10000
 PERCENTILES = (50, 90, 99)
 # Engine counters (Stats RPC / EngineStats) that the decode breakdown diffs.
-DECODE_FIELDS = tuple(f.name for f in fields(Stats) if f.name.startswith(("num_decode_", "decode_")))
+DECODE_FIELDS = tuple(f.name for f in fields(Stats) if f.name.startswith(("num_decode_", "decode_"))
+                      or f.name == "num_fast_forward_tokens")
 
 
 # ---------------------------------------------------------------------------- workload
@@ -203,6 +204,7 @@ class DecodeBreakdown:
     snapshots so the warm-up and anything before it do not count."""
     steps: int = 0
     seqs: int = 0
+    fast_forward_tokens: int = 0   # output tokens a format forced, run without a step each
     wall_ms: float = 0.0
     schedule_ms: float = 0.0
     rpc_ms: float = 0.0
@@ -214,6 +216,7 @@ class DecodeBreakdown:
     def diff(cls, before: Mapping[str, float], after: Mapping[str, float]) -> "DecodeBreakdown":
         d = {k: after[k] - before[k] for k in DECODE_FIELDS}
         return cls(steps=int(d["num_decode_steps"]), seqs=int(d["num_decode_seqs"]),
+                   fast_forward_tokens=int(d["num_fast_forward_tokens"]),
                    **{k.removeprefix("decode_"): v for k, v in d.items() if k.startswith("decode_")})
 
     @property
@@ -233,6 +236,7 @@ class DecodeBreakdown:
         return {
             "steps": self.steps,
             "mean_batch": self.seqs / self.steps if self.steps else 0.0,
+            "fast_forward_tokens": self.fast_forward_tokens,
             "gpu_timed": self.gpu_timed,
             "idle_ms_per_step": per["idle"],
             # idle <= wall by construction; dividing first keeps idle == wall at exactly 100
@@ -358,7 +362,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"TTFT ms        {pct(r['ttft_ms'])}",
         f"ITL ms         {pct(r['itl_ms'])}",
         f"streamed       {r['tokens_per_message']:.2f} tokens per message",
-        f"decode steps   {d['steps']}   mean batch {d['mean_batch']:.1f}",
+        f"decode steps   {d['steps']}   mean batch {d['mean_batch']:.1f}"
+        + (f"   fast-forward tokens {d['fast_forward_tokens']:,} "
+           f"({100 * d['fast_forward_tokens'] / max(r['output_tokens'], 1):.0f}% of output)"
+           if d.get("fast_forward_tokens") else ""),
     ]
     if d["gpu_timed"]:
         lines.append(f"GPU idle       {d['idle_pct']:.1f}% of decode wall, "

@@ -224,6 +224,9 @@ class Stats:
     decode_worker_ms: float = 0.0
     decode_gpu_ms: float = 0.0
     decode_postprocess_ms: float = 0.0
+    # Of num_generated_tokens, those an output format forced (scheduler --fast-forward)
+    num_fast_forward_tokens: int = 0
+    num_fast_forward_mismatches: int = 0
 
 
 # ---------------------------------------------------------------------------- conversions

@@ -298,10 +298,12 @@ def test_arrivals_and_breakdown():
     assert offs == sorted(offs) and 15 < offs[-1] < 25        # ~2000 / 100 req/s
     before = dict.fromkeys(["num_decode_steps", "num_decode_seqs", "decode_wall_ms",
                             "decode_schedule_ms", "decode_rpc_ms", "decode_worker_ms",
-                            "decode_gpu_ms", "decode_postprocess_ms"], 0)
+                            "decode_gpu_ms", "decode_postprocess_ms",
+                            "num_fast_forward_tokens"], 0)
     after = dict(before, num_decode_steps=10, num_decode_seqs=40, decode_wall_ms=100.0,
-                 decode_gpu_ms=80.0, decode_rpc_ms=90.0)
+                 decode_gpu_ms=80.0, decode_rpc_ms=90.0, num_fast_forward_tokens=7)
     s = DecodeBreakdown.diff(before, after).summary()
+    assert s["fast_forward_tokens"] == 7
     assert s["mean_batch"] == 4 and s["gpu_timed"]
     assert s["idle_ms_per_step"] == pytest.approx(2.0) and s["idle_pct"] == pytest.approx(20.0)
 
