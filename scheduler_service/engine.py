@@ -168,6 +168,12 @@ class Engine:
                 self.on_output(StepOutputs(errors=errors))
             else:
                 rejected.errors.extend(errors)
+            return
+        if self.fast_forward is not None and not seq.num_completion_tokens:
+            out = StepOutputs()   # what its format forces before any sample: known now,
+            self._fast_forward([seq], out)   # computed by its prefill
+            if out:
+                self.on_output(out)
 
     # ---- the loop -------------------------------------------------------------------
 

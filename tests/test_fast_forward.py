@@ -118,6 +118,21 @@ def test_greedy_is_the_masked_argmax_of_hf_wherever_the_format_leaves_a_choice(s
     assert stats(stub).num_fast_forward_mismatches == 0
 
 
+def test_what_a_format_forces_before_any_sample_needs_no_step(stub, model_dir):
+    """The schema's opening ('{"name": "') is forced: a request for 3 tokens gets them at
+    admission, ends with "length", and no step runs; one for more tokens prefills them."""
+    tokenizer = load_tokenizer(str(model_dir), VOCAB, EOS)
+    opening = LLMatcher(tokenizer, grammar_for("json_schema", json.dumps(SCHEMA))).compute_ff_tokens()
+    assert len(opening) > 3
+    before = stats(stub)
+    a = stub.Complete(request([3, 4, 5], temperature=1.0, seed=1, max_tokens=3), timeout=30)
+    after = stats(stub)
+    assert list(a.token_ids) == opening[:3] and a.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert after.num_steps == before.num_steps
+    b = stub.Complete(request([3, 4, 5], temperature=1.0, seed=1, max_tokens=200), timeout=60)
+    assert list(b.token_ids[:len(opening)]) == opening
+
+
 def test_preempted_and_resumed_under_a_small_kv_cache_still_valid(model_dir):
     """A KV cache of 30 blocks of 8 tokens for 8 concurrent completions: sequences are
     preempted with forced tokens known ahead of their step in flight, and re-prefilled."""
