@@ -192,7 +192,7 @@ class Scheduler:
                 done.append(seq)
                 continue
             todo = n - seq.num_computed_tokens   # 1, or 1 + forced tokens after a fast-forward
-            if todo > 1 and rows + todo > limit:
+            if todo > 1 and rows and rows + todo > limit:
                 self.running.appendleft(seq)     # next step
                 break
             # BlockManager.can_append / may_append, inlined: this runs for every running
@@ -316,6 +316,8 @@ class Scheduler:
         limit ends the sequence (it is finished then)."""
         if seq.status is SequenceStatus.FINISHED or not forced or seq.num_pending_tokens > 1:
             return []
+        # A run longer than a decode step's rows waits: the rest is forced again later.
+        forced = forced[:min(self.config.max_num_seqs, self.config.max_num_batched_tokens) - 1]
         ids = seq.token_ids
         known: list[int] = []
         reason = None

@@ -466,3 +466,18 @@ def test_fast_forward_rows_wait_for_blocks_by_preempting_the_newest():
     batch = s.schedule()
     assert shape(batch) == [(1, 3, 6, True)] and s.num_preemptions == 1
     assert b.status is W and len(a.block_table) == 3
+
+
+def test_a_forced_run_longer_than_a_step_is_cut_to_fit_one():
+    """max_num_seqs 4: a decode step has at most 4 rows, so at most 3 forced tokens are
+    taken (with the sampled one before them); the sequence is never left unschedulable."""
+    s = make(num_kv_blocks=16, block_size=4, max_num_seqs=4)
+    a, b = seq(1, [1, 2, 3]), seq(2, [4, 5])
+    s.add(a)
+    s.add(b)
+    s.postprocess(s.schedule(), [10, 20])
+    assert s.fast_forward(a, list(range(40, 50))) == [40, 41, 42]
+    batch = s.schedule()
+    assert shape(batch) == [(1, 3, 4, True)]                # 4 rows: b waits for the next step
+    s.postprocess(batch, [60])
+    assert shape(s.schedule()) == [(1, 7, 1, True), (2, 2, 1, True)]
