@@ -21,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
 import torch  # noqa: E402
-from moe_check import graph_us, rel  # noqa: E402  (same measuring tools)
+from moe_check import graph_us  # noqa: E402  (same measuring tools)
+from test_model_gpu import rel  # noqa: E402
 
 
 def gemm() -> None:

@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from test_model_gpu import rel  # noqa: E402
 
 QWEN3_30B_A3B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
@@ -35,10 +36,6 @@ QWEN3_30B_A3B = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     tie_word_embeddings=False, eos_token_id=151645, bos_token_id=151643)
 E, K, H = 128, 8, 2048
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def graph_us(fn, reps: int = 50) -> float:
@@ -172,40 +169,14 @@ def write_checkpoint(path: pathlib.Path, layers: int, seed: int = 0, device: str
 
 def model(args) -> None:
     """4 layers of 30B-A3B: our logits (fused experts, Triton attention) vs HF bf16/fp32."""
-    import transformers
-    from kernels.attention import select_backend
-    from models.loader import load_model
-    from paged_kv import PagedKV
+    from test_model_gpu import logits_rows
     path = write_checkpoint(pathlib.Path(args.dir or "/tmp/qwen3-30b-a3b-4l"), layers=4)
-    ours, _ = load_model(str(path), dtype=torch.bfloat16, device="cuda",
-                         attn_backend=select_backend("triton", "cuda"))
-    hf = {dt: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt).cuda().eval()
-          for dt in (torch.bfloat16, torch.float32)}
-    gen = torch.Generator().manual_seed(1)
-    lens = [300, 517, 64]
-    prompts = [torch.randint(0, 10000, (n + 1,), generator=gen) for n in lens]
-    kv = PagedKV(ours, [n + 1 for n in lens], block_size=256)
-    rows = []
-    with torch.inference_mode():
-        ids = torch.cat([p[:-1] for p in prompts]).cuda()
-        pos, meta = kv.metadata([(i, 0, n) for i, n in enumerate(lens)])
-        pre = ours.compute_logits(ours(ids, pos, meta))
-        pos, meta = kv.metadata([(i, n, n + 1) for i, n in enumerate(lens)], is_decode=True)
-        dec = ours.compute_logits(ours(torch.stack([p[-1] for p in prompts]).cuda(), pos, meta))
-        start = 0
-        for i, p in enumerate(prompts):
-            x = p.cuda()[None]
-            l32, l16 = hf[torch.float32](x).logits[0], hf[torch.bfloat16](x).logits[0]
-            n = lens[i]
-            rows.append((n, rel(pre[start:start + n], l32[:n]), rel(l16[:n], l32[:n]),
-                         rel(dec[i], l32[n]), rel(l16[n], l32[n]),
-                         float((pre[start:start + n].argmax(-1) == l32[:n].argmax(-1)).float().mean())))
-            start += n
     print("### 4 layers of Qwen3-30B-A3B, bf16: logits rel. L2 vs HF fp32\n")
     print("| prompt | prefill ours | prefill HF bf16 | decode ours | decode HF bf16 | prefill argmax = fp32 |")
     print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]:.4f} | {r[2]:.4f} | {r[3]:.4f} | {r[4]:.4f} | {r[5]:.3f} |")
+    for r in logits_rows(path):
+        print(f"| {r['tokens']} | {r['prefill_ours']:.4f} | {r['prefill_hf16']:.4f} | "
+              f"{r['decode_ours']:.4f} | {r['decode_hf16']:.4f} | {r['prefill_argmax']:.3f} |")
 
 
 def main() -> int:

@@ -64,19 +64,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def logits_check(path, kv_fp8: bool = False) -> dict:
+def logits_rows(path, kv_fp8: bool = False) -> list[dict]:
+    """Per prompt (300, 517, 64 tokens): rel. L2 of our bf16 logits and of HF's bf16 ones
+    against HF fp32, for a prefill of the prompt and one decode step after it, and how often
+    our prefill argmax is fp32's. HF's class comes from the checkpoint (dense or MoE)."""
     import transformers
     from kernels.attention import select_backend
     from models.loader import load_model
     from paged_kv import PagedKV
     ours, _ = load_model(str(path), dtype=torch.bfloat16, device="cuda",
                          attn_backend=select_backend("triton", "cuda", kv_fp8=kv_fp8))
-    hf16 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    hf32 = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf16, hf32 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt).cuda().eval()
+                  for dt in (torch.bfloat16, torch.float32))
     gen = torch.Generator().manual_seed(1)
     lens = [300, 517, 64]
     prompts = [torch.randint(0, 10000, (n + 1,), generator=gen) for n in lens]
     kv = PagedKV(ours, [n + 1 for n in lens], block_size=256, fp8=kv_fp8)
+    rows = []
     with torch.inference_mode():
         # prefill of n tokens each, then one decode step for the (n+1)-th token
         ids = torch.cat([p[:-1] for p in prompts]).cuda()
@@ -84,20 +88,26 @@ def logits_check(path, kv_fp8: bool = False) -> dict:
         pre = ours.compute_logits(ours(ids, pos, meta))
         pos, meta = kv.metadata([(i, n, n + 1) for i, n in enumerate(lens)], is_decode=True)
         dec = ours.compute_logits(ours(torch.stack([p[-1] for p in prompts]).cuda(), pos, meta))
-        r = {"prefill_ours": [], "prefill_hf16": [], "decode_ours": [], "decode_hf16": []}
         start = 0
         for i, p in enumerate(prompts):
             x = p.cuda()[None]
             l32, l16 = hf32(x).logits[0], hf16(x).logits[0]
             n = lens[i]
-            r["prefill_ours"].append(rel(pre[start:start + n], l32[:n]))
-            r["prefill_hf16"].append(rel(l16[:n], l32[:n]))
-            r["decode_ours"].append(rel(dec[i], l32[n]))
-            r["decode_hf16"].append(rel(l16[n], l32[n]))
+            mine = pre[start:start + n]
+            rows.append({"tokens": n, "prefill_ours": rel(mine, l32[:n]), "prefill_hf16": rel(l16[:n], l32[:n]),
+                         "decode_ours": rel(dec[i], l32[n]), "decode_hf16": rel(l16[n], l32[n]),
+                         "prefill_argmax": float((mine.argmax(-1) == l32[:n].argmax(-1)).float().mean())})
             start += n
     del ours, hf16, hf32
     torch.cuda.empty_cache()
-    return {k: max(v) for k, v in r.items()}
+    return rows
+
+
+def logits_check(path, kv_fp8: bool = False) -> dict:
+    """logits_rows' errors, worst prompt each."""
+    rows = logits_rows(path, kv_fp8)
+    return {k: max(r[k] for r in rows)
+            for k in ("prefill_ours", "prefill_hf16", "decode_ours", "decode_hf16")}
 
 
 def greedy_check(path, kv_fp8: bool = False) -> list[dict]:
