@@ -13,11 +13,12 @@ dequantized at load with `dequantize_blocks` and requantized per channel.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.interpret import INTERPRET, INTERPRET_ENV, cast, dot
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -34,12 +35,9 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Triton's CPU interpreter (the tests) casts float32 -> e4m3 wrongly where rounding carries
 # into the next binade (125.7 -> 64, not 128); there values are rounded onto the e4m3 grid
 # first (to nearest, ties to even), so the cast is exact. Compiled kernels cast natively.
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
 @triton.jit
 def _to_e4m3(q):
-    if _INTERPRET:
+    if INTERPRET:
         a = tl.abs(q)
         quantum = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
         n = a / quantum
@@ -143,21 +141,14 @@ def _w8a16_kernel(X, W, Scale, Bias, Y, T, N, K,
         k_mask = offs_k < K - k0
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(dt)
-        if _INTERPRET:   # numpy has no bf16: the interpreter would multiply raw bits
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        acc = dot(x, w, acc, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if RNE_BF16:   # the interpreter truncates float32 -> bf16; round to nearest even first
-        bits = acc.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        acc = bits.to(tl.float32, bitcast=True)
     y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_yt + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y_ptrs, cast(acc, Y.dtype.element_ty, RNE_BF16), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def fp8_weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -186,7 +177,7 @@ def fp8_weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Te
             x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), y.stride(0), y.stride(1),
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            RNE_BF16=bool(_INTERPRET) and x.dtype == torch.bfloat16,
+            RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
             num_warps=num_warps, num_stages=num_stages)
     return y.reshape(*shape[:-1], N)
 

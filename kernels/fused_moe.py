@@ -27,11 +27,11 @@ full-precision dots (no TF32), so they match the reference closely.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.interpret import INTERPRET_ENV, cast, dot
 
 # Tiles by the number of (token, k) slots, from a sweep at Qwen3-30B-A3B's shapes on an H200
 # (tests/gpu/moe_check.py kernels; tests/gpu/RESULTS.md): decode batches keep block_m at
@@ -47,34 +47,6 @@ TILE_TIERS = (   # (most slots, tiles)
 def default_config(num_slots: int) -> dict:
     """The default tiles for T * k = num_slots slots (a copy; callers may edit it)."""
     return dict(next(tiles for most, tiles in TILE_TIERS if most is None or num_slots <= most))
-
-
-# Two gaps of Triton's CPU interpreter (the tests) with bf16, numpy having no bf16: it
-# multiplies bf16 tiles as their raw uint16 bits, and it rounds float32 -> bf16 toward
-# zero (GPUs round to nearest even). There `_dot` widens both tiles to float32 first
-# (exact; the accumulation is float32 either way) and `_round` rounds to nearest even by
-# hand. Compiled kernels take the native dot and cast.
-_INTERPRET_ENV = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_INTERPRET = tl.constexpr(_INTERPRET_ENV)
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    if _INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _round(x, dt: tl.constexpr, RNE_BF16: tl.constexpr):
-    """float32 x -> dt. RNE_BF16 (interpreter, bf16 only): round the float32 bits to the
-    nearest even bf16 first, so that the interpreter's truncating cast is exact."""
-    if RNE_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dt)
 
 
 def align_tokens(ids: torch.Tensor, num_experts: int, block_m: int
@@ -140,18 +112,18 @@ def _gate_up_silu_kernel(X, W, Act, SortedSlots, BlockExpert, N, H, I,
         w_mask = k_mask[:, None] & n_mask[None, :]
         wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
         wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
-        acc_g = _dot(x, wg, acc_g, PRECISION)
-        acc_u = _dot(x, wu, acc_u, PRECISION)
+        acc_g = dot(x, wg, acc_g, PRECISION)
+        acc_u = dot(x, wu, acc_u, PRECISION)
         x_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
     # The reference's roundings: gate, up, silu and the product each in the output dtype.
     dt: tl.constexpr = Act.dtype.element_ty
-    g = _round(acc_g, dt, RNE_BF16).to(tl.float32)
-    u = _round(acc_u, dt, RNE_BF16).to(tl.float32)
-    silu = _round(g / (1.0 + tl.exp(-g)), dt, RNE_BF16).to(tl.float32)
+    g = cast(acc_g, dt, RNE_BF16).to(tl.float32)
+    u = cast(acc_u, dt, RNE_BF16).to(tl.float32)
+    silu = cast(g / (1.0 + tl.exp(-g)), dt, RNE_BF16).to(tl.float32)
     dst = Act + slots[:, None] * stride_as + offs_n[None, :] * stride_ai
-    tl.store(dst, _round(silu * u, dt, RNE_BF16), mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(dst, cast(silu * u, dt, RNE_BF16), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -178,11 +150,11 @@ def _down_weighted_kernel(Act, D, Weights, Out, SortedSlots, BlockExpert, N, H, 
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(a, d, acc, PRECISION)
+        acc = dot(a, d, acc, PRECISION)
         a_ptrs += BLOCK_K * stride_ai
         d_ptrs += BLOCK_K * stride_di
     w = tl.load(Weights + slots, mask=row_mask, other=0.0).to(tl.float32)
-    out = _round(acc * w[:, None], Out.dtype.element_ty, RNE_BF16)
+    out = cast(acc * w[:, None], Out.dtype.element_ty, RNE_BF16)
     dst = Out + slots[:, None] * stride_os + offs_n[None, :] * stride_oh
     tl.store(dst, out, mask=row_mask[:, None] & n_mask[None, :])
 
@@ -230,7 +202,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     w_flat = weights.reshape(-1).contiguous()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   PRECISION=_precision(x.dtype),
-                  RNE_BF16=_INTERPRET_ENV and x.dtype == torch.bfloat16)
+                  RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn))](
         x, gate_up, act, sorted_slots, block_expert, n, H, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
