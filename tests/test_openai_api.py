@@ -260,6 +260,20 @@ def listeners(port: int) -> int:
     return sum(1 for r in rows if r.split()[1] == want and r.split()[3] == "0A")
 
 
+def all_frontends_healthy(port: int, tries: int = 24) -> bool:
+    """/health answers 200 on `tries` fresh connections in a row: the kernel spreads them over
+    the frontends' listeners, so one still waiting for the engine core is missed with
+    probability 2**-tries (two frontends)."""
+    for _ in range(tries):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+    return True
+
+
 def test_both_frontends_serve_http_and_api_key_is_required_except_health(null):
     sched, client, _, model = null
     assert listeners(sched.http_port) == 2, "one HTTP listener per frontend (SO_REUSEPORT)"
@@ -321,10 +335,12 @@ def test_client_disconnect_mid_stream_aborts_in_the_engine(null):
 
 def test_full_queue_is_429(null):
     sched, client, stub, model = null
-    streams = [client.completions.create(model=model, prompt=[i + 1, 2], max_tokens=300,
-                                         stream=True, extra_body={"ignore_eos": True})
-               for i in range(6)]
+    streams = []
     try:
+        for i in range(6):
+            streams.append(client.completions.create(
+                model=model, prompt=[i + 1, 2], max_tokens=300, stream=True,
+                extra_body={"ignore_eos": True}))
         for s in streams:
             next(iter(s))
         with pytest.raises(openai.RateLimitError) as e:
@@ -358,6 +374,9 @@ def test_engine_core_down_is_503_then_recovers(null):
             assert e.status_code == 503 and e.body["type"] == "service_unavailable"
         time.sleep(0.05)
     assert statuses == {503}
+    # Each frontend reconnects on its own: the one that answered may be back before the
+    # other. Tests after this one need both (SO_REUSEPORT spreads connections over them).
+    assert wait_until(lambda: all_frontends_healthy(sched.http_port), timeout=20)
     assert client.completions.create(model=model, prompt=[4, 5], max_tokens=2).usage \
         .completion_tokens == 2
 
