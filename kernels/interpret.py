@@ -3,7 +3,7 @@ multiply tiles: numpy has no bf16, so the interpreter multiplies bf16 tiles as t
 uint16 bits, and it rounds float32 -> bf16 toward zero (GPUs round to nearest even).
 There `dot` widens both tiles to float32 first (exact; the accumulation is float32 either
 way) and `cast` rounds to nearest even by hand. Compiled kernels take the native dot and
-cast."""
+cast. INTERPRET is also what kernels with inline PTX branch on: the interpreter runs none."""
 from __future__ import annotations
 
 import os

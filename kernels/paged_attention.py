@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.interpret import INTERPRET
 from kernels.kv_quant import check_cache
 
 LOG2E = 1.4426950408889634
@@ -113,25 +114,21 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table,
     return m_new, l_i, acc
 
 
-# The interpreter (CPU tests) runs no PTX: it widens e4m3 by moving bits instead.
-_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
 @triton.jit
 def _e4m3_pairs_to_f16(x):
     """uint16 holding two e4m3 values (dim 2j in the low byte, 2j + 1 in the high one) ->
     (even, odd) fp16 tensors, exact. On the GPU one cvt.rn.f16x2.e4m3x2 per pair; in the
     interpreter the bits are moved into place (e4m3 x 2^-8 is an fp16 with the same sign
     and mantissa, subnormals included) and scaled back by 256."""
-    if _PTX:
+    if INTERPRET:   # the CPU tests' interpreter runs no PTX
+        even = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        odd = ((x & 0x8000) | ((x & 0x7F00) >> 1)).to(tl.float16, bitcast=True)
+        return even * 256.0, odd * 256.0
+    else:
         even, odd = tl.inline_asm_elementwise(
             "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
             "=h,=h,h", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
         return even, odd
-    else:
-        even = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
-        odd = ((x & 0x8000) | ((x & 0x7F00) >> 1)).to(tl.float16, bitcast=True)
-        return even * 256.0, odd * 256.0
 
 
 @triton.jit

@@ -17,11 +17,11 @@ one pass over the row would, so the tokens do not depend on the chunking.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.interpret import INTERPRET
 
 LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK = 1024     # ids per loop iteration of a program
@@ -42,19 +42,15 @@ def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, uniform: 
     return tokens, logprobs
 
 
-# The interpreter (CPU tests) runs no PTX: it takes tl.log2 instead of lg2.approx.
-_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-
-
 @triton.jit
 def _fast_log2(x):
     """log2 in one MUFU instruction (lg2.approx: ~2^-22 relative error, plenty for noise);
     tl.log2 goes through libdevice's accurate log, several times the instructions."""
-    if _PTX:
+    if INTERPRET:   # the CPU tests' interpreter runs no PTX
+        return tl.log2(x)
+    else:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
                                          dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.log2(x)
 
 
 @triton.jit
