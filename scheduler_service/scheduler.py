@@ -97,15 +97,20 @@ class Scheduler:
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         """Drop a request now, wherever it is; its blocks are free at once."""
-        seq = self._live.pop(seq_id, None)
-        if seq is None:
-            return None
+        seq = self._live.get(seq_id)
+        if seq is not None:
+            self._finish(seq, reason)
+        return seq
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a live seq now: out of its queue, blocks freed; a step in flight for it is
+        ignored when its result arrives (resolve skips finished seqs)."""
+        del self._live[seq.seq_id]
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self._release(seq)
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        return seq
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -334,11 +339,7 @@ class Scheduler:
             elif len(ids) >= seq.len_limit:
                 reason = "length"
             if reason is not None:
-                del self._live[seq.seq_id]
-                (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
-                self._release(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
+                self._finish(seq, reason)
                 break
         return known
 
