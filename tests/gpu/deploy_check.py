@@ -40,6 +40,7 @@ PY = sys.executable
 failures: list[str] = []
 BENCH_ARGS: list[str] = []    # --bench-args
 WORKER_ARGS: list[str] = []   # --worker-args (a CPU smoke run: --device cpu --kv-cache-gb 0.1)
+SCHEDULER_ARGS: list[str] = []   # --scheduler-args (the launcher phases only)
 
 
 def check(ok: bool, what: str) -> bool:
@@ -174,7 +175,7 @@ def launcher_phase(args, tp: int, gpu: str, ref: list[dict] | None) -> tuple[lis
     cmd = [PY, "-m", "scheduler_service.launch", "--model", args.model, "--tp", str(tp),
            "--port", str(PORT), "--worker-base-port", str(WORKER_PORT),
            "--dist-port", str(DIST_PORT), "--worker-args", " ".join(["--max-model-len 4096", *WORKER_ARGS]),
-           "--", "--max-model-len", "4096"]
+           "--", "--max-model-len", "4096", *SCHEDULER_ARGS]
     t0 = time.monotonic()
     launcher = start(cmd, out / f"launch_tp{tp}.log")
     row: dict = {"topology": f"launcher TP={tp}"}
@@ -229,7 +230,10 @@ def main() -> int:
     p.add_argument("--tp", default="1,2", help="launcher TP sizes, in order (1 first)")
     p.add_argument("--bench-args", default="", help="extra client.bench flags (a smaller workload)")
     p.add_argument("--worker-args", default="", help="extra flags for every worker")
+    p.add_argument("--scheduler-args", default="",
+                   help="extra flags for the launcher's scheduler (e.g. --fast-forward)")
     args = p.parse_args()
+    SCHEDULER_ARGS.extend(args.scheduler_args.split())
     BENCH_ARGS.extend(args.bench_args.split())
     WORKER_ARGS.extend(args.worker_args.split())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,9 @@
 #            and TP=2 (cold start, greedy tokens, client.bench through gRPC, SIGKILL of rank 1
 #            mid-run) and the compose file's worker/scheduler flags as plain processes;
 #            DEPLOY_MODEL (default: the Qwen3-0.6B-shaped checkpoint), DEPLOY_ARGS pass through
+#            (e.g. "--tp 1,2 --skip-compose --scheduler-args=--fast-forward
+#            --bench-args=--json-schema=client/bench_schema_records.json" after `structured`,
+#            with DEPLOY_MODEL=/tmp/qwen3-0.6b-qwen-vocab, the checkpoint it leaves)
 #   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
 #            find-links, no index: these hosts have no internet); a client streams an answer

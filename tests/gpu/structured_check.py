@@ -4,7 +4,8 @@ Prints a short Markdown report:
   * validity: concurrent requests sampled at temperature 1 under a bounded JSON Schema,
     a regex and a choice; every completion that ends with "stop" must parse / match;
   * time to first token: unconstrained, a schema never seen before (compile included),
-    the same schema again (cached), sequential requests, median and p90 over --ttft-runs.
+    the same schema again (cached), sequential requests, median and p90 over --ttft-runs;
+  * the server's fast-forward tokens and mismatches (exit 1 on any mismatch).
 The throughput side is client.bench --json-schema (run.sh runs it next to this).
 
     python tests/gpu/structured_check.py --target 127.0.0.1:50051
@@ -104,7 +105,11 @@ def main() -> int:
         print("\n".join(validity(client, args.requests, hi)))
         print("\n### Time to first token (sequential, 256-token prompts)\n")
         print("\n".join(first_tokens(client, args.ttft_runs, hi)))
-    return 0
+        st = client.stats()
+    # A fast-forward token the worker's sample contradicts means the two matchers disagree.
+    print(f"\nfast-forward tokens {st.num_fast_forward_tokens:,}, "
+          f"mismatches {st.num_fast_forward_mismatches} (scheduler --fast-forward; else 0, 0)")
+    return 1 if st.num_fast_forward_mismatches else 0
 
 
 if __name__ == "__main__":
