@@ -144,14 +144,21 @@ class GrammarState:
         for m, tokens in self.forced:
             m.m.consume_tokens(tokens)
         self.forced.clear()
-        work = sorted(((m.m, j) for j, (_, m) in enumerate(rows)), key=lambda t: rows[t[1]][1].root)
-        self.executor.unsafe_compute_mask_ptr(work, out.ctypes.data, self.words * 4, len(rows))
+        work = []
         for j, (_, m) in enumerate(rows):
             if m.m.is_error():
                 out[j] = self.eos_only
             elif m.fast_forward and (forced := m.m.compute_ff_tokens()):
-                out[j] = 0
+                out[j] = 0   # (no llguidance mask: that costs far more than asking)
                 out[j].view(np.uint32)[forced[0] // 32] = 1 << (forced[0] % 32)
+            else:
+                work.append((m.m, j))
+        if work:
+            work.sort(key=lambda t: rows[t[1]][1].root)
+            self.executor.unsafe_compute_mask_ptr(work, out.ctypes.data, self.words * 4, len(rows))
+            for m, j in work:
+                if m.is_error():
+                    out[j] = self.eos_only
 
     def sampled(self, rows: list[tuple[int, Matcher]], tokens: Callable[[], np.ndarray]) -> None:
         """The step that masked `rows` is launched; `tokens()` will give its sampled ids."""
