@@ -59,11 +59,13 @@ demo: $(VENV)/.installed-demo proto
 	$(BIN)/python -m client.demo $(if $(MODEL),--model $(MODEL),)
 
 # Scheduler on :50051 + TP worker processes on this host (GPU when present). Ctrl-C stops all.
-# HTTP_PORT=8000 also serves the OpenAI-compatible HTTP API on that port.
+# HTTP_PORT=8000 also serves the OpenAI-compatible HTTP API on that port; SCHED_ARGS adds
+# scheduler flags (python -m scheduler_service --help), e.g. SCHED_ARGS="--max-num-seqs 128".
 serve: $(VENV)/.installed-serve proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
 	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
-		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),) $(if $(QUANTIZATION),--quantization $(QUANTIZATION),)
+		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),) $(if $(QUANTIZATION),--quantization $(QUANTIZATION),) \
+		$(if $(SCHED_ARGS),-- $(SCHED_ARGS),)
 
 # Trimmed flash-attn 2 wheel from PyPI's sdist (only the kernels the worker calls), built
 # against FA_PYTHON's torch with nvcc and installed there. FLASH_ATTN_ARGS: see

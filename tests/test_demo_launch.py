@@ -44,3 +44,22 @@ def test_launch_help_and_bad_tp():
     bad = subprocess.run([sys.executable, "-m", "scheduler_service.launch", "--model", "x",
                           "--tp", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--tp must be >= 1" in bad.stderr
+
+
+def test_make_serve_passes_its_variables_to_the_launcher():
+    """`make serve`'s recipe (make -n: printed, not run) reaches the launcher's scheduler
+    command with HTTP_PORT and SCHED_ARGS."""
+    import shlex
+
+    from scheduler_service.launch import commands, parse_args
+    out = subprocess.run(["make", "-n", "serve", "MODEL=/m", "TP=2", "HTTP_PORT=8000",
+                          "SCHED_ARGS=--max-num-seqs 7 --fast-forward"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    recipe = out.stdout.replace("\\\n", " ")
+    line = next(l for l in recipe.splitlines() if "scheduler_service.launch" in l)
+    argv = shlex.split(line)
+    args = parse_args(argv[argv.index("scheduler_service.launch") + 1:])
+    assert args.tp == 2 and args.http_port == 8000
+    sched = commands(args)[-1]
+    assert sched[-3:] == ["--max-num-seqs", "7", "--fast-forward"]
