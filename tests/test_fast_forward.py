@@ -148,3 +148,21 @@ def test_preempted_and_resumed_under_a_small_kv_cache_still_valid(model_dir):
         if a.finish_reason == generate_pb2.FINISH_REASON_STOP:
             jsonschema.validate(json.loads(a.text), SCHEMA)
     assert sum(a.finish_reason == generate_pb2.FINISH_REASON_STOP for a in answers) >= 6
+
+
+def test_siblings_fast_forward_each_on_their_own(stub):
+    """n = 3 completions of one request: each sibling follows its own matcher (the first's
+    forced opening is prefilled with its prompt, the others find the prompt's blocks in
+    the prefix cache and get the opening at their own admission)."""
+    before = stats(stub)
+    a = stub.Complete(request([9, 8, 7, 6, 5, 4, 3, 2, 1], temperature=1.0, seed=5, n=3,
+                              max_tokens=200), timeout=120)
+    assert len(a.choices) == 3
+    texts = {c.text for c in a.choices}
+    assert len(texts) == 3, texts   # seeds seed, seed + 1, seed + 2
+    for c in a.choices:
+        assert c.finish_reason == generate_pb2.FINISH_REASON_STOP, c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    after = stats(stub)
+    assert after.num_fast_forward_tokens > before.num_fast_forward_tokens
+    assert after.num_fast_forward_mismatches == 0
