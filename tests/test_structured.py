@@ -9,7 +9,9 @@ Face greedy; formats that do not compile are INVALID_ARGUMENT before any work is
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,8 +22,8 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import (engine_idle, generation_stub, start_null_worker, start_scheduler, start_worker,
-                      wait_until)
+from services import (engine_idle, generation_stub, named_children, start_null_worker,
+                      start_scheduler, start_worker, wait_until)
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -208,6 +210,41 @@ def test_worker_killed_mid_stream_constrained_output_still_valid(model_dir, flag
             for text, reason in zip(texts, finish):
                 assert reason == generate_pb2.FINISH_REASON_STOP, text
                 jsonschema.validate(json.loads(text), schema)
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+@pytest.mark.parametrize("flags", [[], ["--fast-forward"]], ids=["sampled", "fast-forward"])
+def test_engine_core_killed_mid_stream_constrained_output_still_valid(model_dir, flags):
+    """The frontend resumes each stream on the restarted core with the tokens it already
+    has: the core re-prefills them, the worker rebuilds each matcher from that output
+    (with fast-forward: so does the core's own)."""
+    worker = start_worker(model_dir)
+    sched = start_scheduler(model_dir, [worker.port], block_size=8, extra=flags)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            schema = {"type": "array", "items": {"type": "string", "maxLength": 4},
+                      "minItems": 30, "maxItems": 40}
+            streams = [stub.Generate(request([5, 6 + i], {"json_schema": json.dumps(schema)},
+                                             temperature=1.0, seed=i, max_tokens=400), timeout=180)
+                       for i in range(4)]
+            texts = ["" for _ in streams]
+            finish = [None] * len(streams)
+            for _ in range(10):   # 10 tokens in: every matcher has state to lose
+                texts[0] += next(streams[0]).text
+            core = named_children(sched.popen.pid)["ns-engine-core"]
+            os.kill(core, signal.SIGKILL)
+            for i, s in enumerate(streams):
+                for chunk in s:
+                    texts[i] += chunk.text
+                    finish[i] = chunk.finish_reason
+            assert "engine core exited" in sched.output()
+            for text, reason in zip(texts, finish):
+                assert reason == generate_pb2.FINISH_REASON_STOP, text
+                jsonschema.validate(json.loads(text), schema)
+            assert stub.GetStats(generate_pb2.StatsRequest()).num_fast_forward_mismatches == 0
     finally:
         sched.stop()
         worker.stop()
