@@ -23,8 +23,9 @@
 #            mid-run) and the compose file's worker/scheduler flags as plain processes;
 #            DEPLOY_MODEL (default: the Qwen3-0.6B-shaped checkpoint), DEPLOY_ARGS pass through
 #            (e.g. "--tp 1,2 --skip-compose --scheduler-args=--fast-forward
-#            --bench-args=--json-schema=client/bench_schema_records.json" after `structured`,
+#            --bench-args=--json-schema=client/bench_schema_records.json" after `qwen-vocab`,
 #            with DEPLOY_MODEL=/tmp/qwen3-0.6b-qwen-vocab, the checkpoint it leaves)
+#   qwen-vocab the 0.6B checkpoint with Qwen3's tokenizer (carry .device), as `structured` makes it
 #   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
 #            find-links, no index: these hosts have no internet); a client streams an answer
@@ -130,13 +131,15 @@ for w in ${*:-kernels model bench}; do
       python3 -m client generate "The capital of France is" --max-tokens 24 2>&1 | tee "$OUT/serve_answer.txt" || rc=1
       grep -q "listening on .* (cuda:0, bfloat16" "$OUT/serve.log" || { echo "FAIL: no CUDA bf16 worker"; rc=1; }
       pkill -TERM -f scheduler_service.launch; sleep 5; tail -n 5 "$OUT/serve.log" ;;
-    structured)   # JSON-schema constrained against free, one server (Qwen's real vocabulary)
+    qwen-vocab|structured)   # the 0.6B checkpoint with Qwen3's real 151k-token tokenizer
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       S=/tmp/qwen3-0.6b-qwen-vocab; rm -rf "$S"; mkdir -p "$S"
       ln -s "$NANOSERVE_QWEN06B"/*.safetensors "$S"/
       cp .device/qwen-tokenizer/* "$S"/   # Qwen3's tokenizer: tests/gpu/make_qwen_tokenizer.py
       python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c['eos_token_id']=151645; json.dump(c,open(sys.argv[2],'w'))" \
         "$NANOSERVE_QWEN06B/config.json" "$S/config.json"
+      [ "$w" = qwen-vocab ] && continue
+      # JSON-schema constrained against free, one server
       python3 -m worker_service --model "$S" --port 50061 --max-model-len 4096 --log-level WARNING \
         > "$OUT/st_worker.log" 2>&1 &
       # shellcheck disable=SC2086
