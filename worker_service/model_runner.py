@@ -388,7 +388,11 @@ class ModelRunner:
             logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev)
             if not plan.num_samples:
                 return None
-            return logits if sampling.all() else logits[np.flatnonzero(sampling)]
+            if sampling.all():
+                return logits
+            # fast-forward rows sample only their last token (a numpy index would be copied
+            # from pageable memory: in stream order, after the forward)
+            return logits.index_select(0, to_device(np.flatnonzero(sampling), dev))
         if self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
             return self.prefill_graphs.run(plan)
         n_tok = plan.num_tokens
