@@ -182,9 +182,13 @@ def test_formats_that_do_not_compile_are_invalid_argument(stub, structured, frag
 
 
 @pytest.mark.parametrize("flags", [[], ["--fast-forward"]], ids=["sampled", "fast-forward"])
-def test_worker_killed_mid_stream_constrained_output_still_valid(model_dir, flags):
-    """The new worker rebuilds each matcher from the output the scheduler resends (with
-    fast-forward: samples known ahead are forgotten with the steps that never answered)."""
+@pytest.mark.parametrize("victim", ["worker", "engine-core"])
+def test_killed_mid_stream_constrained_output_still_valid(model_dir, flags, victim):
+    """A worker SIGKILLed: the new one rebuilds each matcher from the output the scheduler
+    resends (with fast-forward, samples known ahead are forgotten with the steps that never
+    answered). The engine core SIGKILLed: the frontend resumes each stream on the new core
+    with the tokens it has; the core re-prefills them and the worker rebuilds each matcher
+    from that output (with fast-forward, so does the core's own)."""
     worker = start_worker(model_dir)
     port = worker.port
     sched = start_scheduler(model_dir, [port], block_size=8, extra=flags)
@@ -200,47 +204,17 @@ def test_worker_killed_mid_stream_constrained_output_still_valid(model_dir, flag
             finish = [None] * len(streams)
             for _ in range(10):   # 10 tokens in: every matcher has state to lose
                 texts[0] += next(streams[0]).text
-            worker.stop(sig=9)
-            worker = start_worker(model_dir, port=port)
+            if victim == "worker":
+                worker.stop(sig=9)
+                worker = start_worker(model_dir, port=port)
+            else:
+                os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
             for i, s in enumerate(streams):
                 for chunk in s:
                     texts[i] += chunk.text
                     finish[i] = chunk.finish_reason
-            assert "worker group failed" in sched.output()
-            for text, reason in zip(texts, finish):
-                assert reason == generate_pb2.FINISH_REASON_STOP, text
-                jsonschema.validate(json.loads(text), schema)
-    finally:
-        sched.stop()
-        worker.stop()
-
-
-@pytest.mark.parametrize("flags", [[], ["--fast-forward"]], ids=["sampled", "fast-forward"])
-def test_engine_core_killed_mid_stream_constrained_output_still_valid(model_dir, flags):
-    """The frontend resumes each stream on the restarted core with the tokens it already
-    has: the core re-prefills them, the worker rebuilds each matcher from that output
-    (with fast-forward: so does the core's own)."""
-    worker = start_worker(model_dir)
-    sched = start_scheduler(model_dir, [worker.port], block_size=8, extra=flags)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
-            stub = generate_pb2_grpc.GenerationStub(channel)
-            schema = {"type": "array", "items": {"type": "string", "maxLength": 4},
-                      "minItems": 30, "maxItems": 40}
-            streams = [stub.Generate(request([5, 6 + i], {"json_schema": json.dumps(schema)},
-                                             temperature=1.0, seed=i, max_tokens=400), timeout=180)
-                       for i in range(4)]
-            texts = ["" for _ in streams]
-            finish = [None] * len(streams)
-            for _ in range(10):   # 10 tokens in: every matcher has state to lose
-                texts[0] += next(streams[0]).text
-            core = named_children(sched.popen.pid)["ns-engine-core"]
-            os.kill(core, signal.SIGKILL)
-            for i, s in enumerate(streams):
-                for chunk in s:
-                    texts[i] += chunk.text
-                    finish[i] = chunk.finish_reason
-            assert "engine core exited" in sched.output()
+            assert ("worker group failed" if victim == "worker" else "engine core exited") \
+                in sched.output()
             for text, reason in zip(texts, finish):
                 assert reason == generate_pb2.FINISH_REASON_STOP, text
                 jsonschema.validate(json.loads(text), schema)
