@@ -121,6 +121,7 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     top_logprobs: int | None = None       # alternatives per token (needs logprobs)
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100..100)
     # Output format (at most one): a JSON Schema (dict or JSON text), any JSON object, a
     # regex the whole output matches, a Lark / GBNF grammar, or one of a list of strings.
     json_schema: dict | str | None = None
@@ -148,7 +149,8 @@ class SamplingParams:
     def to_proto(self) -> generate_pb2.SamplingParams:
         msg = generate_pb2.SamplingParams(stop=list(self.stop),
                                           stop_token_ids=list(self.stop_token_ids),
-                                          ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+                                          ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                                          logit_bias=self.logit_bias or {})
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
                      "repetition_penalty", "presence_penalty", "frequency_penalty",
                      "top_logprobs"):

@@ -285,6 +285,10 @@ class Engine:
                                                   and fast_forward.eligible(seq))
                 if s.has_penalty or s.grammar:
                     work.output_ids_i32 = array("i", seq.token_ids[p:]).tobytes()
+                if s.logit_bias:
+                    ids, biases = zip(*s.logit_bias)
+                    work.sampling.logit_bias_ids_i32 = array("i", ids).tobytes()
+                    work.sampling.logit_bias_f32 = array("f", biases).tobytes()
         req.token_ids_i32 = tokens.tobytes()
         return req
 

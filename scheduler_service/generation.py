@@ -39,6 +39,7 @@ class RequestError(Exception):
 
 MAX_N = 16               # completions per request
 MAX_TOP_LOGPROBS = 20    # alternatives per token
+MAX_LOGIT_BIAS = 1024    # ids a request may bias
 
 
 def invalid(message: str) -> RequestError:
@@ -104,6 +105,12 @@ def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: in
     check(all(stop), "stop strings must not be empty")
     check(all(0 <= t < limits.vocab_size for t in opts.stop_token_ids),
           f"stop_token_ids must be < vocab size {limits.vocab_size}")
+    check(len(opts.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} ids")
+    for t, bias in opts.logit_bias:
+        check(0 <= t < limits.vocab_size, f"logit_bias: token id {t} out of vocabulary "
+                                          f"(size {limits.vocab_size})")
+        check(math.isfinite(bias) and -100 <= bias <= 100,
+              f"logit_bias: the bias of token {t} must be in [-100, 100], got {bias}")
     return opts
 
 
@@ -122,7 +129,8 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
-        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0)
+        top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0,
+        logit_bias=tuple(sorted(p.logit_bias.items())))
     if p.HasField("structured") and p.structured.WhichOneof("format") is not None:
         if not limits.structured_output:
             raise RequestError("FAILED_PRECONDITION", "this server's workers cannot constrain "

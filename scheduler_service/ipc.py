@@ -97,4 +97,5 @@ def pack_sampling(s: SamplingOptions) -> list:
 def unpack_sampling(values: list) -> SamplingOptions:
     s = SamplingOptions(*values)
     s.stop_token_ids = tuple(s.stop_token_ids)
+    s.logit_bias = tuple(map(tuple, s.logit_bias))
     return s

@@ -93,8 +93,9 @@ def _field(body: dict, name: str, types: tuple, default: Any = None) -> Any:
 
 
 def sampling_params(body: dict, chat: bool) -> tuple[generate_pb2.SamplingParams, bool, int]:
-    """OpenAI's sampling fields (and vLLM's extras top_k, min_p, repetition_penalty,
-    stop_token_ids, ignore_eos) as a nanoserve.v1 SamplingParams; also (logprobs, k)."""
+    """OpenAI's sampling fields (logit_bias included; and vLLM's extras top_k, min_p,
+    repetition_penalty, stop_token_ids, ignore_eos) as a nanoserve.v1 SamplingParams; also
+    (logprobs, k)."""
     p = generate_pb2.SamplingParams()
     num = (int, float)
     for name, types in (("temperature", num), ("top_p", num), ("min_p", num),
@@ -125,6 +126,11 @@ def sampling_params(body: dict, chat: bool) -> tuple[generate_pb2.SamplingParams
         raise invalid("'stop_token_ids' must be a list of token ids")
     p.stop_token_ids.extend(stop_ids)
     p.ignore_eos = _field(body, "ignore_eos", (bool,), False)
+    for key, bias in (_field(body, "logit_bias", (dict,)) or {}).items():   # {"id": bias}
+        if not (isinstance(key, str) and key.isdigit()) or isinstance(bias, bool) \
+                or not isinstance(bias, num):
+            raise invalid("'logit_bias' must map token ids (as strings) to numbers")
+        p.logit_bias[int(key)] = bias
     if chat:
         logprobs = _field(body, "logprobs", (bool,), False)
         k = _field(body, "top_logprobs", (int,), 0)
@@ -254,7 +260,7 @@ class OpenAIApi:
         if not isinstance(body, dict):
             raise invalid("the body must be a JSON object")
         self._check_model(body.get("model"))
-        for name in ("functions", "logit_bias", "suffix"):   # refused, not ignored
+        for name in ("functions", "suffix"):   # refused, not ignored
             if body.get(name):
                 raise invalid(f"'{name}' is not supported")
         structured = structured_output(body)

@@ -41,6 +41,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     top_logprobs: int = 0             # k most likely ids per step (0 = off)
     grammar: str = ""                 # llguidance grammar the output must follow ("" = free)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias) added to the logits
 
     @property
     def has_penalty(self) -> bool:

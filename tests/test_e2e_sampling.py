@@ -57,15 +57,17 @@ def request(prompt, **sampling) -> generate_pb2.GenerateRequest:
 
 
 @torch.no_grad()
-def hf_loop(model, prompt: list[int], n: int, presence=0.0, frequency=0.0, k=0):
-    """Greedy with HF forward passes and OpenAI's presence/frequency penalties written out;
-    also the raw distribution's top-k at each step."""
+def hf_loop(model, prompt: list[int], n: int, presence=0.0, frequency=0.0, k=0, bias=None):
+    """Greedy with HF forward passes and OpenAI's logit_bias and presence/frequency
+    penalties written out; also the raw distribution's top-k at each step."""
     ids, tops = list(prompt), []
     for _ in range(n):
         logits = model(torch.tensor([ids])).logits[0, -1].float()
         if k:
             vals, top = torch.log_softmax(logits, -1).topk(k)
             tops.append((top.tolist(), vals.tolist()))
+        for t, b in (bias or {}).items():
+            logits[t] += b
         out = ids[len(prompt):]
         for t in set(out):
             logits[t] -= presence + frequency * out.count(t)
@@ -99,6 +101,43 @@ def test_presence_frequency_greedy_match_the_formula(stub, hf_model):
                                 presence_penalty=0.75, frequency_penalty=1.25), timeout=60)
     assert list(out.token_ids) == expected
     assert expected != hf_loop(hf_model, prompt, 24)[0]
+
+
+def test_logit_bias_greedy_matches_hf_with_the_bias_added(stub, hf_model):
+    """A bias that moves the argmax now and then (not always: it is small against the
+    logits' spread), with and without penalties on top, and logprobs still of the raw
+    distribution."""
+    prompt = [7, 7, 8, 9]
+    plain, _ = hf_loop(hf_model, prompt, 24)
+    bias = {plain[3]: -3.0, 250: 1.5, 17: 2.0}
+    # raw: at each step, every id's log-probability before the bias
+    expected, raw = hf_loop(hf_model, prompt, 24, k=VOCAB, bias=bias)
+    assert expected != plain and len(set(expected)) > 2
+    out = stub.Complete(request(prompt, temperature=0.0, max_tokens=24, ignore_eos=True,
+                                logit_bias=bias, logprobs=True), timeout=60)
+    assert list(out.token_ids) == expected
+    for (ids, lps), t, lp in zip(raw, out.token_ids, out.logprobs):
+        assert abs(lp - lps[ids.index(t)]) < 1e-3
+    with_pen, _ = hf_loop(hf_model, prompt, 24, presence=0.75, frequency=1.25, bias=bias)
+    assert with_pen != hf_loop(hf_model, prompt, 24, presence=0.75, frequency=1.25)[0]
+    out = stub.Complete(request(prompt, temperature=0.0, max_tokens=24, ignore_eos=True,
+                                logit_bias=bias, presence_penalty=0.75,
+                                frequency_penalty=1.25), timeout=60)
+    assert list(out.token_ids) == with_pen
+
+
+def test_logit_bias_bans_and_forces_while_sampling(stub):
+    banned = {t: -100.0 for t in range(0, VOCAB, 2)}   # every even id
+    outs = [stub.Complete(request([3, 4, 5], temperature=1.0, seed=s, max_tokens=40,
+                                  ignore_eos=True, logit_bias=banned), timeout=60)
+            for s in range(4)]
+    assert all(t % 2 for o in outs for t in o.token_ids)
+    free = stub.Complete(request([3, 4, 5], temperature=1.0, seed=0, max_tokens=40,
+                                 ignore_eos=True), timeout=60)
+    assert any(t % 2 == 0 for t in free.token_ids)   # the ban is what kept them out
+    forced = stub.Complete(request([3, 4, 5], temperature=1.0, seed=1, max_tokens=10,
+                                   ignore_eos=True, logit_bias={42: 100.0}), timeout=60)
+    assert list(forced.token_ids) == [42] * 10
 
 
 def test_top_logprobs_match_hf_log_softmax(stub, hf_model):
@@ -176,6 +215,10 @@ def test_cancel_stops_every_completion(stub):
     (dict(frequency_penalty=-3.0), "frequency_penalty"),
     (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
     (dict(top_logprobs=3), "needs logprobs"),
+    (dict(logit_bias={VOCAB: 1.0}), "out of vocabulary"),
+    (dict(logit_bias={5: 100.5}), "[-100, 100]"),
+    (dict(logit_bias={5: float("nan")}), "[-100, 100]"),
+    (dict(logit_bias={t: 1.0 for t in range(1025)}), "at most 1024"),
 ])
 def test_bad_sampling_is_invalid_argument(stub, sampling, fragment):
     with pytest.raises(grpc.RpcError) as err:
@@ -188,11 +231,12 @@ def test_bad_sampling_is_invalid_argument(stub, sampling, fragment):
 def test_python_client_passes_the_new_fields(address, stub):
     from client import Client, SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2, logprobs=True,
-                            top_logprobs=2, frequency_penalty=1.0)
+                            top_logprobs=2, frequency_penalty=1.0, logit_bias={33: 4.0})
     with Client(address) as c:
         chunks = list(c.generate([9, 8, 7], params))
     ref = stub.Complete(request([9, 8, 7], temperature=0.0, max_tokens=6, ignore_eos=True, n=2,
-                                logprobs=True, top_logprobs=2, frequency_penalty=1.0), timeout=60)
+                                logprobs=True, top_logprobs=2, frequency_penalty=1.0,
+                                logit_bias={33: 4.0}), timeout=60)
     for choice in ref.choices:
         mine = [ch for ch in chunks if ch.index == choice.index]
         assert [t for ch in mine for t in ch.token_ids] == list(choice.token_ids)

@@ -136,6 +136,24 @@ def test_completion_matches_grpc_token_for_token(tiny):
     assert r2.choices[0].text == stub.Complete(req, timeout=60).text
 
 
+def test_logit_bias_matches_grpc(tiny):
+    """OpenAI's {"id": bias} map reaches the sampler as the gRPC API's logit_bias does."""
+    client, stub, model = tiny
+    bias = {17: 3.0, 250: -2.0, 33: 2.5}
+    plain = grpc_complete(stub, "Numbers 0123", temperature=0, max_tokens=16, ignore_eos=True)
+    ref = grpc_complete(stub, "Numbers 0123", temperature=0, max_tokens=16, ignore_eos=True,
+                        logit_bias=bias)
+    assert list(ref.token_ids) != list(plain.token_ids)   # the bias changes the answer
+    r = client.completions.create(model=model, prompt="Numbers 0123", temperature=0,
+                                  max_tokens=16, logit_bias={str(t): b for t, b in bias.items()},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, seed=3,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == grpc_complete(
+        stub, CHAT, max_tokens=5, seed=3, ignore_eos=True, logit_bias={42: 100.0}).text
+
+
 def test_chat_streaming_and_not_match_grpc(tiny):
     client, stub, model = tiny
     ref = grpc_complete(stub, CHAT, temperature=0, max_tokens=10)
@@ -213,7 +231,10 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
     client, _, model = tiny
     bad = [dict(prompt="x", temperature=-1), dict(prompt="x", top_p=0), dict(prompt="x", n=0),
            dict(prompt="", max_tokens=1), dict(prompt="x", max_tokens=0),
-           dict(prompt="x " * 600), dict(prompt=[10_000]), dict(prompt="x", echo=True)]
+           dict(prompt="x " * 600), dict(prompt=[10_000]), dict(prompt="x", echo=True),
+           dict(prompt="x", logit_bias={"abc": 1}), dict(prompt="x", logit_bias={"5": "up"}),
+           dict(prompt="x", logit_bias={"10000": 1}), dict(prompt="x", logit_bias={"5": 101}),
+           dict(prompt="x", logit_bias={"99999999999": 1})]
     for kw in bad:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, **kw)

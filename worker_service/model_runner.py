@@ -36,7 +36,7 @@ from nanoserve.v1 import worker_pb2
 from worker_service.grammar import GrammarState
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
-from worker_service.step_plan import SeqTable, StepError, StepPlan
+from worker_service.step_plan import SamplingParams, SeqTable, StepError, StepPlan
 from worker_service.transfers import to_device, to_host
 
 
@@ -94,6 +94,18 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.T
     if logits.device.type == "cuda":
         return apply_token_bitmask_(logits, rows, masks)
     return apply_token_bitmask_ref(logits, rows, masks)
+
+
+def logit_bias(params: list[SamplingParams], device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, ids, biases) of the step's logit_bias entries, for index_put_ on the sampling
+    rows' logits; None where no sampling row has any (the usual case)."""
+    if not any(p.bias_ids for p in params):
+        return None
+    rows = np.concatenate([np.full(len(p.bias_ids), i, np.int64) for i, p in enumerate(params)])
+    ids = np.concatenate([np.asarray(p.bias_ids, np.int64) for p in params])
+    biases = np.concatenate([np.asarray(p.biases, np.float32) for p in params])
+    return to_device(rows, device), to_device(ids, device), to_device(biases, device)
 
 
 class ModelRunner:
@@ -344,12 +356,20 @@ class ModelRunner:
                                     self.vocab_size, dev)
         pen = self.penalties.rows(plan.sampling_seq_ids, plan.sampling) if self.penalties else None
         constrained = self.grammar.rows(plan.sampling_seq_ids) if self.grammar else []
-        if pen is None and not constrained:   # the usual case: nothing changes the logits
+        bias = logit_bias(plan.sampling, dev)
+        if pen is None and not constrained and bias is None:   # the usual case
             return sample_step(logits, batch)
         masks = self._grammar_masks(constrained) if constrained else None
 
         def adjust(x: torch.Tensor) -> torch.Tensor:
-            x = self.penalties.apply(x, pen) if pen is not None else x.clone()
+            """The logits' float32 copy that sampling draws from (logprobs stay raw): bias,
+            then penalties (vLLM's order), then the formats' masks."""
+            if bias is not None:
+                x = x.to(torch.float32, copy=True).index_put_(bias[:2], bias[2], accumulate=True)
+            if pen is not None:
+                x = self.penalties.apply(x, pen)
+            elif bias is None:
+                x = x.clone()
             return apply_token_bitmask(x, *masks) if masks is not None else x
 
         samples = sample_step(logits, batch, adjust)

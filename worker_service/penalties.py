@@ -73,7 +73,7 @@ class PenaltyState:
             if not w.reset_block_table:
                 continue
             self.drop(w.seq_id)
-            if SamplingParams.from_proto(w.sampling).has_penalty:
+            if SamplingParams.from_proto(w.sampling, self.vocab_size).has_penalty:
                 self.add(w.seq_id, np.frombuffer(w.prompt_ids_i32, "<i4"),
                          np.frombuffer(w.output_ids_i32, "<i4"))
 

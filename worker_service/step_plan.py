@@ -38,14 +38,23 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0             # k alternatives to return (0 = off)
+    bias_ids: tuple[int, ...] = ()     # logit_bias: ids and what is added to their logits
+    biases: tuple[float, ...] = ()
 
     @classmethod
-    def from_proto(cls, s: worker_pb2.WorkerSampling) -> "SamplingParams":
+    def from_proto(cls, s: worker_pb2.WorkerSampling, vocab_size: int) -> "SamplingParams":
+        bias_ids = np.frombuffer(s.logit_bias_ids_i32, "<i4")
+        biases = np.frombuffer(s.logit_bias_f32, "<f4")
+        if len(bias_ids) != len(biases):
+            raise StepError(f"logit_bias: {len(bias_ids)} ids but {len(biases)} biases")
+        if len(bias_ids) and (bias_ids.min() < 0 or bias_ids.max() >= vocab_size):
+            raise StepError(f"logit_bias: token id out of range [0, {vocab_size})")
         return cls(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                    seed=s.seed if s.has_seed else None, logprobs=s.logprobs,
                    repetition_penalty=s.repetition_penalty or 1.0,
                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                   top_logprobs=s.top_logprobs)
+                   top_logprobs=s.top_logprobs, bias_ids=tuple(bias_ids.tolist()),
+                   biases=tuple(biases.tolist()))
 
     @property
     def has_penalty(self) -> bool:
@@ -170,7 +179,7 @@ class SeqTable:
                 self.drop(w.seq_id)
                 row = self._new_row(w.seq_id)
                 self._set_table(row, np.frombuffer(w.block_table_i32, "<i4"), w.seq_id)
-                self.params[row] = SamplingParams.from_proto(w.sampling)
+                self.params[row] = SamplingParams.from_proto(w.sampling, self.vocab_size)
             else:
                 row = self.row_of.get(w.seq_id)
                 if row is None:
