@@ -177,6 +177,13 @@ def test_bad_fast_forward_rows_are_step_errors(per, tokens, message):
         t.plan(fast_forward(2, [1], per, tokens))
 
 
+def biased(ids, biases):
+    req = prefill(2, [(2, [0], 0, 1)], [1])
+    req.seqs[0].sampling.logit_bias_ids_i32 = np.array(ids, "<i4").tobytes()
+    req.seqs[0].sampling.logit_bias_f32 = np.array(biases, "<f4").tobytes()
+    return req
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: decode(2, [9]), "unknown"),
     (lambda: prefill(2, [(9, [], 0, 1)], [1], reset=False), "unknown"),
@@ -192,6 +199,9 @@ def test_bad_fast_forward_rows_are_step_errors(per, tokens, message):
     (lambda: prefill(2, [(2, [0], 0, 2)], [PLACEHOLDER, 1]), "last token"),
     (lambda: prefill(2, [(2, [0], 0, 1)], [PLACEHOLDER]), "follow a step"),
     (lambda: worker_pb2.StepRequest(step_id=2), "empty"),
+    (lambda: biased([VOCAB], [1.0]), "logit_bias: token id out of range"),
+    (lambda: biased([-1], [1.0]), "logit_bias: token id out of range"),
+    (lambda: biased([3, 4], [1.0]), "2 ids but 1 biases"),
 ])
 def test_bad_requests_are_step_errors(make, message):
     t = SeqTable(NUM_BLOCKS, BS, VOCAB, MAX_LEN)
