@@ -10,7 +10,8 @@ and overlapped steps (placeholder inputs: the worker counts its own samples).
     the scheduler drives it: one prefill, then packed decode steps whose inputs are all
     placeholders, step N+1 launched before step N is finished. A penalized row must match
     HF `generate(repetition_penalty=...)`, an unpenalized row in the same batch plain
-    greedy, and the penalized row's top_logprobs HF's log_softmax top-k.
+    greedy, a row with a logit_bias HF's greedy with the bias added, and the penalized
+    row's top_logprobs HF's log_softmax top-k.
 
     NANOSERVE_GPU_TESTS=1 pytest -m gpu tests/gpu/test_sampling_gpu.py
     python tests/gpu/test_sampling_gpu.py [cpu]     # standalone (cpu: the same on CPU)
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.gpu,
                                  reason="TRITON_INTERPRET=1: run with NANOSERVE_GPU_TESTS=1")]
 
 BLOCK, STEPS, PENALTY, K = 16, 40, 1.5, 3
+BIAS = {17: 2.0, 250: 1.5, 33: -1.0}   # logit_bias of the third row
 
 
 def penalties_cuda_vs_cpu() -> tuple[float, float]:
@@ -69,8 +71,8 @@ def overlapped_runner(device: str) -> dict:
                                       attention_backend="auto", gpu_memory_utilization=0.5,
                                       max_num_seqs=8))
     per_seq = 4
-    runner.init_kv(2 * per_seq, BLOCK)
-    prompts = [[5, 9, 5, 9, 5, 9, 17, 30], [3, 4, 5, 6, 7]]
+    prompts = [[5, 9, 5, 9, 5, 9, 17, 30], [3, 4, 5, 6, 7], [8, 9, 10]]
+    runner.init_kv(len(prompts) * per_seq, BLOCK)
     first = worker_pb2.StepRequest(step_id=1)
     for i, p in enumerate(prompts):
         w = first.seqs.add(seq_id=i, num_tokens=len(p), start_pos=0, sample=True,
@@ -82,18 +84,21 @@ def overlapped_runner(device: str) -> dict:
             w.sampling.logprobs = True
             w.sampling.top_logprobs = K
             w.prompt_ids_i32 = np.array(p, "<i4").tobytes()
-    first.token_ids_i32 = np.array(prompts[0] + prompts[1], "<i4").tobytes()
+        if i == 2:
+            w.sampling.logit_bias_ids_i32 = np.array(list(BIAS), "<i4").tobytes()
+            w.sampling.logit_bias_f32 = np.array(list(BIAS.values()), "<f4").tobytes()
+    first.token_ids_i32 = np.array(sum(prompts, []), "<i4").tobytes()
     pending = [runner.launch(first)]
     answers = []
     for step in range(2, STEPS + 1):   # inputs are all placeholders; launch before finishing
         req = worker_pb2.StepRequest(step_id=step)
-        req.decode.seq_ids_u64 = np.array([0, 1], "<u8").tobytes()
+        req.decode.seq_ids_u64 = np.arange(len(prompts), dtype="<u8").tobytes()
         pending.append(runner.launch(req))
         answers.append(runner.finish(pending.pop(0)))
     answers.append(runner.finish(pending.pop(0)))
-    ids = np.array([np.frombuffer(a.sampled_token_ids_i32, "<i4") for a in answers])   # [steps, 2]
-    top_ids = np.array([np.frombuffer(a.top_token_ids_i32, "<i4").reshape(2, -1)[0] for a in answers])
-    top_lps = np.array([np.frombuffer(a.top_logprobs_f32, "<f4").reshape(2, -1)[0] for a in answers])
+    ids = np.array([np.frombuffer(a.sampled_token_ids_i32, "<i4") for a in answers])   # [steps, 3]
+    top_ids = np.array([np.frombuffer(a.top_token_ids_i32, "<i4").reshape(3, -1)[0] for a in answers])
+    top_lps = np.array([np.frombuffer(a.top_logprobs_f32, "<f4").reshape(3, -1)[0] for a in answers])
     hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
     def generate(prompt, **kw):
@@ -107,8 +112,21 @@ def overlapped_runner(device: str) -> dict:
         full = torch.tensor([prompts[0] + ids[:, 0].tolist()], device=device)
         raw = torch.log_softmax(hf(full).logits[0, len(prompts[0]) - 1:-1].float(), -1)
     ref_vals, ref_top = raw.topk(K, dim=-1)
+
+    @torch.no_grad()
+    def biased_greedy(prompt):   # logit_bias written out
+        seq = list(prompt)
+        for _ in range(STEPS):
+            logits = hf(torch.tensor([seq], device=device)).logits[0, -1].float()
+            for t, b in BIAS.items():
+                logits[t] += b
+            seq.append(int(logits.argmax()))
+        return seq[len(prompt):]
+
     return dict(penalized=ids[:, 0].tolist(), penalized_ref=ref0,
                 plain=ids[:, 1].tolist(), plain_ref=generate(prompts[1]),
+                biased=ids[:, 2].tolist(), biased_ref=biased_greedy(prompts[2]),
+                unbiased_ref=generate(prompts[2]),
                 unpenalized_ref=generate(prompts[0]),
                 top_ids_equal=bool((top_ids == ref_top.cpu().numpy()).all()),
                 top_err=float(np.abs(top_lps - ref_vals.cpu().numpy()).max()),
@@ -197,6 +215,7 @@ def test_overlapped_cuda_graph_steps_match_hf():
     assert r["graphs"], "CUDA graphs were meant to be on"
     assert r["penalized"] == r["penalized_ref"] != r["unpenalized_ref"]
     assert r["plain"] == r["plain_ref"]
+    assert r["biased"] == r["biased_ref"] != r["unbiased_ref"]
     assert r["top_ids_equal"] and r["top_err"] < 1e-4
 
 
@@ -211,5 +230,7 @@ if __name__ == "__main__":
     print(f"device {dev}, CUDA graphs {r['graphs']}: penalized row == HF generate(repetition_penalty"
           f"={PENALTY}): {r['penalized'] == r['penalized_ref']} (differs from plain greedy: "
           f"{r['penalized'] != r['unpenalized_ref']}); plain row == HF greedy: "
-          f"{r['plain'] == r['plain_ref']}; top-{K} ids equal: {r['top_ids_equal']}, "
+          f"{r['plain'] == r['plain_ref']}; logit_bias row == HF greedy with the bias added: "
+          f"{r['biased'] == r['biased_ref']} (differs from plain greedy: "
+          f"{r['biased'] != r['unbiased_ref']}); top-{K} ids equal: {r['top_ids_equal']}, "
           f"max |logprob err| {r['top_err']:.2e}")
