@@ -362,7 +362,7 @@ class ModelRunner:
         masks = self._grammar_masks(constrained) if constrained else None
 
         def adjust(x: torch.Tensor) -> torch.Tensor:
-            """The logits' float32 copy that sampling draws from (logprobs stay raw): bias,
+            """A copy of the logits for sampling to draw from (logprobs stay raw): bias,
             then penalties (vLLM's order), then the formats' masks."""
             if bias is not None:
                 x = x.to(torch.float32, copy=True).index_put_(bias[:2], bias[2], accumulate=True)
