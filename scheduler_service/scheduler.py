@@ -38,6 +38,11 @@ class SchedulerConfig:
     max_model_len: int = 4096
     eos_token_id: int | None = None
 
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows of one decode step: a sequence each, more for fast-forward tokens."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
 
 @dataclass
 class Batch:
@@ -184,7 +189,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> Batch | None:
         cfg, bm = self.config, self.block_manager
-        limit = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        limit = cfg.max_decode_rows
         bs = cfg.block_size
         seqs: list[Sequence] = []
         new_blocks: list[tuple[int, int]] = []
@@ -322,7 +327,7 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED or not forced or seq.num_pending_tokens > 1:
             return []
         # A run longer than a decode step's rows waits: the rest is forced again later.
-        forced = forced[:min(self.config.max_num_seqs, self.config.max_num_batched_tokens) - 1]
+        forced = forced[:self.config.max_decode_rows - 1]
         ids = seq.token_ids
         known: list[int] = []
         reason = None
