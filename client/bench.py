@@ -712,10 +712,9 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
             max_model_len=min(args.max_model_len or info.max_model_len, info.max_model_len),
             eos_token_id=info.eos_token_id)
         ff = None
-        if args.fast_forward and info.structured_output:
-            from nanoserve.grammar_tokenizer import load_tokenizer
+        if args.fast_forward:
             from scheduler_service.fast_forward import FastForward
-            ff = FastForward(load_tokenizer(args.model, info.vocab_size, info.eos_token_id))
+            ff = FastForward.for_model(args.model, info)
         return Engine(group, info, config, collector.on_output, overlap=not args.no_overlap,
                       fast_forward=ff)
 

@@ -29,11 +29,20 @@ def write_null_model(path: str | Path, vocab_size: int = 151936,
                      max_position_embeddings: int = 40960, tokenizer_dir: str | None = None) -> Path:
     """tokenizer_dir: use that model's tokenizer.json / tokenizer_config.json instead (e.g.
     Qwen3's, so grammar masks cost what they cost on the real vocabulary)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is not None:
-        return _with_tokenizer(path, Path(tokenizer_dir), vocab_size, max_position_embeddings)
+    eos = _train_tokenizer(path) if tokenizer_dir is None else _copy_tokenizer(Path(tokenizer_dir), path)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "eos_token_id": Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(eos)}, indent=1))
+    return path
+
+
+def _train_tokenizer(path: Path) -> str:
+    """The tiny byte-level BPE and its chat template into path; its eos token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -43,22 +52,13 @@ def write_null_model(path: str | Path, vocab_size: int = 151936,
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": EOS, "pad_token": EOS, "chat_template": CHAT_TEMPLATE}))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
-        "max_position_embeddings": max_position_embeddings,
-        "eos_token_id": tok.token_to_id(EOS)}, indent=1))
-    return path
+    return EOS
 
 
-def _with_tokenizer(path: Path, src: Path, vocab_size: int, max_position_embeddings: int) -> Path:
+def _copy_tokenizer(src: Path, path: Path) -> str:
+    """src's tokenizer files into path; its eos token."""
     import shutil
-    from tokenizers import Tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, path / name)
     eos = json.loads((src / "tokenizer_config.json").read_text()).get("eos_token", EOS)
-    eos = eos["content"] if isinstance(eos, dict) else eos
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
-        "max_position_embeddings": max_position_embeddings,
-        "eos_token_id": Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(eos)}, indent=1))
-    return path
+    return eos["content"] if isinstance(eos, dict) else eos

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.security import channel_credentials
 from nanoserve.worker_group import WorkerGroupError
 from scheduler_service import ipc, metrics
@@ -77,10 +76,7 @@ class EngineCore:
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id)
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len}
-        ff = None
-        if cfg.fast_forward and info.structured_output:
-            tokenizer = load_tokenizer(cfg.model_dir, info.vocab_size, info.eos_token_id)
-            ff = FastForward(tokenizer) if tokenizer is not None else None
+        ff = FastForward.for_model(cfg.model_dir, info) if cfg.fast_forward else None
         self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,
                              on_health=self._send_health, fast_forward=ff)
         ctx = zmq.asyncio.Context()

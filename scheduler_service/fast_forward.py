@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 from llguidance import LLMatcher, LLTokenizer
 
+from nanoserve.grammar_tokenizer import load_tokenizer
 from scheduler_service.sequence import Sequence
 
 log = logging.getLogger("nanoserve.engine")
@@ -35,6 +36,15 @@ def eligible(seq: Sequence) -> bool:
 
 
 class FastForward:
+    @classmethod
+    def for_model(cls, model_dir: str, info) -> "FastForward | None":
+        """The engine core's, for the workers' model (info: their GroupInfo); None where
+        they cannot follow grammars or llguidance cannot read the tokenizer (logged)."""
+        if not info.structured_output:
+            return None
+        tokenizer = load_tokenizer(model_dir, info.vocab_size, info.eos_token_id)
+        return cls(tokenizer) if tokenizer is not None else None
+
     def __init__(self, tokenizer: LLTokenizer):
         self.tokenizer = tokenizer
         self.compiled: OrderedDict[str, LLMatcher] = OrderedDict()
