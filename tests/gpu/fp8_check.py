@@ -24,11 +24,19 @@ import torch  # noqa: E402
 from moe_check import graph_us  # noqa: E402  (same measuring tools)
 from test_model_gpu import rel  # noqa: E402
 
+# Qwen3-8B's linear layers (N x K)
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def hbm_copies(nbytes: int) -> int:
+    """Copies of a weight that together exceed 5x the H100's 50 MB L2: cycling through them,
+    every GEMM streams its weight from HBM."""
+    return max(2, -(-256 * 2**20 // nbytes))
+
 
 def gemm() -> None:
     from kernels.fp8_linear import (fp8_linear, fp8_linear_ref, fp8_weight_only_linear,
                                     fp8_weight_only_ref, quantize_rows, quantize_rows_)
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
     print("### FP8 GEMMs at Qwen3-8B shapes, weights streamed from HBM (copies > L2)\n")
     print("x quant + _scaled_mm (rowwise scales) unpadded; fp8_linear = what the model runs "
           "(W8A16 kernel up to 16 tokens, else x quant + _scaled_mm, > 128 rows padded to a "
@@ -37,9 +45,9 @@ def gemm() -> None:
           "_scaled_mm us | fp8_linear us | w8a16 us | fp8_linear vs bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-        copies = max(2, -(-256 * 2**20 // w.nbytes))   # > 5x the 50 MB L2 in bf16
+        copies = hbm_copies(w.nbytes)
         ws = [w.clone() for _ in range(copies)]
         qs = [quantize_rows(c) for c in ws]
         for t in (1, 64, 131, 256, 2048, 8192):
@@ -66,16 +74,15 @@ def sweep() -> None:
     """fp8_weight_only_linear's tile configs at decode token counts (weights from HBM)."""
     import itertools
     from kernels.fp8_linear import fp8_weight_only_linear, quantize_rows
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
     print("### W8A16 tile sweep (us; fp8 weight bytes / us = GB/s)\n")
     print("| layer | tokens | best (block_m, block_n, block_k, warps, stages) | us | GB/s | "
           "default us | 2nd best | 3rd best |")
     print("|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
         q0 = quantize_rows(w)
-        copies = max(2, -(-256 * 2**20 // q0[0].nbytes))
+        copies = hbm_copies(q0[0].nbytes)
         qs = [(q0[0].clone(), q0[1].clone()) for _ in range(copies)]
         for t in (1, 64, 131, 256):
             x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
