@@ -28,7 +28,7 @@ import os
 import torch
 
 from kernels import backend_choice
-from kernels.attention_metadata import AttentionMetadata  # re-exported: import it from here
+from kernels.attention_metadata import AttentionMetadata, decode_runs  # noqa: F401 (re-exported)
 from kernels.kv_quant import FP8_DTYPE, quantize_ref
 
 
@@ -151,7 +151,8 @@ class TritonBackend:
                 splits = self._default_splits(meta.num_seqs, k_cache.shape[2],
                                               meta.max_seqlen_k, q.device)
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                scale, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+                                scale, num_splits=splits, k_scale=k_scale, v_scale=v_scale,
+                                runs=meta.decode_runs)
         # fp8: attention always reads the (quantized) cache, prefill included
         if meta.prefix_free and k_scale is None and self._varlen.usable(q, k, scale):
             return self._varlen.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)

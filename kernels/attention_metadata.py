@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -23,7 +24,25 @@ class AttentionMetadata:
     max_seqlen_k: int
     is_decode: bool              # every sequence has exactly one query token
     prefix_free: bool = False    # every sequence starts at position 0 (no cached prefix)
+    decode_runs: torch.Tensor | None = None   # decode: [2, num_seqs] int32 runs of rows that
+                                              # are one sequence's tokens (decode_runs below)
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+
+def decode_runs(seq_rows: np.ndarray) -> np.ndarray | None:
+    """Runs of consecutive decode rows of one sequence (fast-forward tokens: equal entries
+    of seq_rows, e.g. SeqTable rows) as paged_decode's `runs` [2, n] int32: each row's
+    place in its run and the rows left in it, itself included. None where every row is
+    its own sequence (the usual decode step: nothing to share)."""
+    n = len(seq_rows)
+    first = np.ones(n, dtype=bool)
+    first[1:] = seq_rows[1:] != seq_rows[:-1]
+    if first.all():
+        return None
+    idx = np.arange(n)
+    start = np.maximum.accumulate(np.where(first, idx, 0))
+    end = np.minimum.accumulate(np.where(np.r_[first[1:], True], idx, n)[::-1])[::-1]
+    return np.stack([idx - start, end - idx + 1]).astype(np.int32)

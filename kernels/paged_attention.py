@@ -62,14 +62,21 @@ def _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs, stri
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
+def _softmax_step(s, m_i, l_i, SAFE: tl.constexpr = False):
     """Fold one tile's base-2 scores s [rows, N] into the online softmax: (new running
     max, the factor rescaling what was accumulated, the tile's weights p, new running
     sum). Every tile a caller walks holds a key visible to every row (decode: all of
-    them; prefill: key 0 in the first tile), so the max is finite from the first tile on."""
+    them; prefill: key 0 in the first tile), so the max is finite from the first tile on.
+    SAFE: not so (a decode run's earlier rows may see no key of a split): a row that has
+    seen no key yet keeps m = -inf, weight 0, instead of NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
@@ -77,7 +84,7 @@ def _softmax_step(s, m_i, l_i):
 def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table, start, hi,
                  kv_head, stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                 FP8: tl.constexpr, MASKED: tl.constexpr = True):
+                 FP8: tl.constexpr, MASKED: tl.constexpr = True, SAFE: tl.constexpr = False):
     """One BLOCK_N tile of keys [start, start + BLOCK_N) ∩ [0, hi) gathered through the
     block table, folded into the online softmax of the query rows (row r sees keys up to
     q_pos[r]). Returns the new (m_i, l_i, acc). MASKED=False: the caller knows every key
@@ -100,7 +107,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale, table,
     if MASKED:
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i, SAFE)
     if MASKED:
         v = tl.load(VCache + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
@@ -132,14 +139,16 @@ def _e4m3_pairs_to_f16(x):
 
 
 @triton.jit
-def _attend_tile_fp8(q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, VScale, table,
-                     start, hi, kv_head, stride_cb, stride_cs, stride_ch, offs_h, h_mask,
+def _attend_tile_fp8(q_e, q_o, q_pos, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, VScale,
+                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch, offs_h, h_mask,
                      qk_scale_log2, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """_attend_tile for one decode query over an fp8 cache viewed as uint16 pairs: even and
+                     PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """_attend_tile for decode queries over an fp8 cache viewed as uint16 pairs: even and
     odd head dims are separate [N, D/2] fp16 tiles (two dots each for QK and PV). Moving
     whole 16-bit pairs keeps every tile load and layout change 16-bit wide, where Triton
-    moves a transposed fp8 tile byte by byte and holds twice the registers."""
+    moves a transposed fp8 tile byte by byte and holds twice the registers. CAUSAL: the
+    rows are a run of one sequence's tokens, row r sees keys up to q_pos[r]; else every
+    key below hi."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
     row, slot = _tile_rows(table, start, offs_n, n_mask, kv_head, stride_cb, stride_cs,
@@ -150,8 +159,11 @@ def _attend_tile_fp8(q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, V
     s = tl.dot(q_e, tl.trans(k_e.to(q_e.dtype)), input_precision=PRECISION)
     s = tl.dot(q_o, tl.trans(k_o.to(q_e.dtype)), s, input_precision=PRECISION)
     s = s * (tl.load(KScale + slot, mask=n_mask, other=0.0) * qk_scale_log2)[None, :]
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+    if CAUSAL:
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i, CAUSAL)
     v_e, v_o = _e4m3_pairs_to_f16(tl.load(VCache + row[:, None] + offs_h[None, :],
                                           mask=kv_mask, other=0))
     p_v = (p * tl.load(VScale + slot, mask=n_mask, other=0.0)[None, :]).to(q_e.dtype)
@@ -171,10 +183,10 @@ def _attend_tile_fp8(q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, V
 _BY_BATCH = ["stride_bt"]
 
 
-@triton.jit(do_not_specialize=_BY_BATCH + ["num_splits"])
+@triton.jit(do_not_specialize=_BY_BATCH + ["num_splits", "num_rows"])
 def _decode_kernel(
-    Q, KCache, VCache, KScale, VScale, Out, BlockTables, ContextLens, PartOut, PartLse,
-    num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+    Q, KCache, VCache, KScale, VScale, Out, BlockTables, ContextLens, Runs, PartOut, PartLse,
+    num_heads, num_rows, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,      # page, slot-in-page, kv-head strides of the caches
     stride_bt,
     qk_scale_log2, num_splits,
@@ -182,21 +194,34 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,   # SPLIT: num_splits > 1
-    Q_FP16: tl.constexpr,
+    Q_FP16: tl.constexpr, RUNS: tl.constexpr,   # RUNS > 1: rows per program (see paged_decode)
 ):
-    seq = tl.program_id(0)
+    seq = tl.program_id(0)    # the program's (first) row
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(ContextLens + seq)
+    offs_g = tl.arange(0, GROUP_PAD)
+    if RUNS > 1:   # rows seq .. seq + n - 1 are one sequence's consecutive tokens
+        place = tl.load(Runs + seq)                        # the row's place in its run
+        if place % RUNS != 0:
+            return                                         # an earlier row's program has it
+        n = tl.minimum(tl.load(Runs + num_rows + seq), RUNS)   # rows left in the run
+        rows = seq + offs_g // GROUP
+        g_mask = offs_g < n * GROUP
+        row_ctx = tl.load(ContextLens + rows, mask=g_mask, other=0)
+        ctx = tl.max(row_ctx, 0)
+        q_pos = row_ctx - 1
+    else:
+        rows = seq + offs_g * 0
+        g_mask = offs_g < GROUP
+        ctx = tl.load(ContextLens + seq)
+        q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)   # the one query sees all keys
     # Chunk of the context this split owns, rounded up to whole tiles.
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
 
-    offs_g = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    q_row = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    heads = kv_head * GROUP + offs_g % GROUP
+    q_row = Q + rows.to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
@@ -213,46 +238,46 @@ def _decode_kernel(
         acc_o = tl.zeros([GROUP_PAD, BLOCK_D // 2], dtype=tl.float32)
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc_e, acc_o = _attend_tile_fp8(
-                q_e, q_o, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, VScale, table, start,
-                hi, kv_head, stride_cb, stride_cs, stride_ch, offs_h, h_mask, qk_scale_log2,
-                PAGE_SIZE, BLOCK_N, PRECISION)
+                q_e, q_o, q_pos, m_i, l_i, acc_e, acc_o, KCache, VCache, KScale, VScale, table,
+                start, hi, kv_head, stride_cb, stride_cs, stride_ch, offs_h, h_mask,
+                qk_scale_log2, PAGE_SIZE, BLOCK_N, PRECISION, RUNS > 1)
         # An empty split (or a zero-length padding sequence) leaves l_i == 0: emit zeros.
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        _emit(acc_e / denom, 2 * offs_h, q_mask, Out, PartOut, seq, heads, split, num_heads,
+        _emit(acc_e / denom, 2 * offs_h, q_mask, Out, PartOut, rows, heads, split, num_heads,
               stride_ot, stride_oh, num_splits, BLOCK_D, SPLIT)
-        _emit(acc_o / denom, 2 * offs_h + 1, q_mask, Out, PartOut, seq, heads, split, num_heads,
+        _emit(acc_o / denom, 2 * offs_h + 1, q_mask, Out, PartOut, rows, heads, split, num_heads,
               stride_ot, stride_oh, num_splits, BLOCK_D, SPLIT)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         q = tl.load(q_row + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (ctx - 1)   # the one query sees all keys
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
                                          table, start, hi, kv_head, stride_cb, stride_cs,
                                          stride_ch, offs_d, d_mask, qk_scale_log2, PAGE_SIZE,
-                                         BLOCK_N, PRECISION, FP8)
+                                         BLOCK_N, PRECISION, FP8, SAFE=RUNS > 1)
         denom = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        _emit(acc / denom, offs_d, g_mask[:, None] & d_mask[None, :], Out, PartOut, seq, heads,
+        _emit(acc / denom, offs_d, g_mask[:, None] & d_mask[None, :], Out, PartOut, rows, heads,
               split, num_heads, stride_ot, stride_oh, num_splits, BLOCK_D, SPLIT)
     if SPLIT:
         # PartLse [S, Hq, num_splits], contiguous.
-        part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+        part = (rows * num_heads + heads).to(tl.int64) * num_splits + split
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(PartLse + part, lse, mask=g_mask)
 
 
 @triton.jit
-def _emit(out, cols, mask, Out, PartOut, seq, heads, split, num_heads, stride_ot, stride_oh,
+def _emit(out, cols, mask, Out, PartOut, rows, heads, split, num_heads, stride_ot, stride_oh,
           num_splits, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
-    """Store a decode program's output columns `cols` of its heads: to Out, or with
-    splits to PartOut [S, Hq, num_splits, BLOCK_D] (contiguous, fp32) for the merge."""
+    """Store a decode program's output columns `cols` of its (row, head) pairs: to Out, or
+    with splits to PartOut [S, Hq, num_splits, BLOCK_D] (contiguous, fp32) for the merge."""
     if not SPLIT:
-        dst = Out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        dst = (Out + rows.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+               + cols[None, :])
         tl.store(dst, out.to(Out.dtype.element_ty), mask=mask)
     else:
-        part = (seq * num_heads + heads).to(tl.int64) * num_splits + split
+        part = (rows * num_heads + heads).to(tl.int64) * num_splits + split
         tl.store(PartOut + part[:, None] * BLOCK_D + cols[None, :], out, mask=mask)
 
 
@@ -388,16 +413,30 @@ DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=int(os.environ.get("NANOSERVE_DECOD
                                      or None)
 
 
+def rows_per_program(group: int) -> int:
+    """Rows of a run one decode program takes: as many as fit beside the group's heads in
+    the 16 rows a tile's dot has anyway (8 for Qwen3-0.6B's group of 2, 4 for 8B's 4)."""
+    return max(16, triton.next_power_of_2(group)) // group
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  num_splits: int = 1, out: torch.Tensor | None = None,
                  config: DecodeConfig | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention: q [num_seqs, Hq, D] (one token per sequence) -> [num_seqs, Hq, D].
+                 v_scale: torch.Tensor | None = None, runs: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Decode attention: q [num_seqs, Hq, D] (one token per row) -> [num_seqs, Hq, D].
 
     block_tables [num_seqs, max_blocks] and context_lens [num_seqs] are int32. A sequence
     with context_len 0 (batch padding) yields zeros. fp8 caches come with their
     per-slot scales k_scale/v_scale [num_blocks, block_size] float32.
+
+    runs [2, num_seqs] int32 (optional): rows that are consecutive tokens of one sequence
+    (fast-forward tokens, each a decode row) as (the row's place in its run, rows left in
+    the run counting itself); a lone row is (0, 1). The rows of a run share a program,
+    up to rows_per_program(group) of them, packed beside the group's heads in the rows of
+    its tiles, so their K/V is read once instead of once per row (row r sees keys up to
+    its own context_lens[r] - 1). The result is the same as without runs.
     """
     cfg = config or DEFAULT_DECODE_CONFIG
     num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
@@ -419,18 +458,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if fp8:   # read as pairs of e4m3 (see _attend_tile_fp8)
         assert head_dim % 2 == 0
         k_cache, v_cache = k_cache.view(torch.uint16), v_cache.view(torch.uint16)
+    group_pad = max(16, triton.next_power_of_2(group))
+    per_program = 1 if runs is None else rows_per_program(group)
+    if per_program > 1:
+        assert runs.shape == (2, num_seqs) and runs.dtype == torch.int32 and runs.is_contiguous()
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, block_tables,
-        context_lens, part_out, part_lse,
-        num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        context_lens, runs if per_program > 1 else context_lens, part_out, part_lse,
+        num_heads, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_N=cfg.block_n or (32 if head_dim > 128 else 128),
         SPLIT=num_splits > 1, PRECISION=_precision(q.dtype), FP8=fp8,
-        Q_FP16=fp8 and q.dtype != torch.float32,
+        Q_FP16=fp8 and q.dtype != torch.float32, RUNS=per_program,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -479,4 +522,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-__all__ = ["paged_decode", "paged_prefill", "default_num_splits"]
+__all__ = ["paged_decode", "paged_prefill", "default_num_splits", "rows_per_program"]

@@ -13,12 +13,13 @@ import os
 if not os.environ.get("NANOSERVE_GPU_TESTS"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import pytest
 import torch
 
-from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend,
+from kernels.attention import (AttentionMetadata, TorchBackend, TritonBackend, decode_runs,
                                paged_attention_ref, select_backend, store_kvcache_ref)
-from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill
+from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill, rows_per_program
 from kernels.store_kvcache import store_kvcache
 from paged_kv import head_major
 
@@ -120,6 +121,48 @@ def test_decode_tiles_within_pages_match_ref(block_size: int, block_n: int,
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+def run_rows(b: dict, seqs: list[tuple[int, int]]) -> dict:
+    """The queries of a make_batch prefill batch as decode rows, one per token (fast-forward
+    tokens): each row its sequence's table and its own context length, plus their runs."""
+    m = b["meta"]
+    rows = np.repeat(np.arange(len(seqs)), [q for _, q in seqs])
+    ctx = np.concatenate([np.arange(c - q + 1, c + 1) for c, q in seqs]).astype(np.int32)
+    return dict(block_tables=m.block_tables[torch.from_numpy(rows).to(DEVICE)].contiguous(),
+                context_lens=torch.from_numpy(ctx).to(DEVICE),
+                runs=torch.from_numpy(decode_runs(rows)).to(DEVICE))
+
+
+def runs_of(group: int) -> list[tuple[int, int]]:
+    """(context, run length): a lone row, runs across page and split-tile boundaries, one
+    longer than a program's rows (it is cut), one whose early rows see no key of the last
+    split (16-key tiles, 3 splits: keys 64.. of context 70)."""
+    per = rows_per_program(group)
+    return [(9, 1), (13, 3), (3 * 4 + per + 2, per + 3), (70, 7), (33, 2)]
+
+
+@pytest.mark.parametrize("group,num_splits", [(1, 1), (2, 1), (2, 3), (4, 3), (8, 3)])
+def test_decode_runs_match_ref(group: int, num_splits: int) -> None:
+    """Decode rows that are consecutive tokens of one sequence, attended by one program per
+    run (paged_decode's runs), give what a causal prefill of those tokens gives, and what
+    the same rows give one program each."""
+    seqs = runs_of(group)
+    b = make_batch(seqs, 4, num_kv_heads=2, group=group, head_dim=32, seed=group)
+    ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], b["meta"], b["scale"])
+    r = run_rows(b, seqs)
+    cfg = DecodeConfig(block_n=16, num_warps=2)
+    for runs in (r["runs"], None):
+        out = paged_decode(b["q"], b["k_cache"], b["v_cache"], r["block_tables"],
+                           r["context_lens"], b["scale"], num_splits=num_splits, config=cfg,
+                           runs=runs)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_runs_helper() -> None:
+    assert decode_runs(np.array([3, 1, 2])) is None
+    assert decode_runs(np.array([5, 5, 5, 2, 7, 7])).tolist() == [[0, 1, 2, 0, 0, 1],
+                                                                  [3, 2, 1, 1, 2, 1]]
+
+
 def test_prefill_tiles_within_pages_match_ref() -> None:
     """Prefill's 64-key tiles inside 64-token pages: the scalar page lookup, prefill side."""
     seqs = [(65, 65), (192, 1), (193, 70), (130, 130)]
@@ -195,6 +238,28 @@ def test_triton_backend_matches_torch_backend(seqs: list[tuple[int, int]]) -> No
     out = TritonBackend().forward(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"],
                                   b["meta"], b["scale"])
     assert torch.equal(b["k_cache"], caches[0]) and torch.equal(b["v_cache"], caches[1])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_triton_backend_decode_runs_store_then_attend() -> None:
+    """Fast-forward rows through forward(): every row's k/v is stored before any row
+    attends, so a run's later rows see its earlier rows' keys, as the torch backend does
+    with a row each."""
+    seqs = runs_of(2)
+    b = make_batch(seqs, 4, num_kv_heads=2, group=2, head_dim=32, seed=5)
+    r = run_rows(b, seqs)
+    m = b["meta"]
+    n = len(b["q"])
+    meta = AttentionMetadata(
+        slot_mapping=m.slot_mapping, block_tables=r["block_tables"],
+        context_lens=r["context_lens"],
+        cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        cu_seqlens_k=torch.zeros(n + 1, dtype=torch.int32, device=DEVICE),
+        max_seqlen_q=1, max_seqlen_k=m.max_seqlen_k, is_decode=True, decode_runs=r["runs"])
+    caches = (b["k_cache"].clone(), b["v_cache"].clone())
+    ref = TorchBackend().forward(b["q"], b["k"], b["v"], *caches, meta, b["scale"])
+    out = TritonBackend(decode_splits=2).forward(b["q"], b["k"], b["v"], b["k_cache"],
+                                                 b["v_cache"], meta, b["scale"])
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 

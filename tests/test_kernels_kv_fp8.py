@@ -17,7 +17,8 @@ from kernels.attention import TorchBackend, TritonBackend, paged_attention_ref, 
 from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize_ref, quantize_ref
 from kernels.paged_attention import DecodeConfig, _e4m3_pairs_to_f16, paged_decode, paged_prefill
 from kernels.store_kvcache import store_kvcache
-from tests.test_kernels_attention import DEVICE, INTERPRET, boundary_contexts, make_batch
+from tests.test_kernels_attention import (DEVICE, INTERPRET, boundary_contexts, make_batch,
+                                         run_rows, runs_of)
 
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                 reason="Triton needs CUDA or TRITON_INTERPRET=1")
@@ -110,6 +111,21 @@ def test_decode_fp8_matches_ref(block_size: int, head_dim: int, group: int) -> N
                            b["scale"], num_splits=splits, k_scale=b["k_scale"],
                            v_scale=b["v_scale"], config=cfg)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group,num_splits", [(2, 1), (2, 3), (4, 3)])
+def test_decode_runs_fp8_matches_ref(group: int, num_splits: int) -> None:
+    """Runs of one sequence's decode rows (paged_decode's runs) over an fp8 cache."""
+    seqs = runs_of(group)
+    b = fp8_caches(make_batch(seqs, 4, 2, group, 32, seed=group))
+    ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], b["meta"], b["scale"],
+                              b["k_scale"], b["v_scale"])
+    r = run_rows(b, seqs)
+    out = paged_decode(b["q"], b["k_cache"], b["v_cache"], r["block_tables"], r["context_lens"],
+                       b["scale"], num_splits=num_splits, k_scale=b["k_scale"],
+                       v_scale=b["v_scale"], config=DecodeConfig(block_n=16, num_warps=2),
+                       runs=r["runs"])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("block_size,head_dim,group", [(4, 32, 2), (16, 64, 1)])

@@ -8,6 +8,9 @@ padded (slot -1: nothing stored).
 
 * DecodeGraphs: decode batches, bucketed by batch size; padding rows have context
   length 0 (attention yields zeros) and the first n rows of the logits are the answer.
+  Rows that are one sequence's fast-forward tokens come with their runs
+  (kernels.attention_metadata.decode_runs), which the Triton decode kernel reads from a
+  buffer like every other input: a step with runs replays the same graph.
 * PrefillGraphs: prefills of one sequence (online serving's usual prefill step: one new
   prompt, or one chunk of one), bucketed by token count; padding tokens belong to no
   sequence (attention skips them) and only the last real token's logits are computed.
@@ -66,6 +69,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)   # unused by decode kernels
+        self.runs = torch.zeros(2 * max_batch, **i32)   # bucket bs: [:2 * bs] viewed as [2, bs]
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
@@ -74,7 +78,8 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
             context_lens=self.context_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
             cu_seqlens_k=self.cu_seqlens_k[:bs + 1], max_seqlen_q=1,
-            max_seqlen_k=self.max_model_len, is_decode=True)
+            max_seqlen_k=self.max_model_len, is_decode=True,
+            decode_runs=self.runs[:2 * bs].view(2, bs))
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
@@ -98,30 +103,37 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None
-            ) -> torch.Tensor:
-        """One decode step for n = len(input_ids) sequences -> logits [n, vocab].
+            block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+            runs: np.ndarray | None = None) -> torch.Tensor:
+        """One decode step for n = len(input_ids) rows -> logits [n, vocab].
 
         block_tables: [n, w] int32 with w <= max_blocks (context length = position + 1);
-        fill: (rows, device ids) written over input_ids (placeholder inputs)."""
+        fill: (rows, device ids) written over input_ids (placeholder inputs); runs: [2, n]
+        (decode_runs) where some rows are one sequence's tokens, None: a sequence each."""
         n = len(input_ids)
         bs = next(b for b in self.buckets if b >= n)
         w = block_tables.shape[1]
-        # One H2D copy: ids | positions | slots | context lengths (each bs long, padding rows
-        # store nothing and attend to nothing) | the n rows' tables.
-        host = np.zeros(4 * bs + n * w, dtype=np.int64)
+        # One H2D copy: ids | positions | slots | context lengths | runs' places | rows left
+        # in runs (each bs long; padding rows store nothing, attend to nothing and are runs
+        # of one) | the n rows' tables.
+        host = np.zeros(6 * bs + n * w, dtype=np.int64)
         host[:n] = input_ids
         host[bs:bs + n] = positions
         host[2 * bs:3 * bs] = -1
         host[2 * bs:2 * bs + n] = slot_mapping
         host[3 * bs:3 * bs + n] = positions + 1
-        host[4 * bs:] = block_tables.ravel()
+        host[5 * bs:6 * bs] = 1
+        if runs is not None:
+            host[4 * bs:4 * bs + n] = runs[0]
+            host[5 * bs:5 * bs + n] = runs[1]
+        host[6 * bs:] = block_tables.ravel()
         dev = to_device(host, self.device)
         self.input_ids[:bs].copy_(dev[:bs])
         self.positions[:bs].copy_(dev[bs:2 * bs])
         self.slot_mapping[:bs].copy_(dev[2 * bs:3 * bs])
         self.context_lens[:bs].copy_(dev[3 * bs:4 * bs])
-        self.block_tables[:n, :w].copy_(dev[4 * bs:].view(n, w))
+        self.runs[:2 * bs].copy_(dev[4 * bs:6 * bs])
+        self.block_tables[:n, :w].copy_(dev[6 * bs:].view(n, w))
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         g = self.graphs[bs]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, new_kv_cache, select_backend
+from kernels.attention import AttentionMetadata, decode_runs, new_kv_cache, select_backend
 from kernels.backend_choice import AttentionShapes
 from kernels.grammar_mask import apply_token_bitmask_, apply_token_bitmask_ref
 from kernels.kv_quant import FP8_DTYPE
@@ -403,9 +403,11 @@ class ModelRunner:
             fill_dev = (to_device(plan.fill[0], dev),
                         self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
         sampling = plan.sample
+        runs = decode_runs(plan.rows) if plan.is_decode else None   # fast-forward rows
         if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
                 and tables.shape[1] <= self.graphs.max_blocks:
-            logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev)
+            logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev,
+                                     runs)
             if not plan.num_samples:
                 return None
             if sampling.all():
@@ -431,6 +433,7 @@ class ModelRunner:
             max_seqlen_k=int(ctx.max()),
             is_decode=plan.is_decode,
             prefix_free=plan.prefix_free,
+            decode_runs=None if runs is None else to_device(runs, dev),
         )
         input_ids = to_device(ids, dev)
         if fill_dev is not None:
