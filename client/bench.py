@@ -864,9 +864,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(0: all prefills eager)")
     ip.add_argument("--no-overlap", action="store_true",
                     help="one step in flight (the engine waits for each step's ids)")
-    ip.add_argument("--fast-forward", action="store_true",
-                    help="with --json-schema: forced tokens without a step each (scheduler "
-                         "--fast-forward; through gRPC pass it to the scheduler)")
+    ip.add_argument("--fast-forward", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --json-schema: forced tokens without a step each, as the "
+                         "scheduler's default (through gRPC the scheduler's flag decides)")
     ip.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ip.add_argument("--max-model-len", type=int, default=4096,
                     help="context length (capped by the model's)")

@@ -226,7 +226,7 @@ class Stats:
     decode_worker_ms: float = 0.0
     decode_gpu_ms: float = 0.0
     decode_postprocess_ms: float = 0.0
-    # Of num_generated_tokens, those an output format forced (scheduler --fast-forward)
+    # Of num_generated_tokens, those an output format forced (fast-forward: the scheduler's default)
     num_fast_forward_tokens: int = 0
     num_fast_forward_mismatches: int = 0
 

@@ -60,11 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-overlap", action="store_true",
                    help="keep one step in flight instead of two (by default step N+1 is "
                         "scheduled and sent while the workers compute step N)")
-    p.add_argument("--fast-forward", action="store_true",
+    p.add_argument("--fast-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="structured output: where a request's format allows exactly one "
                         "continuation (a JSON schema's fixed keys and punctuation), emit those "
                         "tokens without a decode step each; they run as extra decode rows of "
-                        "the next step. Requests with logprobs or penalties sample every token")
+                        "the next step, whose attention reads the sequence's KV once for "
+                        "all of them. Requests with logprobs or penalties sample every token. "
+                        "--no-fast-forward samples every token of every request")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,

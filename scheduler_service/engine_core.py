@@ -46,7 +46,7 @@ class EngineCoreConfig:
     max_model_len: int = 0          # 0 = the workers' limit
     max_waiting: int = 1024
     overlap: bool = True
-    fast_forward: bool = False           # --fast-forward (scheduler_service/fast_forward.py)
+    fast_forward: bool = True            # --[no-]fast-forward (scheduler_service/fast_forward.py)
     model_dir: str = ""                  # its tokenizer.json, for fast-forward
     log_level: str = "INFO"
     worker_tls_ca: str | None = None     # PEM paths: TLS to the workers when set

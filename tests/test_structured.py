@@ -181,7 +181,7 @@ def test_formats_that_do_not_compile_are_invalid_argument(stub, structured, frag
     assert after.num_steps == before.num_steps   # refused before any work
 
 
-@pytest.mark.parametrize("flags", [[], ["--fast-forward"]], ids=["sampled", "fast-forward"])
+@pytest.mark.parametrize("flags", [["--no-fast-forward"], []], ids=["sampled", "fast-forward"])
 @pytest.mark.parametrize("victim", ["worker", "engine-core"])
 def test_killed_mid_stream_constrained_output_still_valid(model_dir, flags, victim):
     """A worker SIGKILLed: the new one rebuilds each matcher from the output the scheduler

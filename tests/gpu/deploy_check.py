@@ -231,7 +231,7 @@ def main() -> int:
     p.add_argument("--bench-args", default="", help="extra client.bench flags (a smaller workload)")
     p.add_argument("--worker-args", default="", help="extra flags for every worker")
     p.add_argument("--scheduler-args", default="",
-                   help="extra flags for the launcher's scheduler (e.g. --fast-forward)")
+                   help="extra flags for the launcher's scheduler (e.g. --no-fast-forward)")
     args = p.parse_args()
     SCHEDULER_ARGS.extend(args.scheduler_args.split())
     BENCH_ARGS.extend(args.bench_args.split())

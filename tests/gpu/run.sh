@@ -22,7 +22,7 @@
 #            and TP=2 (cold start, greedy tokens, client.bench through gRPC, SIGKILL of rank 1
 #            mid-run) and the compose file's worker/scheduler flags as plain processes;
 #            DEPLOY_MODEL (default: the Qwen3-0.6B-shaped checkpoint), DEPLOY_ARGS pass through
-#            (e.g. "--tp 1,2 --skip-compose --scheduler-args=--fast-forward
+#            (e.g. "--tp 1,2 --skip-compose --scheduler-args=--no-fast-forward
 #            --bench-args=--json-schema=client/bench_schema_records.json" after `qwen-vocab`,
 #            with DEPLOY_MODEL=/tmp/qwen3-0.6b-qwen-vocab, the checkpoint it leaves)
 #   qwen-vocab the 0.6B checkpoint with Qwen3's tokenizer (carry .device), as `structured` makes it
@@ -34,7 +34,7 @@
 #   structured nano-vllm's workload with every request JSON-schema constrained (client/bench_schema.json)
 #            against free, alternating x ST_RUNS (3) on one server, half constrained once, then
 #            tests/gpu/structured_check.py (validity, TTFT new/cached schema); ST_SCHEMA picks
-#            another schema file, ST_SCHED_ARGS adds scheduler flags (--fast-forward); the checkpoint
+#            another schema file, ST_SCHED_ARGS adds scheduler flags (--no-fast-forward); the checkpoint
 #            gets Qwen3's real 151k-token tokenizer from .device/qwen-tokenizer (carry it)
 #   fp8      FP8 weights: GEMMs, 0.6B logits vs HF, Qwen3-8B shapes in-process (bf16 / fp8 /
 #            fp8 + fp8 KV) and through gRPC (fp8 + fp8 KV) x FP8_RUNS (1), nano-vllm x PEER_RUNS (2)

@@ -108,7 +108,7 @@ def main() -> int:
         st = client.stats()
     # A fast-forward token the worker's sample contradicts means the two matchers disagree.
     print(f"\nfast-forward tokens {st.num_fast_forward_tokens:,}, "
-          f"mismatches {st.num_fast_forward_mismatches} (scheduler --fast-forward; else 0, 0)")
+          f"mismatches {st.num_fast_forward_mismatches} (0, 0 under --no-fast-forward)")
     return 1 if st.num_fast_forward_mismatches else 0
 
 
