@@ -25,6 +25,9 @@
 #            (e.g. "--tp 1,2 --skip-compose --scheduler-args=--no-fast-forward
 #            --bench-args=--json-schema=client/bench_schema_records.json" after `qwen-vocab`,
 #            with DEPLOY_MODEL=/tmp/qwen3-0.6b-qwen-vocab, the checkpoint it leaves)
+#   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
+#            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
+#            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
 #   qwen-vocab the 0.6B checkpoint with Qwen3's tokenizer (carry .device), as `structured` makes it
 #   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
@@ -118,6 +121,13 @@ for w in ${*:-kernels model bench}; do
       # shellcheck disable=SC2086
       python3 tests/gpu/deploy_check.py --model "${DEPLOY_MODEL:-$NANOSERVE_QWEN06B}" \
         --out "$OUT/deploy" ${DEPLOY_ARGS:-} 2>&1 | tee "$OUT/deploy.md" || rc=1 ;;
+    big)
+      M32=/dev/shm/qwen3-32b
+      [ -f $M32/config.json ] || timeout 600 python3 tests/gpu/fp8_check.py checkpoint $M32 Qwen3-32B \
+        > "$OUT/big_checkpoint.log" 2>&1 || rc=1
+      # shellcheck disable=SC2086
+      python3 tests/gpu/deploy_check.py --model $M32 --out "$OUT/big" --tp "${BIG_TP:-2,4}" \
+        --runs "${BIG_RUNS:-2}" --skip-compose ${BIG_ARGS:-} 2>&1 | tee "$OUT/big.md" || rc=1 ;;
     serve)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       F=/tmp/nanoserve-fresh; rm -rf "$F"; cp -r . "$F"

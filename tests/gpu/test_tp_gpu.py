@@ -34,6 +34,9 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
     "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # for the launcher at TP=4 (run.sh big), not this file's TP=2 test
+    "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
 }
 BATCH, CONTEXT, BLOCK, TIMED_STEPS = 256, 1024, 256, 20
 
@@ -44,8 +47,14 @@ def make_checkpoint(name: str, path: pathlib.Path) -> None:
     config = transformers.Qwen3Config(**COMMON, **SHAPES[name])
     config.architectures = ["Qwen3ForCausalLM"]
     torch.manual_seed(0)
-    with torch.device("cuda:0"):
-        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    big = name == "Qwen3-32B"   # built in bf16: its fp32 weights (131 GB) fit no GPU
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if big else default)
+    try:
+        with torch.device("cuda:0"):
+            model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(path)
     make_tokenizer(320).save_pretrained(path)
     del model
