@@ -122,6 +122,7 @@ class SamplingParams:
     frequency_penalty: float | None = None
     top_logprobs: int | None = None       # alternatives per token (needs logprobs)
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (-100..100)
+    min_tokens: int | None = None         # eos / stop_token_ids cannot end it before this many
     # Output format (at most one): a JSON Schema (dict or JSON text), any JSON object, a
     # regex the whole output matches, a Lark / GBNF grammar, or one of a list of strings.
     json_schema: dict | str | None = None
@@ -153,7 +154,7 @@ class SamplingParams:
                                           logit_bias=self.logit_bias or {})
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
                      "repetition_penalty", "presence_penalty", "frequency_penalty",
-                     "top_logprobs"):
+                     "top_logprobs", "min_tokens"):
             value = getattr(self, name)
             if value is not None:  # proto3 `optional`: unset means "server default"
                 setattr(msg, name, value)

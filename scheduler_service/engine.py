@@ -289,6 +289,9 @@ class Engine:
                     ids, biases = zip(*s.logit_bias)
                     work.sampling.logit_bias_ids_i32 = array("i", ids).tobytes()
                     work.sampling.logit_bias_f32 = array("f", biases).tobytes()
+                if s.min_tokens and seq.stop_ids:   # until then the worker samples none
+                    work.sampling.banned_ids_i32 = array("i", sorted(seq.stop_ids)).tobytes()
+                    work.sampling.banned_until = p + s.min_tokens
         req.token_ids_i32 = tokens.tobytes()
         return req
 

@@ -99,8 +99,13 @@ def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: in
     check(not opts.top_logprobs or opts.logprobs, "top_logprobs needs logprobs = true")
     if max_tokens is not None:
         check(max_tokens >= 1, "max_tokens must be >= 1")
+    wanted = limits.default_max_tokens if max_tokens is None else max_tokens
+    check(opts.min_tokens <= wanted,
+          f"min_tokens ({opts.min_tokens}) must be <= max_tokens ({wanted})")
+    check(not (opts.min_tokens and opts.grammar),
+          "min_tokens cannot be combined with an output format (its end ends the output)")
     room = limits.max_model_len - prompt_len
-    opts.max_tokens = min(limits.default_max_tokens if max_tokens is None else max_tokens, room)
+    opts.max_tokens = min(wanted, room)
     check(len(stop) <= limits.max_stop_strings, f"at most {limits.max_stop_strings} stop strings")
     check(all(stop), "stop strings must not be empty")
     check(all(0 <= t < limits.vocab_size for t in opts.stop_token_ids),
@@ -130,7 +135,8 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0,
-        logit_bias=tuple(sorted(p.logit_bias.items())))
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens if p.HasField("min_tokens") else 0)
     if p.HasField("structured") and p.structured.WhichOneof("format") is not None:
         if not limits.structured_output:
             raise RequestError("FAILED_PRECONDITION", "this server's workers cannot constrain "

@@ -94,8 +94,8 @@ def _field(body: dict, name: str, types: tuple, default: Any = None) -> Any:
 
 def sampling_params(body: dict, chat: bool) -> tuple[generate_pb2.SamplingParams, bool, int]:
     """OpenAI's sampling fields (logit_bias included; and vLLM's extras top_k, min_p,
-    repetition_penalty, stop_token_ids, ignore_eos) as a nanoserve.v1 SamplingParams; also
-    (logprobs, k)."""
+    repetition_penalty, stop_token_ids, ignore_eos, min_tokens) as a nanoserve.v1
+    SamplingParams; also (logprobs, k)."""
     p = generate_pb2.SamplingParams()
     num = (int, float)
     for name, types in (("temperature", num), ("top_p", num), ("min_p", num),
@@ -116,6 +116,11 @@ def sampling_params(body: dict, chat: bool) -> tuple[generate_pb2.SamplingParams
         if max_tokens < 1:
             raise invalid("max_tokens must be >= 1")
         p.max_tokens = max_tokens
+    min_tokens = _field(body, "min_tokens", (int,))
+    if min_tokens is not None:
+        if not 0 <= min_tokens < 2**32:
+            raise invalid("min_tokens must be >= 0")
+        p.min_tokens = min_tokens
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):

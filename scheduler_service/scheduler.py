@@ -295,8 +295,8 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             if logprobs is not None and seq.sampling.logprobs:
                 seq.logprobs.append(logprobs[k])
-            if token in seq.stop_ids:
-                reason = "stop"
+            if token in seq.stop_ids and pos - seq.num_prompt_tokens >= seq.sampling.min_tokens:
+                reason = "stop"   # (before min_tokens the workers do not sample stop ids)
             elif not seq.num_pending_tokens and len(ids) >= seq.len_limit:
                 reason = "length"   # (with placeholders left, a later one decides)
             else:

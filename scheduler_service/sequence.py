@@ -42,6 +42,7 @@ class SamplingOptions:
     top_logprobs: int = 0             # k most likely ids per step (0 = off)
     grammar: str = ""                 # llguidance grammar the output must follow ("" = free)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias) added to the logits
+    min_tokens: int = 0               # stop ids cannot end the output before this many tokens
 
     @property
     def has_penalty(self) -> bool:

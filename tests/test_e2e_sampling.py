@@ -140,6 +140,34 @@ def test_logit_bias_bans_and_forces_while_sampling(stub):
     assert list(forced.token_ids) == [42] * 10
 
 
+def test_min_tokens_holds_back_stop_ids_like_hf(stub, hf_model):
+    """Two ids greedy emits early as stop_token_ids: without min_tokens the output ends at
+    the first; with min_tokens = 6 neither is sampled for 6 tokens (HF's min_new_tokens
+    with those ids as its end-of-sequence), then the first one after ends it."""
+    prompt = [7, 7, 8, 9]
+    plain, _ = hf_loop(hf_model, prompt, 24)
+    stops = [plain[1], plain[4]]
+    early = stub.Complete(request(prompt, temperature=0.0, max_tokens=24, ignore_eos=True,
+                                  stop_token_ids=stops), timeout=60)
+    assert list(early.token_ids) == plain[:2]
+    assert early.finish_reason == generate_pb2.FINISH_REASON_STOP
+    hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                           min_new_tokens=6, eos_token_id=stops, pad_token_id=0,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    expected = hf[0, len(prompt):].tolist()
+    assert not set(expected[:6]) & set(stops) and expected != plain[:len(expected)]
+    for sampling in (dict(temperature=0.0), dict(temperature=0.0, n=2)):
+        out = stub.Complete(request(prompt, max_tokens=24, ignore_eos=True, stop_token_ids=stops,
+                                    min_tokens=6, **sampling), timeout=60)
+        for choice in out.choices:
+            assert list(choice.token_ids) == expected
+    sampled = [stub.Complete(request([3, 4, 5], temperature=1.0, seed=s, max_tokens=30,
+                                     ignore_eos=True, stop_token_ids=list(range(0, VOCAB, 3)),
+                                     min_tokens=8), timeout=60) for s in range(4)]
+    for out in sampled:   # a third of the vocabulary stops it, yet never in the first 8
+        assert len(out.token_ids) > 8 and not any(t % 3 == 0 for t in out.token_ids[:8])
+
+
 def test_top_logprobs_match_hf_log_softmax(stub, hf_model):
     prompt = PROMPTS[1][:20]
     expected, tops = hf_loop(hf_model, prompt, 10, presence=0.5, k=4)
@@ -219,6 +247,8 @@ def test_cancel_stops_every_completion(stub):
     (dict(logit_bias={5: 100.5}), "[-100, 100]"),
     (dict(logit_bias={5: float("nan")}), "[-100, 100]"),
     (dict(logit_bias={t: 1.0 for t in range(1025)}), "at most 1024"),
+    (dict(min_tokens=9, max_tokens=8), "min_tokens (9) must be <= max_tokens (8)"),
+    (dict(min_tokens=2, structured=generate_pb2.StructuredOutput(regex="a+")), "output format"),
 ])
 def test_bad_sampling_is_invalid_argument(stub, sampling, fragment):
     with pytest.raises(grpc.RpcError) as err:

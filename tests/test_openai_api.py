@@ -154,6 +154,20 @@ def test_logit_bias_matches_grpc(tiny):
         stub, CHAT, max_tokens=5, seed=3, ignore_eos=True, logit_bias={42: 100.0}).text
 
 
+def test_min_tokens_matches_grpc(tiny):
+    """vLLM's min_tokens extra: a stop id greedy emits second cannot end the answer early."""
+    client, stub, model = tiny
+    plain = grpc_complete(stub, "Numbers 0123", temperature=0, max_tokens=16, ignore_eos=True)
+    stops = [plain.token_ids[1]]
+    ref = grpc_complete(stub, "Numbers 0123", temperature=0, max_tokens=16, ignore_eos=True,
+                        stop_token_ids=stops, min_tokens=5)
+    assert len(ref.token_ids) > 5 and stops[0] not in ref.token_ids[:5]
+    extra = {"ignore_eos": True, "stop_token_ids": stops, "min_tokens": 5}
+    r = client.completions.create(model=model, prompt="Numbers 0123", temperature=0,
+                                  max_tokens=16, extra_body=extra)
+    assert r.choices[0].text == ref.text
+
+
 def test_chat_streaming_and_not_match_grpc(tiny):
     client, stub, model = tiny
     ref = grpc_complete(stub, CHAT, temperature=0, max_tokens=10)
@@ -234,7 +248,9 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
            dict(prompt="x " * 600), dict(prompt=[10_000]), dict(prompt="x", echo=True),
            dict(prompt="x", logit_bias={"abc": 1}), dict(prompt="x", logit_bias={"5": "up"}),
            dict(prompt="x", logit_bias={"10000": 1}), dict(prompt="x", logit_bias={"5": 101}),
-           dict(prompt="x", logit_bias={"99999999999": 1})]
+           dict(prompt="x", logit_bias={"99999999999": 1}),
+           dict(prompt="x", extra_body={"min_tokens": -1}),
+           dict(prompt="x", max_tokens=2, extra_body={"min_tokens": 3})]
     for kw in bad:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, **kw)

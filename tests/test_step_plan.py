@@ -177,11 +177,27 @@ def test_bad_fast_forward_rows_are_step_errors(per, tokens, message):
         t.plan(fast_forward(2, [1], per, tokens))
 
 
-def biased(ids, biases):
+def biased(ids, biases, banned=()):
     req = prefill(2, [(2, [0], 0, 1)], [1])
     req.seqs[0].sampling.logit_bias_ids_i32 = np.array(ids, "<i4").tobytes()
     req.seqs[0].sampling.logit_bias_f32 = np.array(biases, "<f4").tobytes()
+    req.seqs[0].sampling.banned_ids_i32 = np.array(banned, "<i4").tobytes()
+    req.seqs[0].sampling.banned_until = 9
     return req
+
+
+def test_min_tokens_bans_are_minus_inf_until_their_length():
+    """The worker's min_tokens: banned ids join the logit_bias entries at -inf while the
+    row's context is shorter than banned_until, and only then."""
+    import torch
+    from worker_service.model_runner import logit_bias
+    t = SeqTable(NUM_BLOCKS, BS, VOCAB, MAX_LEN)
+    params = t.plan(biased([5], [2.0], banned=[7, 8])).sampling
+    rows, ids, biases = logit_bias(params, [8], torch.device("cpu"))
+    assert rows.tolist() == [0, 0, 0] and ids.tolist() == [5, 7, 8]
+    assert biases.tolist() == [2.0, float("-inf"), float("-inf")]
+    rows, ids, biases = logit_bias(params, [9], torch.device("cpu"))
+    assert ids.tolist() == [5] and biases.tolist() == [2.0]
 
 
 @pytest.mark.parametrize("make, message", [
@@ -202,6 +218,7 @@ def biased(ids, biases):
     (lambda: biased([VOCAB], [1.0]), "logit_bias: token id out of range"),
     (lambda: biased([-1], [1.0]), "logit_bias: token id out of range"),
     (lambda: biased([3, 4], [1.0]), "2 ids but 1 biases"),
+    (lambda: biased([], [], banned=[VOCAB]), "banned ids: token id out of range"),
 ])
 def test_bad_requests_are_step_errors(make, message):
     t = SeqTable(NUM_BLOCKS, BS, VOCAB, MAX_LEN)

@@ -96,15 +96,19 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, masks: torch.T
     return apply_token_bitmask_ref(logits, rows, masks)
 
 
-def logit_bias(params: list[SamplingParams], device: torch.device
+def logit_bias(params: list[SamplingParams], context_lens: list[int], device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(rows, ids, biases) of the step's logit_bias entries, for index_put_ on the sampling
-    rows' logits; None where no sampling row has any (the usual case)."""
-    if not any(p.bias_ids for p in params):
+    rows' logits, with -inf for the ids a row's min_tokens still bans (its context length
+    below banned_until); None where no sampling row has any (the usual case)."""
+    entries = [(i, p.bias_ids, p.biases) for i, p in enumerate(params) if p.bias_ids]
+    entries += [(i, p.banned_ids, (-np.inf,) * len(p.banned_ids)) for i, (p, n) in
+                enumerate(zip(params, context_lens)) if p.banned_ids and n < p.banned_until]
+    if not entries:
         return None
-    rows = np.concatenate([np.full(len(p.bias_ids), i, np.int64) for i, p in enumerate(params)])
-    ids = np.concatenate([np.asarray(p.bias_ids, np.int64) for p in params])
-    biases = np.concatenate([np.asarray(p.biases, np.float32) for p in params])
+    rows = np.concatenate([np.full(len(ids), i, np.int64) for i, ids, _ in entries])
+    ids = np.concatenate([np.asarray(ids, np.int64) for _, ids, _ in entries])
+    biases = np.concatenate([np.asarray(b, np.float32) for _, _, b in entries])
     return to_device(rows, device), to_device(ids, device), to_device(biases, device)
 
 
@@ -352,11 +356,11 @@ class ModelRunner:
         if logits is None or self.tp.rank != 0:
             return None
         dev, sampling = self.device, plan.sample
-        batch = SamplingBatch.build(plan.sampling, plan.context_lens[sampling].tolist(),
-                                    self.vocab_size, dev)
+        ctx = plan.context_lens[sampling].tolist()
+        batch = SamplingBatch.build(plan.sampling, ctx, self.vocab_size, dev)
         pen = self.penalties.rows(plan.sampling_seq_ids, plan.sampling) if self.penalties else None
         constrained = self.grammar.rows(plan.sampling_seq_ids) if self.grammar else []
-        bias = logit_bias(plan.sampling, dev)
+        bias = logit_bias(plan.sampling, ctx, dev)
         if pen is None and not constrained and bias is None:   # the usual case
             return sample_step(logits, batch)
         masks = self._grammar_masks(constrained) if constrained else None

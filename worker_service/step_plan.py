@@ -40,6 +40,8 @@ class SamplingParams:
     top_logprobs: int = 0             # k alternatives to return (0 = off)
     bias_ids: tuple[int, ...] = ()     # logit_bias: ids and what is added to their logits
     biases: tuple[float, ...] = ()
+    banned_ids: tuple[int, ...] = ()   # min_tokens: not sampled at context lengths below
+    banned_until: int = 0
 
     @classmethod
     def from_proto(cls, s: worker_pb2.WorkerSampling, vocab_size: int) -> "SamplingParams":
@@ -47,14 +49,17 @@ class SamplingParams:
         biases = np.frombuffer(s.logit_bias_f32, "<f4")
         if len(bias_ids) != len(biases):
             raise StepError(f"logit_bias: {len(bias_ids)} ids but {len(biases)} biases")
-        if len(bias_ids) and (bias_ids.min() < 0 or bias_ids.max() >= vocab_size):
-            raise StepError(f"logit_bias: token id out of range [0, {vocab_size})")
+        banned = np.frombuffer(s.banned_ids_i32, "<i4")
+        for name, ids in (("logit_bias", bias_ids), ("banned ids", banned)):
+            if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise StepError(f"{name}: token id out of range [0, {vocab_size})")
         return cls(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
                    seed=s.seed if s.has_seed else None, logprobs=s.logprobs,
                    repetition_penalty=s.repetition_penalty or 1.0,
                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                    top_logprobs=s.top_logprobs, bias_ids=tuple(bias_ids.tolist()),
-                   biases=tuple(biases.tolist()))
+                   biases=tuple(biases.tolist()), banned_ids=tuple(banned.tolist()),
+                   banned_until=s.banned_until)
 
     @property
     def has_penalty(self) -> bool:
