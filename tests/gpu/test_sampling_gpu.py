@@ -10,8 +10,9 @@ and overlapped steps (placeholder inputs: the worker counts its own samples).
     the scheduler drives it: one prefill, then packed decode steps whose inputs are all
     placeholders, step N+1 launched before step N is finished. A penalized row must match
     HF `generate(repetition_penalty=...)`, an unpenalized row in the same batch plain
-    greedy, a row with a logit_bias HF's greedy with the bias added, and the penalized
-    row's top_logprobs HF's log_softmax top-k.
+    greedy, a row with a logit_bias HF's greedy with the bias added, a row under min_tokens
+    (ids < BANNED not sampled for the first MIN_TOKENS tokens) greedy with those ids at
+    -inf until then, and the penalized row's top_logprobs HF's log_softmax top-k.
 
     NANOSERVE_GPU_TESTS=1 pytest -m gpu tests/gpu/test_sampling_gpu.py
     python tests/gpu/test_sampling_gpu.py [cpu]     # standalone (cpu: the same on CPU)
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.gpu,
 
 BLOCK, STEPS, PENALTY, K = 16, 40, 1.5, 3
 BIAS = {17: 2.0, 250: 1.5, 33: -1.0}   # logit_bias of the third row
+BANNED, MIN_TOKENS = 200, STEPS // 2   # the fourth row's min_tokens: ids < 200 wait 20 tokens
 
 
 def penalties_cuda_vs_cpu() -> tuple[float, float]:
@@ -71,7 +73,7 @@ def overlapped_runner(device: str) -> dict:
                                       attention_backend="auto", gpu_memory_utilization=0.5,
                                       max_num_seqs=8))
     per_seq = 4
-    prompts = [[5, 9, 5, 9, 5, 9, 17, 30], [3, 4, 5, 6, 7], [8, 9, 10]]
+    prompts = [[5, 9, 5, 9, 5, 9, 17, 30], [3, 4, 5, 6, 7], [8, 9, 10], [12, 13, 14, 15]]
     runner.init_kv(len(prompts) * per_seq, BLOCK)
     first = worker_pb2.StepRequest(step_id=1)
     for i, p in enumerate(prompts):
@@ -87,6 +89,9 @@ def overlapped_runner(device: str) -> dict:
         if i == 2:
             w.sampling.logit_bias_ids_i32 = np.array(list(BIAS), "<i4").tobytes()
             w.sampling.logit_bias_f32 = np.array(list(BIAS.values()), "<f4").tobytes()
+        if i == 3:
+            w.sampling.banned_ids_i32 = np.arange(BANNED, dtype="<i4").tobytes()
+            w.sampling.banned_until = len(p) + MIN_TOKENS
     first.token_ids_i32 = np.array(sum(prompts, []), "<i4").tobytes()
     pending = [runner.launch(first)]
     answers = []
@@ -96,9 +101,10 @@ def overlapped_runner(device: str) -> dict:
         pending.append(runner.launch(req))
         answers.append(runner.finish(pending.pop(0)))
     answers.append(runner.finish(pending.pop(0)))
-    ids = np.array([np.frombuffer(a.sampled_token_ids_i32, "<i4") for a in answers])   # [steps, 3]
-    top_ids = np.array([np.frombuffer(a.top_token_ids_i32, "<i4").reshape(3, -1)[0] for a in answers])
-    top_lps = np.array([np.frombuffer(a.top_logprobs_f32, "<f4").reshape(3, -1)[0] for a in answers])
+    ids = np.array([np.frombuffer(a.sampled_token_ids_i32, "<i4") for a in answers])   # [steps, 4]
+    rows = len(prompts)
+    top_ids = np.array([np.frombuffer(a.top_token_ids_i32, "<i4").reshape(rows, -1)[0] for a in answers])
+    top_lps = np.array([np.frombuffer(a.top_logprobs_f32, "<f4").reshape(rows, -1)[0] for a in answers])
     hf = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
     def generate(prompt, **kw):
@@ -114,12 +120,14 @@ def overlapped_runner(device: str) -> dict:
     ref_vals, ref_top = raw.topk(K, dim=-1)
 
     @torch.no_grad()
-    def biased_greedy(prompt):   # logit_bias written out
+    def biased_greedy(prompt, bias=BIAS, banned=0):   # logit_bias and min_tokens written out
         seq = list(prompt)
-        for _ in range(STEPS):
+        for step in range(STEPS):
             logits = hf(torch.tensor([seq], device=device)).logits[0, -1].float()
-            for t, b in BIAS.items():
+            for t, b in bias.items():
                 logits[t] += b
+            if step < MIN_TOKENS:
+                logits[:banned] = float("-inf")
             seq.append(int(logits.argmax()))
         return seq[len(prompt):]
 
@@ -127,6 +135,8 @@ def overlapped_runner(device: str) -> dict:
                 plain=ids[:, 1].tolist(), plain_ref=generate(prompts[1]),
                 biased=ids[:, 2].tolist(), biased_ref=biased_greedy(prompts[2]),
                 unbiased_ref=generate(prompts[2]),
+                min_tokens=ids[:, 3].tolist(), min_tokens_ref=biased_greedy(prompts[3], {}, BANNED),
+                no_min_tokens_ref=generate(prompts[3]),
                 unpenalized_ref=generate(prompts[0]),
                 top_ids_equal=bool((top_ids == ref_top.cpu().numpy()).all()),
                 top_err=float(np.abs(top_lps - ref_vals.cpu().numpy()).max()),
@@ -216,6 +226,7 @@ def test_overlapped_cuda_graph_steps_match_hf():
     assert r["penalized"] == r["penalized_ref"] != r["unpenalized_ref"]
     assert r["plain"] == r["plain_ref"]
     assert r["biased"] == r["biased_ref"] != r["unbiased_ref"]
+    assert r["min_tokens"] == r["min_tokens_ref"] != r["no_min_tokens_ref"]
     assert r["top_ids_equal"] and r["top_err"] < 1e-4
 
 
@@ -232,5 +243,8 @@ if __name__ == "__main__":
           f"{r['penalized'] != r['unpenalized_ref']}); plain row == HF greedy: "
           f"{r['plain'] == r['plain_ref']}; logit_bias row == HF greedy with the bias added: "
           f"{r['biased'] == r['biased_ref']} (differs from plain greedy: "
-          f"{r['biased'] != r['unbiased_ref']}); top-{K} ids equal: {r['top_ids_equal']}, "
+          f"{r['biased'] != r['unbiased_ref']}); min_tokens row == HF greedy with ids < {BANNED} "
+          f"at -inf for {MIN_TOKENS} tokens: {r['min_tokens'] == r['min_tokens_ref']} (differs "
+          f"from plain greedy: {r['min_tokens'] != r['no_min_tokens_ref']}); "
+          f"top-{K} ids equal: {r['top_ids_equal']}, "
           f"max |logprob err| {r['top_err']:.2e}")
