@@ -1,9 +1,11 @@
-"""Prefill CUDA graphs' padding (worker_service/cuda_graphs.py, PrefillGraphs) on CPU.
+"""CUDA graphs' static inputs (worker_service/cuda_graphs.py) on CPU.
 
-A graph replays what `PrefillGraphs.forward(bucket)` computes on its static inputs, so
-this runs that computation without a graph (CPU, Triton interpreter) and checks that a
-sequence's prefill padded to its bucket gives the eager step's logits and writes the
-same KV slots and no others. The graphs themselves: tests/gpu/test_model_gpu.py.
+A graph replays what `PrefillGraphs.forward(bucket)` (`DecodeGraphs._forward(bucket)`)
+computes on its static inputs, so this runs that computation without a graph (CPU,
+Triton interpreter) and checks that a sequence's prefill padded to its bucket gives the
+eager step's logits and writes the same KV slots and no others, and that a decode step
+with fast-forward rows, loaded with its runs, gives what the rows give one by one. The
+graphs themselves: tests/gpu/test_model_gpu.py.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 
 from nanoserve.v1 import worker_pb2
 from tiny_checkpoint import tiny_qwen3_dir
-from worker_service.cuda_graphs import PrefillGraphs, token_buckets
+from kernels.attention import decode_runs
+from worker_service import model_runner
+from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 BS = 16
@@ -140,3 +144,47 @@ def test_what_fits(runner):
     assert not pg.fits(runner.table.plan(rows(5, 3)))                         # eager beats 5 replays
     assert not pg.fits(runner.table.plan(prefill(1, 3, [5], 0, [4])))         # one token: decode
     assert not pg.fits(runner.table.plan(prefill(1, 4, list(range(129)), 0, list(range(9)))))
+
+
+def test_decode_graph_inputs_with_fast_forward_rows_match_rows_one_by_one(runner, monkeypatch):
+    """Seq 1's sample and 3 forced tokens as 4 decode rows (one run, crossing a block), seq
+    2 one row. DecodeGraphs.load + _forward (the graph's computation, runs in its buffer)
+    and the eager step with runs give the logits and KV of the eager step with a program
+    per row (runs off)."""
+    runner.kv_cache.zero_()
+    first = runner.table.plan(prefill(1, 1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+                                      0, [4, 9]))
+    runner._logits(first)
+    runner.table.commit(first)
+    second = runner.table.plan(prefill(2, 2, [21, 22, 23], 0, [7]))
+    runner._logits(second)
+    runner.table.commit(second)
+    req = worker_pb2.StepRequest(step_id=3)
+    req.decode.seq_ids_u64 = np.array([1, 2], "<u8").tobytes()
+    req.decode.token_ids_i32 = np.array([30, 31, 32, 33, 40], "<i4").tobytes()
+    req.decode.num_tokens_i32 = np.array([4, 1], "<i4").tobytes()
+    plan = runner.table.plan(req)
+    assert plan.is_decode and decode_runs(plan.rows).tolist() == [[0, 1, 2, 3, 0], [4, 3, 2, 1, 1]]
+    before = runner.kv_cache.clone()
+
+    def fresh():
+        runner.kv_cache.copy_(before)
+
+    with_runs = runner._logits(plan)
+    kv_runs = runner.kv_cache.clone()
+    fresh()
+    with monkeypatch.context() as m:
+        m.setattr(model_runner, "decode_runs", lambda rows: None)
+        one_by_one = runner._logits(plan)
+    kv_rows = runner.kv_cache.clone()
+    fresh()
+    dg = DecodeGraphs(runner.model, runner.backend, 8, runner.max_model_len, BS,
+                      runner.num_kv_heads, runner.device)
+    bs = dg.load(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables,
+                 runs=decode_runs(plan.rows))
+    assert bs == 8 and dg.runs[:2 * bs].view(2, bs)[:, :5].tolist() == [[0, 1, 2, 3, 0], [4, 3, 2, 1, 1]]
+    graph = dg._forward(bs)[np.flatnonzero(plan.sample)]
+    torch.testing.assert_close(with_runs, one_by_one, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(graph, one_by_one, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv_runs, kv_rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runner.kv_cache, kv_rows, rtol=1e-5, atol=1e-5)

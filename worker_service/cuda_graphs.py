@@ -102,10 +102,11 @@ class DecodeGraphs:
                 self.backend.decode_splits = saved
         torch.cuda.synchronize(self.device)
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-            runs: np.ndarray | None = None) -> torch.Tensor:
-        """One decode step for n = len(input_ids) rows -> logits [n, vocab].
+    def load(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+             block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+             runs: np.ndarray | None = None) -> int:
+        """Copy one decode step of n = len(input_ids) rows into the static inputs; returns
+        the bucket that holds it (run() replays its graph).
 
         block_tables: [n, w] int32 with w <= max_blocks (context length = position + 1);
         fill: (rows, device ids) written over input_ids (placeholder inputs); runs: [2, n]
@@ -136,9 +137,15 @@ class DecodeGraphs:
         self.block_tables[:n, :w].copy_(dev[6 * bs:].view(n, w))
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
-        g = self.graphs[bs]
+        return bs
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+            block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+            runs: np.ndarray | None = None) -> torch.Tensor:
+        """One decode step (see load) -> logits [n, vocab]."""
+        g = self.graphs[self.load(input_ids, positions, slot_mapping, block_tables, fill, runs)]
         g.graph.replay()
-        return g.logits[:n]
+        return g.logits[:len(input_ids)]
 
 
 def token_buckets(max_tokens: int) -> list[int]:
