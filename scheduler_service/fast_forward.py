@@ -16,17 +16,11 @@ sampled logprob, and penalties would need the forced tokens counted on the worke
 """
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict
-
 from llguidance import LLMatcher, LLTokenizer
 
+from nanoserve.compiled_grammars import CompiledGrammars
 from nanoserve.grammar_tokenizer import load_tokenizer
 from scheduler_service.sequence import Sequence
-
-log = logging.getLogger("nanoserve.engine")
-
-COMPILED_CACHE = 64   # grammars kept compiled (a sequence's matcher is a deep copy)
 
 
 def eligible(seq: Sequence) -> bool:
@@ -46,14 +40,14 @@ class FastForward:
         return cls(tokenizer) if tokenizer is not None else None
 
     def __init__(self, tokenizer: LLTokenizer):
-        self.tokenizer = tokenizer
-        self.compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self.grammars = CompiledGrammars(tokenizer, where="in the engine core")
         self.matchers: dict[int, tuple[LLMatcher, int]] = {}   # seq_id -> (matcher, outputs taken in)
 
     def forced(self, seq: Sequence) -> list[int]:
         """Take seq's known output tokens into its matcher; the tokens its grammar forces
         next ([] where none is forced, or the grammar is done or broken)."""
-        m, taken = self.matchers.get(seq.seq_id) or (self._fresh(seq.sampling.grammar), 0)
+        m, taken = (self.matchers.get(seq.seq_id)
+                    or (self.grammars.fresh(seq.sampling.grammar)[0], 0))
         known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens
         if known > taken:
             m.consume_tokens(seq.token_ids[seq.num_prompt_tokens + taken:seq.num_prompt_tokens + known])
@@ -64,14 +58,3 @@ class FastForward:
 
     def drop(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
-
-    def _fresh(self, grammar: str) -> LLMatcher:
-        root = self.compiled.pop(grammar, None)
-        if root is None:
-            root = LLMatcher(self.tokenizer, grammar, log_level=0)
-            if root.is_error():
-                log.warning("grammar does not compile in the engine core: %s", root.get_error())
-        self.compiled[grammar] = root   # most recently used last
-        if len(self.compiled) > COMPILED_CACHE:
-            self.compiled.popitem(last=False)
-        return root.deep_copy()

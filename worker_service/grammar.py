@@ -23,20 +23,15 @@ step's masks are handed to the threads grouped by root.
 """
 from __future__ import annotations
 
-import logging
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
+from nanoserve.compiled_grammars import CompiledGrammars
 from nanoserve.v1 import worker_pb2
-
-log = logging.getLogger("nanoserve.worker")
-
-COMPILED_CACHE = 64    # grammars kept compiled (each with up to one root per mask thread)
 
 
 def mask_threads() -> int:
@@ -63,7 +58,6 @@ class Matcher:
 class GrammarState:
     def __init__(self, tokenizer: LLTokenizer, vocab_size: int, eos_token_id: int,
                  threads: int | None = None):
-        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.words = (vocab_size + 31) // 32   # int32 words per mask row
@@ -71,27 +65,13 @@ class GrammarState:
         self.eos_only.view(np.uint32)[eos_token_id // 32] = 1 << (eos_token_id % 32)
         self.threads = threads or mask_threads()
         self.executor = LLExecutor(self.threads)
-        # grammar -> (its compiled roots, sequences started from it so far)
-        self.compiled: OrderedDict[str, tuple[list[LLMatcher], int]] = OrderedDict()
+        self.grammars = CompiledGrammars(tokenizer, self.threads, "on the worker")   # root/thread
         self.matchers: dict[int, Matcher] = {}   # seq_id -> matcher
         self.awaiting: list[Awaiting] = []
         self.forced: list[tuple[Matcher, list[int]]] = []   # fast-forward tokens to take in
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
-
-    def _fresh(self, grammar: str, fast_forward: bool = False) -> Matcher:
-        roots, started = self.compiled.pop(grammar, ([], 0))
-        j = started % self.threads
-        if j == len(roots):   # another root, until there is one per thread
-            root = LLMatcher(self.tokenizer, grammar, log_level=0)
-            if root.is_error():
-                log.warning("grammar does not compile on the worker: %s", root.get_error())
-            roots.append(root)
-        self.compiled[grammar] = (roots, started + 1)   # most recently used last
-        if len(self.compiled) > COMPILED_CACHE:
-            self.compiled.popitem(last=False)
-        return Matcher(roots[j].deep_copy(), j, fast_forward)
 
     def update(self, req: worker_pb2.StepRequest) -> None:
         """Follow the step's drops and (re)sent sequences (after SeqTable.plan checked it)."""
@@ -103,7 +83,7 @@ class GrammarState:
                 continue
             self.matchers.pop(w.seq_id, None)
             if w.sampling.grammar:
-                m = self._fresh(w.sampling.grammar, w.sampling.fast_forward)
+                m = Matcher(*self.grammars.fresh(w.sampling.grammar), w.sampling.fast_forward)
                 output = np.frombuffer(w.output_ids_i32, "<i4").tolist()
                 if output:
                     m.m.consume_tokens(output)
