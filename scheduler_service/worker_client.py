@@ -30,6 +30,16 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 _STEP = "/nanoserve.v1.Worker/Step"
 
 
+def step_refused(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a Step stream's error is the worker refusing or failing the step itself
+    (INVALID_ARGUMENT, or INTERNAL with its "step N: ..." message: the requests in it
+    fail) rather than a lost worker (re-prefilled on the restarted one). gRPC's own
+    INTERNAL ("Internal error from Core": the stream reset when the worker process died
+    mid-answer; seen in the chaos test) is a lost worker."""
+    return code == grpc.StatusCode.INVALID_ARGUMENT or (
+        code == grpc.StatusCode.INTERNAL and details.startswith("step "))
+
+
 class _StepStream:
     """One rank's long-lived bidirectional Step stream, fed pre-serialized bytes."""
 
@@ -197,11 +207,11 @@ class WorkerGroup:
 
     def _fail(self, rank: int, step_id: int, e: BaseException):
         code = e.code() if isinstance(e, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-        details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        details = (e.details() or "") if isinstance(e, grpc.aio.AioRpcError) else str(e)
         self.close_streams()
         raise WorkerGroupError(
             f"rank {rank} ({self.addresses[rank]}) failed step {step_id}: {code.name}: {details}",
-            lost=code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL))
+            lost=not step_refused(code, details))
 
     async def healthy(self) -> bool:
         self._open_channels()

@@ -274,3 +274,16 @@ def test_frontends_default_to_two_on_hosts_with_cores(monkeypatch, tmp_path, cpu
     assert parse_args(argv + (["--frontends", given] if given else [])).frontends == expected
     with pytest.raises(SystemExit):
         parse_args(argv + ["--frontends", "-1"])
+
+
+def test_worker_refusing_a_step_fails_it_and_a_reset_stream_is_a_lost_worker():
+    """The worker's own errors carry "step N: ..." (INVALID_ARGUMENT, INTERNAL): its
+    requests fail. gRPC's INTERNAL from a stream reset when the worker died mid-answer
+    (the chaos test met "Internal error from Core") is a lost worker: re-prefill."""
+    from scheduler_service.worker_client import step_refused
+    code = grpc.StatusCode
+    assert step_refused(code.INVALID_ARGUMENT, "step 3: token id out of range")
+    assert step_refused(code.INTERNAL, "step 7: RuntimeError: CUDA error")
+    assert not step_refused(code.INTERNAL, "Internal error from Core")
+    assert not step_refused(code.INTERNAL, "Received RST_STREAM with error code 2")
+    assert not step_refused(code.UNAVAILABLE, "Socket closed")
