@@ -327,27 +327,33 @@ class Engine:
     def _fast_forward(self, done: list[Sequence], out: StepOutputs) -> None:
         """Tokens the grammars of `done` force next: known now, sent with this step's."""
         ff = self.fast_forward
+        seq_ids: list[int] = []
+        token_ids: list[int] = []
         for seq in done:
             if seq.status is SequenceStatus.FINISHED:
                 ff.drop(seq.seq_id)
                 continue
             if not fast_forward.eligible(seq):
                 continue
-            forced = ff.forced(seq)
-            known = self.scheduler.fast_forward(seq, forced) if forced else []
+            known = self.scheduler.fast_forward(seq, ff.forced(seq))
             if not known:
                 continue
-            out.seq_ids = [*out.seq_ids, *[seq.seq_id] * len(known)]
-            out.token_ids = [*out.token_ids, *known]
-            if out.logprobs is not None:
-                out.logprobs.extend([0.0] * len(known))
-            if out.top_logprobs is not None:
-                out.top_logprobs.extend([([], [])] * len(known))
-            self.stats.num_generated_tokens += len(known)
-            self.stats.num_fast_forward_tokens += len(known)
+            seq_ids += [seq.seq_id] * len(known)
+            token_ids += known
             if seq.status is SequenceStatus.FINISHED:
                 ff.drop(seq.seq_id)
                 out.finished.append((seq.seq_id, seq.finish_reason, seq.usage_cached_tokens or 0))
+        if not seq_ids:
+            return
+        # out.seq_ids may be the batch's own list: extended as a copy, once per step
+        out.seq_ids = [*out.seq_ids, *seq_ids]
+        out.token_ids = [*out.token_ids, *token_ids]
+        if out.logprobs is not None:
+            out.logprobs.extend([0.0] * len(seq_ids))
+        if out.top_logprobs is not None:
+            out.top_logprobs.extend([([], [])] * len(seq_ids))
+        self.stats.num_generated_tokens += len(seq_ids)
+        self.stats.num_fast_forward_tokens += len(seq_ids)
 
     @staticmethod
     def _top_logprobs(batch: Batch, resp: worker_pb2.StepResponse, done: list[Sequence]
