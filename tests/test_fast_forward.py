@@ -1,4 +1,4 @@
-"""Fast-forward tokens end to end (scheduler --fast-forward): a real worker and the control
+"""Fast-forward tokens end to end (the scheduler's default): a real worker and the control
 plane on loopback, a random-weight tiny Qwen3.
 
 Where a format forces its next tokens, the engine core appends them without a sampling step
