@@ -56,13 +56,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 from client.client import Stats
 from client.proc_cpu import diff as proc_cpu_diff, host_cores, own_cpu_s, python_speed
+from scheduler_service.speculation import METHODS
 
 # nano-vllm draws prompt token ids as randint(0, 10000); kept so seed 0 reproduces its workload.
 PROMPT_ID_HIGH = 10000
 PERCENTILES = (50, 90, 99)
 # Engine counters (Stats RPC / EngineStats) that the decode breakdown diffs.
 DECODE_FIELDS = tuple(f.name for f in fields(Stats) if f.name.startswith(("num_decode_", "decode_"))
-                      or f.name == "num_fast_forward_tokens")
+                      or f.name in ("num_fast_forward_tokens", "num_spec_proposed_tokens",
+                                    "num_spec_accepted_tokens", "num_spec_runs"))
+PREDICTIONS = ("exact", "half", "wrong")
 
 
 # ---------------------------------------------------------------------------- workload
@@ -85,6 +88,8 @@ class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int             # already capped by the context left (what the server would do)
     json_schema: str | None = None   # the output format, if this request is constrained
+    prediction: list[int] | None = None   # --prediction: the expected output, proposed ahead
+    answer: list[int] | None = None       # --prediction: the greedy run's output (the check)
 
 
 def _read_text(path: str | None) -> str | None:
@@ -143,6 +148,34 @@ def warmup_workload(n: int, cfg: WorkloadConfig, vocab_size: int) -> list[BenchR
                          rng.randint(1, min(16, cfg.max_output_len))) for _ in range(n)]
 
 
+def with_predictions(workload: list[BenchRequest], answers: list[list[int]], mode: str,
+                     vocab_size: int, seed: int) -> list[BenchRequest]:
+    """--prediction: each request's greedy answer (exact), the answer with every other run
+    of 16 tokens replaced by random ids (half), or another request's answer (wrong:
+    unrelated text; random ids when there is only one request)."""
+    rng = random.Random(seed + 3)
+    out = []
+    for i, (r, answer) in enumerate(zip(workload, answers)):
+        if mode == "half":
+            pred = [t if (j // 16) % 2 == 0 else rng.randrange(vocab_size)
+                    for j, t in enumerate(answer)]
+        elif mode == "wrong":
+            pred = (answers[(i + 1) % len(answers)] if len(answers) > 1
+                    else [rng.randrange(vocab_size) for _ in answer])
+        else:
+            pred = list(answer)
+        out.append(replace(r, prediction=pred, answer=list(answer)))
+    return out
+
+
+def greedy_mismatches(workload: list[BenchRequest], traces: list[Trace]) -> int | None:
+    """--prediction: requests whose output differs from the greedy run's (speculation must
+    change nothing; on a GPU a batch of another shape may still flip a near-tie)."""
+    if not workload or workload[0].answer is None:
+        return None
+    return sum(t.tokens != r.answer for r, t in zip(workload, traces))
+
+
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is sent: all at 0 offline, else a
     Poisson process (exponential gaps) with its own seeded stream."""
@@ -164,6 +197,7 @@ class Trace:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens)
     finish: float | None = None
     error: str | None = None
+    tokens: list[int] | None = None   # the output ids, where asked for (--prediction)
 
     @property
     def num_tokens(self) -> int:
@@ -205,6 +239,9 @@ class DecodeBreakdown:
     steps: int = 0
     seqs: int = 0
     fast_forward_tokens: int = 0   # output tokens a format forced, run without a step each
+    spec_proposed: int = 0         # speculative decoding: proposed tokens, accepted ones and
+    spec_accepted: int = 0         # the (sequence, step) pairs that verified proposals
+    spec_runs: int = 0
     wall_ms: float = 0.0
     schedule_ms: float = 0.0
     rpc_ms: float = 0.0
@@ -214,9 +251,12 @@ class DecodeBreakdown:
 
     @classmethod
     def diff(cls, before: Mapping[str, float], after: Mapping[str, float]) -> "DecodeBreakdown":
-        d = {k: after[k] - before[k] for k in DECODE_FIELDS}
+        d = {k: after.get(k, 0) - before.get(k, 0) for k in DECODE_FIELDS}   # (0: not reported)
         return cls(steps=int(d["num_decode_steps"]), seqs=int(d["num_decode_seqs"]),
                    fast_forward_tokens=int(d["num_fast_forward_tokens"]),
+                   spec_proposed=int(d["num_spec_proposed_tokens"]),
+                   spec_accepted=int(d["num_spec_accepted_tokens"]),
+                   spec_runs=int(d["num_spec_runs"]),
                    **{k.removeprefix("decode_"): v for k, v in d.items() if k.startswith("decode_")})
 
     @property
@@ -237,6 +277,11 @@ class DecodeBreakdown:
             "steps": self.steps,
             "mean_batch": self.seqs / self.steps if self.steps else 0.0,
             "fast_forward_tokens": self.fast_forward_tokens,
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
+            # tokens per verified (sequence, step): accepted proposals + the step's own
+            "mean_acceptance_length": (1 + self.spec_accepted / self.spec_runs
+                                       if self.spec_runs else None),
             "gpu_timed": self.gpu_timed,
             "idle_ms_per_step": per["idle"],
             # idle <= wall by construction; dividing first keeps idle == wall at exactly 100
@@ -367,6 +412,14 @@ def format_report(report: dict[str, Any]) -> str:
            f"({100 * d['fast_forward_tokens'] / max(r['output_tokens'], 1):.0f}% of output)"
            if d.get("fast_forward_tokens") else ""),
     ]
+    if report.get("greedy_mismatches") is not None:
+        lines.append(f"prediction     {report['config']['prediction']}: "
+                     f"{report['greedy_mismatches']} of {r['num_requests']} outputs differ from "
+                     "the greedy run without it")
+    if d.get("mean_acceptance_length") is not None:
+        lines.append(f"speculation    {d['spec_accepted_tokens']:,} of {d['spec_proposed_tokens']:,} "
+                     f"proposed tokens accepted   mean acceptance length "
+                     f"{d['mean_acceptance_length']:.2f} tokens per verified step")
     if d["gpu_timed"]:
         lines.append(f"GPU idle       {d['idle_pct']:.1f}% of decode wall, "
                      f"{d['idle_ms_per_step']:.3f} ms/step (step wall - GPU busy)")
@@ -413,13 +466,15 @@ async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trac
     if delay > 0:
         await asyncio.sleep(delay)
     params = SamplingParams(temperature=temperature, max_tokens=req.max_tokens, ignore_eos=True,
-                            json_schema=req.json_schema)
+                            json_schema=req.json_schema, prediction=req.prediction)
     trace.submit = time.perf_counter()
     try:
         async for chunk in client.generate(req.prompt_ids, params):
             now = time.perf_counter()
             if chunk.token_ids:
                 trace.chunks.append((now, len(chunk.token_ids)))
+                if trace.tokens is not None:
+                    trace.tokens.extend(chunk.token_ids)
                 if progress is not None:
                     progress.add(len(chunk.token_ids))
     except NanoserveError as e:
@@ -450,14 +505,21 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig,
             await asyncio.gather(*(_grpc_request(client, r, wcfg.temperature, t, None)
                                    for r, t in zip(warm, traces)))
             _raise_if_failed(traces, "warm-up")
+        if args.prediction:   # a first greedy run gives the answers the predictions come from
+            traces = [Trace(tokens=[]) for _ in run_0]
+            await asyncio.gather(*(_grpc_request(client, r, 0.0, t, None)
+                                   for r, t in zip(run_0, traces)))
+            _raise_if_failed(traces, "the greedy run for --prediction")
+            run_0 = with_predictions(run_0, [t.tokens for t in traces], args.prediction,
+                                     info.vocab_size, wcfg.seed)
         outcomes = []
         for run in range(args.runs):
-            workload = for_run(run_0, run, info.vocab_size)
+            workload = run_0 if args.prediction else for_run(run_0, run, info.vocab_size)
             before = await _settled_stats(client)
             cpu_before = cpu_probe()
             progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
             offsets = arrival_offsets(len(workload), wcfg.request_rate, wcfg.seed)
-            traces = [Trace() for _ in workload]
+            traces = [Trace(tokens=[] if args.prediction else None) for _ in workload]
             if args.client_procs > 1:
                 waiter = asyncio.ensure_future(_run_in_procs(args, wcfg.temperature, workload,
                                                              offsets, traces, progress))
@@ -477,7 +539,8 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig,
                 mode="grpc", model=info.model, device=args.device_name,
                 max_model_len=info.max_model_len, traces=traces, wall_s=wall,
                 breakdown=DecodeBreakdown.diff(before, after),
-                extra={"target": args.target, "model_info": asdict(info)}, cpu_s=cpu,
+                extra={"target": args.target, "model_info": asdict(info),
+                       "greedy_mismatches": greedy_mismatches(workload, traces)}, cpu_s=cpu,
                 host_speed=speed))
     return outcomes, workload
 
@@ -569,7 +632,10 @@ def run_null(args: argparse.Namespace, wcfg: WorkloadConfig
     the gRPC mode against them."""
     from client.null_stack import NullStack
     with NullStack(step_ms=args.step_ms, max_model_len=args.max_model_len,
-                   scheduler_args=shlex.split(args.scheduler_args),
+                   scheduler_args=shlex.split(args.scheduler_args) + [
+                       "--speculative", args.speculative,
+                       "--num-speculative-tokens", str(args.num_speculative_tokens),
+                       "--speculative-max-batch", str(args.speculative_max_batch)],
                    tokenizer_dir=args.null_tokenizer) as stack:
         args.target = stack.target
         args.device_name = f"null worker, {args.step_ms:g} ms/step"
@@ -601,13 +667,15 @@ class _Collector:
 
     def on_output(self, out: Any) -> None:
         now = time.perf_counter()
-        for seq_id in out.seq_ids:
+        for seq_id, token in zip(out.seq_ids, out.token_ids):
             trace = self.traces.get(seq_id)
             if trace is not None:
                 trace.chunks.append((now, 1))
+                if trace.tokens is not None:
+                    trace.tokens.append(token)
         if self.progress is not None:
             self.progress.add(len(out.seq_ids))
-        ended = [(seq_id, None) for seq_id, _, _ in out.finished]
+        ended = [(seq_id, None) for seq_id, *_ in out.finished]
         ended += [(seq_id, f"{code}: {message}") for seq_id, code, message in out.errors]
         for seq_id, error in ended:
             trace = self.traces.get(seq_id)
@@ -687,6 +755,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
     from scheduler_service.constraints import grammar_for
     from scheduler_service.sequence import SamplingOptions
     from scheduler_service.sequence import Sequence as EngineSequence
+    from scheduler_service.speculation import Speculator
     from worker_service.local_group import LocalWorkerGroup
     from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -716,7 +785,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
             from scheduler_service.fast_forward import FastForward
             ff = FastForward.for_model(args.model, info)
         return Engine(group, info, config, collector.on_output, overlap=not args.no_overlap,
-                      fast_forward=ff)
+                      fast_forward=ff, speculator=Speculator(spec_config(args)))
 
     runner_thread = _EngineThread(group, args.block_size, args.num_kv_blocks, make_engine)
     engine, info = runner_thread.engine, runner_thread.engine.info
@@ -726,14 +795,15 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
     def engine_alive() -> bool:
         return runner_thread.thread.is_alive()   # an uncaught error ends it silently
 
-    def submit_all(reqs: list[BenchRequest], offsets: list[float],
-                   progress: Progress | None) -> list[Trace]:
+    def submit_all(reqs: list[BenchRequest], offsets: list[float], progress: Progress | None,
+                   temperature: float = wcfg.temperature, keep_tokens: bool = False) -> list[Trace]:
         """Submit at the given offsets (redrawing the bar meanwhile), wait for all."""
         seqs = [EngineSequence(next(seq_ids), r.prompt_ids, SamplingOptions(
-            temperature=wcfg.temperature, max_tokens=r.max_tokens, ignore_eos=True,
-            grammar=grammar_for("json_schema", r.json_schema) if r.json_schema else ""))
+            temperature=temperature, max_tokens=r.max_tokens, ignore_eos=True,
+            grammar=grammar_for("json_schema", r.json_schema) if r.json_schema else "",
+            prediction=tuple(r.prediction or ())))
             for r in reqs]
-        traces = {s.seq_id: Trace() for s in seqs}
+        traces = {s.seq_id: Trace(tokens=[] if keep_tokens else None) for s in seqs}
         collector.expect(traces, progress)
         draw = progress.draw if progress is not None else (lambda: None)
         start = time.perf_counter()
@@ -754,13 +824,19 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
             warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
             _raise_if_failed(submit_all(warm, [0.0] * len(warm), None), "warm-up")
         workload = run_0 = make_workload(wcfg, info.vocab_size, max_model_len)
+        if args.prediction:   # a first greedy run gives the answers the predictions come from
+            traces = submit_all(run_0, [0.0] * len(run_0), None, 0.0, keep_tokens=True)
+            _raise_if_failed(traces, "the greedy run for --prediction")
+            run_0 = with_predictions(run_0, [t.tokens for t in traces], args.prediction,
+                                     info.vocab_size, wcfg.seed)
         outcomes = []
         for run in range(args.runs):
-            workload = for_run(run_0, run, info.vocab_size)
+            workload = run_0 if args.prediction else for_run(run_0, run, info.vocab_size)
             before = _settled_engine_stats(engine)
             progress = Progress(sum(r.max_tokens for r in workload), enabled=not args.no_progress)
             traces = submit_all(workload, arrival_offsets(len(workload), wcfg.request_rate,
-                                                          wcfg.seed), progress)
+                                                          wcfg.seed), progress,
+                                keep_tokens=bool(args.prediction))
             progress.close()
             after = _settled_engine_stats(engine)
             wall = max(t.finish for t in traces) - min(t.submit for t in traces)
@@ -771,7 +847,8 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
                 extra={"dtype": str(runner.dtype).removeprefix("torch."),
                        "attention_backend": runner.backend.name,
                        "kv_cache_dtype": runner.kv_cache_dtype_name,
-                       "num_kv_blocks": info.num_kv_blocks}))
+                       "num_kv_blocks": info.num_kv_blocks,
+                       "greedy_mismatches": greedy_mismatches(workload, traces)}))
     finally:
         runner_thread.stop()
     return outcomes, workload
@@ -871,6 +948,18 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--max-model-len", type=int, default=4096,
                     help="context length (capped by the model's)")
 
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative", default="off", choices=METHODS,
+                    help="in-process / null worker: the scheduler's --speculative (a running "
+                         "server: start it with the flag)")
+    sp.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K")
+    sp.add_argument("--speculative-max-batch", type=int, default=32, metavar="N")
+    sp.add_argument("--prediction", choices=PREDICTIONS, default=None,
+                    help="send each request a prediction of its output (greedy, so "
+                         "--temperature is 0): a first unmeasured greedy run gets the answers; "
+                         "exact sends them, half replaces every other 16-token run with random "
+                         "ids, wrong sends another request's answer. The measured runs repeat "
+                         "the same prompts (their prefill hits the prefix cache)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the full report (and the command) here")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -920,6 +1009,12 @@ def format_spread(runs: list[dict[str, Any]], table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def spec_config(args: argparse.Namespace) -> Any:
+    from scheduler_service.speculation import SpecConfig
+    return SpecConfig(method=args.speculative, num_tokens=args.num_speculative_tokens,
+                      max_batch=args.speculative_max_batch)
+
+
 def default_client_procs() -> int:
     """One sending process per 4 cores, 1 to 4: on a GPU host (16 cores) one process falls
     behind the online token rate (tests/gpu/RESULTS.md: ITL p99 +9-17% from one process,
@@ -946,6 +1041,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--client-procs is for the gRPC modes (--target, --null-worker)")
     if args.client_procs == 0:
         args.client_procs = 1 if args.in_process else default_client_procs()
+    try:
+        spec_config(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.prediction:
+        args.temperature = 0.0
+        if args.client_procs > 1:
+            parser.error("--prediction runs from one client process (--client-procs 1)")
     wcfg = WorkloadConfig(num_seqs=args.num_seqs, min_input_len=args.min_input_len,
                           max_input_len=args.max_input_len, min_output_len=args.min_output_len,
                           max_output_len=args.max_output_len, temperature=args.temperature,

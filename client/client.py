@@ -130,6 +130,9 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    # The expected output (predicted outputs: proposed ahead, verified; text or token ids)
+    prediction: str | list[int] | None = None
+    speculative: bool | None = None       # False: no proposals for this request
 
     def structured(self) -> generate_pb2.StructuredOutput | None:
         given = {name: value for name, value in (
@@ -154,13 +157,17 @@ class SamplingParams:
                                           logit_bias=self.logit_bias or {})
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
                      "repetition_penalty", "presence_penalty", "frequency_penalty",
-                     "top_logprobs", "min_tokens"):
+                     "top_logprobs", "min_tokens", "speculative"):
             value = getattr(self, name)
             if value is not None:  # proto3 `optional`: unset means "server default"
                 setattr(msg, name, value)
         structured = self.structured()
         if structured is not None:
             msg.structured.CopyFrom(structured)
+        if isinstance(self.prediction, str):
+            msg.prediction.text = self.prediction
+        elif self.prediction is not None:
+            msg.prediction.token_ids.ids.extend(self.prediction)
         return msg
 
 
@@ -169,6 +176,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    accepted_prediction_tokens: int = 0   # of SamplingParams.prediction
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass
@@ -230,6 +239,11 @@ class Stats:
     # Of num_generated_tokens, those an output format forced (fast-forward: the scheduler's default)
     num_fast_forward_tokens: int = 0
     num_fast_forward_mismatches: int = 0
+    # Speculative decoding: proposed / accepted tokens, verify steps, (seq, step) pairs
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    num_spec_runs: int = 0
 
 
 # ---------------------------------------------------------------------------- conversions

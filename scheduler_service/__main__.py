@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from nanoserve import cli
+from scheduler_service.speculation import METHODS, SpecConfig
 
 # A frontend's gRPC streaming costs ~50-150 us of CPU per message; at online token rates
 # one frontend nears a full core (tests/gpu/RESULTS.md, 2026-11-24). Small hosts keep one:
@@ -67,6 +68,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the next step, whose attention reads the sequence's KV once for "
                         "all of them. Requests with logprobs or penalties sample every token. "
                         "--no-fast-forward samples every token of every request")
+    spec = p.add_argument_group(
+        "speculative decoding",
+        "A decode step verifies tokens proposed ahead of sampling, several per weight read; "
+        "output is unchanged (greedy: the same tokens; sampled: the same distribution). "
+        "Requests' predictions (OpenAI `prediction`, gRPC SamplingParams.prediction) are "
+        "always proposed; proposals stop while more than --speculative-max-batch sequences "
+        "run, and per sequence follow its recent acceptance and the measured cost of a row.")
+    spec.add_argument("--speculative", default="off", choices=METHODS,
+                      help="ngram: also propose for every request by prompt lookup (the tokens "
+                           "after the latest earlier occurrence of its last n tokens in its "
+                           "prompt + output); off: only requests' predictions")
+    spec.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K",
+                      help="most tokens proposed per sequence and step")
+    spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched")
+    spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched")
+    spec.add_argument("--speculative-max-batch", type=int, default=32, metavar="N",
+                      help="propose nothing while more than N sequences run (big batches are "
+                           "bound by compute and KV reads, not by the weight read)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,
@@ -115,6 +134,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"TLS: {e}")
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
+    try:
+        args.speculation = SpecConfig(method=args.speculative,
+                                      num_tokens=args.num_speculative_tokens,
+                                      ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                                      max_batch=args.speculative_max_batch)
+    except ValueError as e:
+        p.error(str(e))
     if args.frontends < 0:
         p.error("--frontends must be >= 0 (0 = auto)")
     if args.frontends == 0:
@@ -151,6 +177,7 @@ class ControlPlane:
             max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             overlap=not args.no_overlap, log_level=args.log_level,
             fast_forward=args.fast_forward, model_dir=args.model,
+            speculation=args.speculation,
             worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret)
         self.frontend_configs = [FrontendConfig(

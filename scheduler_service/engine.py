@@ -33,6 +33,7 @@ from nanoserve.worker_group import GroupInfo, WorkerGroupError
 from scheduler_service import fast_forward
 from scheduler_service.fast_forward import FastForward
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
+from scheduler_service.speculation import Speculator, spec_usage
 from scheduler_service.sequence import (PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus,
                                         sibling_options)
 from scheduler_service.worker_client import wait_for_group
@@ -49,7 +50,8 @@ class StepOutputs:
     # Aligned with token_ids when any seq asked for top_logprobs: (ids, logprobs) of its
     # k alternatives, empty lists for a seq that did not ask.
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    finished: list[tuple[int, str, int]] = field(default_factory=list)  # (seq_id, reason, cached prompt tokens)
+    # (seq_id, reason, cached prompt tokens, accepted / rejected prediction tokens)
+    finished: list[tuple[int, str, int, int, int]] = field(default_factory=list)
     errors: list[tuple[int, str, str]] = field(default_factory=list)    # (seq_id, status code, message)
 
     def __bool__(self) -> bool:
@@ -61,6 +63,11 @@ class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_fast_forward_tokens: int = 0   # of those, known from a grammar without a sample
+    num_spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed for verify
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+    num_verify_steps: int = 0          # decode steps that carried proposals
+    num_spec_runs: int = 0             # (seq, step) pairs with proposals
+    spec_accepted_runs: dict[int, int] = field(default_factory=dict)   # accepted -> times
     # Decode-step time breakdown (ms, summed): what the benchmark's idle analysis reads.
     num_decode_steps: int = 0
     num_decode_seqs: int = 0
@@ -76,12 +83,13 @@ class Engine:
     def __init__(self, group, info: GroupInfo, config: SchedulerConfig,
                  on_output: Callable[[StepOutputs], None], overlap: bool = True,
                  on_health: Callable[[bool], None] | None = None,
-                 fast_forward: FastForward | None = None):
+                 fast_forward: FastForward | None = None, speculator: Speculator | None = None):
         self.group = group
         self.fast_forward = fast_forward   # None: constrained sequences sample every token
+        self.speculator = speculator       # None: no proposals, predictions ignored
         self.info = info
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, speculator)
         self.on_output = on_output
         self.on_health = on_health or (lambda healthy: None)
         self.max_in_flight = 2 if overlap else 1
@@ -192,7 +200,8 @@ class Engine:
             t0 = time.perf_counter()
             if not in_flight:
                 last_done = t0          # idle time between bursts is not step time
-            batch = self.scheduler.schedule() if len(in_flight) < self.max_in_flight else None
+            batch = (self.scheduler.schedule() if len(in_flight) < self.max_in_flight
+                     and not (in_flight and self.scheduler.wants_sync()) else None)
             if batch is not None:
                 request = self._build_step(batch)
                 self.scheduler.advance(batch)
@@ -215,6 +224,8 @@ class Engine:
             outputs = self._finish_step(oldest, resp)
             t3 = time.perf_counter()
             if not oldest.is_prefill:   # counted before clients hear of the step
+                if self.speculator is not None:
+                    self.speculator.cost.observe(oldest.num_rows, resp.gpu_ms or resp.step_ms)
                 s = self.stats
                 s.num_decode_steps += 1
                 s.num_decode_seqs += len(oldest.seqs)
@@ -242,9 +253,18 @@ class Engine:
             req.decode.seq_ids_u64 = array("Q", batch.seq_ids).tobytes()
             if batch.num_tokens == len(seqs):
                 inputs = array("i", [s.token_ids[-1] for s in seqs])
-            else:   # fast-forward: a sequence's uncomputed tokens, each a decode row
-                inputs = array("i", [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]])
+            else:   # fast-forward / proposals: a sequence's uncomputed tokens, each a decode row
+                inputs = array("i", [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]
+                                     + s.proposal])
                 req.decode.num_tokens_i32 = array("i", [s.num_scheduled_tokens for s in seqs]).tobytes()
+            if batch.proposals is not None:   # a verify step: each proposal row samples too
+                req.decode.num_samples_i32 = array("i", [1 + len(p) for p in batch.proposals]).tobytes()
+            if self.scheduler.num_kv_stale:   # rejected proposals of a last step: rewind
+                stale = [(i, s.num_computed_tokens) for i, s in enumerate(seqs) if s.kv_stale]
+                req.decode.kv_len_i32 = array("i", [x for pair in stale for x in pair]).tobytes()
+                for i, _ in stale:
+                    seqs[i].kv_stale = False
+                self.scheduler.num_kv_stale -= len(stale)
             if inputs.count(PENDING_TOKEN) != len(inputs):   # some ids already known
                 req.decode.token_ids_i32 = inputs.tobytes()
             if batch.new_blocks:
@@ -306,19 +326,28 @@ class Engine:
             logprobs = lp.tolist()
         tokens = sampled.tolist()
         done = self.scheduler.resolve(batch, tokens, logprobs)
+        rows = self.scheduler.resolved_rows   # a verify step: the sample of each token
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(done)
-        if batch.seq_ids and len(done) == len(batch.seqs):   # a decode step, nothing dropped
+        if rows is not None:
+            out = StepOutputs(seq_ids=[s.seq_id for s in done], token_ids=[tokens[i] for i in rows])
+            self.stats.num_verify_steps += 1
+            self._count_verified(batch)
+        elif batch.seq_ids and len(done) == len(batch.seqs):   # a decode step, nothing dropped
             out = StepOutputs(seq_ids=batch.seq_ids, token_ids=tokens)
         else:
             out = StepOutputs(seq_ids=[s.seq_id for s in done],
                               token_ids=[s.last_resolved_token for s in done])
         if logprobs is not None:
-            out.logprobs = [s.logprobs[-1] if s.sampling.logprobs and s.logprobs else 0.0
-                            for s in done]
+            out.logprobs = ([logprobs[i] if s.sampling.logprobs else 0.0 for s, i in zip(done, rows)]
+                            if rows is not None else
+                            [s.logprobs[-1] if s.sampling.logprobs and s.logprobs else 0.0
+                             for s in done])
         if resp.top_logprobs_k:
-            out.top_logprobs = self._top_logprobs(batch, resp, done)
-        out.finished = [(s.seq_id, s.finish_reason, s.usage_cached_tokens or 0)
+            out.top_logprobs = self._top_logprobs(batch, resp, done, rows)
+        if rows is not None:
+            done = list(dict.fromkeys(done))   # a seq per token: finished once
+        out.finished = [(s.seq_id, s.finish_reason, s.usage_cached_tokens or 0, *spec_usage(s))
                         for s in done if s.status is SequenceStatus.FINISHED]
         if self.fast_forward is not None:
             self._fast_forward(done, out)
@@ -342,7 +371,8 @@ class Engine:
             token_ids += known
             if seq.status is SequenceStatus.FINISHED:
                 ff.drop(seq.seq_id)
-                out.finished.append((seq.seq_id, seq.finish_reason, seq.usage_cached_tokens or 0))
+                out.finished.append((seq.seq_id, seq.finish_reason, seq.usage_cached_tokens or 0,
+                                     *spec_usage(seq)))
         if not seq_ids:
             return
         # out.seq_ids may be the batch's own list: extended as a copy, once per step
@@ -355,10 +385,22 @@ class Engine:
         self.stats.num_generated_tokens += len(seq_ids)
         self.stats.num_fast_forward_tokens += len(seq_ids)
 
+    def _count_verified(self, batch: Batch) -> None:
+        """Proposed / accepted totals and the accepted-run histogram of a verify step."""
+        s = self.stats
+        for seq, proposal in zip(batch.seqs, batch.proposals):
+            if proposal and seq.spec is not None:
+                accepted = seq.spec.last_accepted
+                s.num_spec_proposed_tokens += len(proposal)
+                s.num_spec_accepted_tokens += accepted
+                s.num_spec_runs += 1
+                s.spec_accepted_runs[accepted] = s.spec_accepted_runs.get(accepted, 0) + 1
+
     @staticmethod
-    def _top_logprobs(batch: Batch, resp: worker_pb2.StepResponse, done: list[Sequence]
-                      ) -> list[tuple[list[int], list[float]]]:
-        """Each seq's own k alternatives out of the step's [rows, K] arrays."""
+    def _top_logprobs(batch: Batch, resp: worker_pb2.StepResponse, done: list[Sequence],
+                      rows: list[int] | None = None) -> list[tuple[list[int], list[float]]]:
+        """Each seq's own k alternatives out of the step's [rows, K] arrays (rows: a verify
+        step's sample for each entry of done)."""
         k_all = resp.top_logprobs_k
         ids = array("i")
         ids.frombytes(resp.top_token_ids_i32)
@@ -366,8 +408,9 @@ class Engine:
         lps.frombytes(resp.top_logprobs_f32)
         row = {id(s): i for i, s in enumerate(s for s, keep in zip(batch.seqs, batch.sample) if keep)}
         out = []
-        for s in done:
-            k, start = min(s.sampling.top_logprobs, k_all), row[id(s)] * k_all
+        for j, s in enumerate(done):
+            k = min(s.sampling.top_logprobs, k_all)
+            start = (rows[j] if rows is not None else row[id(s)]) * k_all
             out.append((ids[start:start + k].tolist(), lps[start:start + k].tolist()))
         return out
 

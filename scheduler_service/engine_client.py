@@ -189,9 +189,9 @@ class EngineClient:
                             s._wake()
                 if top:
                     self._add_top_logprobs(ids, top)
-                for seq_id, reason, cached in finished:
+                for seq_id, reason, cached, accepted, rejected in finished:
                     if (s := streams.get(seq_id)) is not None:
-                        s.finish = (reason, cached)
+                        s.finish = (reason, cached, accepted, rejected)
                         s._wake()
                 for seq_id, code, message in errors:
                     if (s := streams.get(seq_id)) is not None:
@@ -236,10 +236,10 @@ class EngineClient:
         last = s.generated[-1]
         if (len(s.generated) >= opts.max_tokens
                 or len(s.prompt_ids) + len(s.generated) >= self.info["max_model_len"]):
-            s.finish = ("length", 0)
+            s.finish = ("length", 0, 0, 0)
         elif last in opts.stop_token_ids or (not opts.ignore_eos
                                               and last == self.info.get("eos_token_id")):
-            s.finish = ("stop", 0)
+            s.finish = ("stop", 0, 0, 0)
         else:
             return False
         s._wake()

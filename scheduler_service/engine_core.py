@@ -19,7 +19,7 @@ import shutil
 import signal
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -29,6 +29,7 @@ from nanoserve.worker_group import WorkerGroupError
 from scheduler_service import ipc, metrics
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.fast_forward import FastForward
+from scheduler_service.speculation import SpecConfig, Speculator
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.worker_client import WorkerGroup, wait_for_group
 
@@ -48,6 +49,7 @@ class EngineCoreConfig:
     overlap: bool = True
     fast_forward: bool = True            # --[no-]fast-forward (scheduler_service/fast_forward.py)
     model_dir: str = ""                  # its tokenizer.json, for fast-forward
+    speculation: SpecConfig = field(default_factory=SpecConfig)   # scheduler_service/speculation.py
     log_level: str = "INFO"
     worker_tls_ca: str | None = None     # PEM paths: TLS to the workers when set
     worker_tls_cert: str | None = None   # our client cert, for workers that require one
@@ -78,7 +80,8 @@ class EngineCore:
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len}
         ff = FastForward.for_model(cfg.model_dir, info) if cfg.fast_forward else None
         self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,
-                             on_health=self._send_health, fast_forward=ff)
+                             on_health=self._send_health, fast_forward=ff,
+                             speculator=Speculator(cfg.speculation))
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)   # never drop a step's tokens

@@ -53,7 +53,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         try:
             try:
                 ids = self._prompt(request)
-                sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits)
+                sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits,
+                                               self.gen.encode_output)
             except RequestError as e:   # never reached the stream: count it here
                 metrics.request_ended("error", e.code)
                 raise
@@ -135,7 +136,8 @@ def _top(top: list[tuple[list[int], list[float]]]) -> list[generate_pb2.TopLogpr
 def _usage(u: Usage | None) -> generate_pb2.Usage | None:
     return None if u is None else generate_pb2.Usage(
         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-        cached_tokens=u.cached_tokens)
+        cached_tokens=u.cached_tokens, accepted_prediction_tokens=u.accepted_prediction_tokens,
+        rejected_prediction_tokens=u.rejected_prediction_tokens)
 
 
 _STATS_FIELDS = frozenset(f.name for f in generate_pb2.Stats.DESCRIPTOR.fields)

@@ -16,7 +16,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from nanoserve.v1 import generate_pb2
 from scheduler_service import metrics
@@ -61,6 +61,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int            # prompt tokens served from the prefix cache
+    accepted_prediction_tokens: int = 0   # of the request's prediction, proposed tokens the
+    rejected_prediction_tokens: int = 0   # model confirmed / did not (speculation.py)
 
 
 @dataclass
@@ -119,10 +121,11 @@ def check_sampling(opts: SamplingOptions, max_tokens: int | None, prompt_len: in
     return opts
 
 
-def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits: Limits
-                        ) -> SamplingOptions:
+def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits: Limits,
+                        encode: Callable[[str], list[int]] | None = None) -> SamplingOptions:
     """The public sampling params, defaulted (see generate.proto) and checked: the gRPC API
-    and the HTTP API (which builds a SamplingParams from its JSON) both go through here."""
+    and the HTTP API (which builds a SamplingParams from its JSON) both go through here.
+    encode: the tokenizer, for a prediction given as text."""
     opts = SamplingOptions(
         temperature=p.temperature if p.HasField("temperature") else 1.0,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
@@ -136,7 +139,9 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
         top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else 0,
         logit_bias=tuple(sorted(p.logit_bias.items())),
-        min_tokens=p.min_tokens if p.HasField("min_tokens") else 0)
+        min_tokens=p.min_tokens if p.HasField("min_tokens") else 0,
+        prediction=prediction_from_proto(p.prediction, limits, encode),
+        speculate=p.speculative if p.HasField("speculative") else True)
     if p.HasField("structured") and p.structured.WhichOneof("format") is not None:
         if not limits.structured_output:
             raise RequestError("FAILED_PRECONDITION", "this server's workers cannot constrain "
@@ -148,6 +153,26 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
             raise invalid(str(e)) from None
     return check_sampling(opts, p.max_tokens if p.HasField("max_tokens") else None, prompt_len,
                           limits, list(p.stop))
+
+
+def prediction_from_proto(p: generate_pb2.Prediction, limits: Limits,
+                          encode: Callable[[str], list[int]] | None) -> tuple[int, ...]:
+    """A request's prediction as token ids, checked (INVALID_ARGUMENT)."""
+    which = p.WhichOneof("content")
+    if which is None:
+        return ()
+    if which == "text":
+        if encode is None:
+            raise invalid("prediction text cannot be tokenized here: send token ids")
+        ids = encode(p.text) if p.text else []
+    else:
+        ids = list(p.token_ids.ids)
+        if any(t >= limits.vocab_size for t in ids):
+            raise invalid(f"prediction: token id out of vocabulary (size {limits.vocab_size})")
+    if len(ids) > limits.max_model_len:
+        raise invalid(f"prediction has {len(ids)} tokens; the limit is the context length "
+                      f"{limits.max_model_len}")
+    return tuple(ids)
 
 
 class Generation:
@@ -170,6 +195,10 @@ class Generation:
                                        if t < limits.vocab_size) - {engine.info["eos_token_id"]}
 
     # ---- prompts ----------------------------------------------------------------------
+
+    def encode_output(self, text: str) -> list[int]:
+        """Text as the model would write it (no bos/eos added): a prediction's tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prompt_from_text(self, text: str) -> list[int]:
         return self._checked(self.tokenizer.encode(text) if text else [])
@@ -230,7 +259,7 @@ class Generation:
         released = [False] * n    # the handle is given back (the core forgot it or was told to)
         waits: dict[asyncio.Future, int] = {}   # n > 1: each live completion's next()
         left = n
-        completion = cached = 0
+        completion = cached = accepted = rejected = 0
         first = 0.0
         outcome = ("abort", "CANCELLED")   # unless it finishes or fails: the client left
         try:
@@ -260,8 +289,11 @@ class Generation:
                 released[i] = True
                 self.engine.release(handles[i], abort=finish is None)
                 left -= 1
-                cached += finish[1] if finish else 0
-                usage = None if left else Usage(len(ids), completion, cached)
+                if finish:
+                    cached += finish[1]
+                    accepted += finish[2]
+                    rejected += finish[3]
+                usage = None if left else Usage(len(ids), completion, cached, accepted, rejected)
                 if usage is not None:
                     outcome = (reason, "OK")
                     self._finished(start, first, usage)

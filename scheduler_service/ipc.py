@@ -26,7 +26,8 @@ core -> frontend
     [INFO, group_info, healthy]          answers HELLO
     [OUT, seq_ids_u64, token_ids_i32, logprobs_f32, finished, errors, top]
         one step: a token for each listed sequence (little-endian arrays, logprobs empty
-        when nobody asked), finished = [[seq_id, reason, cached_tokens]], errors =
+        when nobody asked), finished = [[seq_id, reason, cached_tokens, accepted,
+        rejected]] (the last two: prediction tokens), errors =
         [[seq_id, status code name, message]], top = [] when nobody asked for
         top_logprobs, else [k_u8 (one per listed sequence, 0 = none), ids_i32, logprobs_f32]
         with each sequence's k alternatives in turn
@@ -98,4 +99,5 @@ def unpack_sampling(values: list) -> SamplingOptions:
     s = SamplingOptions(*values)
     s.stop_token_ids = tuple(s.stop_token_ids)
     s.logit_bias = tuple(map(tuple, s.logit_bias))
+    s.prediction = tuple(s.prediction)
     return s

@@ -131,6 +131,18 @@ def sampling_params(body: dict, chat: bool) -> tuple[generate_pb2.SamplingParams
         raise invalid("'stop_token_ids' must be a list of token ids")
     p.stop_token_ids.extend(stop_ids)
     p.ignore_eos = _field(body, "ignore_eos", (bool,), False)
+    prediction = _field(body, "prediction", (dict,))
+    if prediction is not None:   # {"type": "content", "content": str or [{"type": "text", ...}]}
+        content = prediction.get("content")
+        if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text"
+                                              and isinstance(c.get("text"), str) for c in content):
+            content = "".join(c["text"] for c in content)
+        if prediction.get("type") != "content" or not isinstance(content, str):
+            raise invalid("'prediction' must be {\"type\": \"content\", \"content\": <text>}")
+        p.prediction.text = content
+    speculative = _field(body, "speculative", (bool,))   # nanoserve's extra: opt out
+    if speculative is not None:
+        p.speculative = speculative
     for key, bias in (_field(body, "logit_bias", (dict,)) or {}).items():   # {"id": bias}
         if not (isinstance(key, str) and key.isdigit()) or isinstance(bias, bool) \
                 or not isinstance(bias, num):
@@ -296,7 +308,7 @@ class OpenAIApi:
         if structured is not None:
             sampling.structured.CopyFrom(structured)
         for ids in prompts:   # the shared checks, for every prompt before any starts
-            sampling_from_proto(sampling, len(ids), self.gen.limits)
+            sampling_from_proto(sampling, len(ids), self.gen.limits, self.gen.encode_output)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
         return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
@@ -331,7 +343,8 @@ class OpenAIApi:
 
         async def run(i: int, ids: list[int]) -> None:
             try:
-                opts = sampling_from_proto(req.sampling, len(ids), self.gen.limits)
+                opts = sampling_from_proto(req.sampling, len(ids), self.gen.limits,
+                                           self.gen.encode_output)
                 async for delta in self.gen.stream(ids, opts, list(req.sampling.stop),
                                                    req.skip_special_tokens):
                     queue.put_nowait((i * req.n + delta.index, delta))
@@ -471,14 +484,18 @@ class Output:
         return entries
 
     def _usage(self) -> dict:
-        prompt = completion = cached = 0
+        prompt = completion = cached = accepted = rejected = 0
         for u in self.usages.values():   # one per prompt, summed over its n completions
             completion += u.completion_tokens
             prompt += u.prompt_tokens
             cached += u.cached_tokens
+            accepted += u.accepted_prediction_tokens
+            rejected += u.rejected_prediction_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": rejected}}
 
     def _chat_logprobs(self, entries: list[dict]) -> dict:
         return {"content": [{"token": e["token"], "logprob": e["logprob"],

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from scheduler_service.speculation import Speculator
 
 
 @dataclass
@@ -56,6 +57,9 @@ class Batch:
     # workers learn only those (a prefill sends whole tables of new sequences).
     new_blocks: list[tuple[int, int]] = field(default_factory=list)
     seq_ids: list[int] | None = None   # decode: the seqs' ids, once the engine built the step
+    # Decode: the tokens proposed for each seq (a verify step), None when none were.
+    proposals: list[list[int]] | None = None
+    num_rows: int = 0   # decode: rows of the step (a sequence each, more for run-ahead tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -63,8 +67,12 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator   # None: no proposals (speculative decoding off)
+        # A verify batch's resolve: per token it gave out, the index of its sample.
+        self.resolved_rows: list[int] | None = None
+        self.num_kv_stale = 0   # running seqs whose workers hold rejected proposals' KV
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -99,6 +107,8 @@ class Scheduler:
                             cfg.num_kv_blocks * cfg.block_size + 1)
         self._live[seq.seq_id] = seq
         self.waiting.append(seq)
+        if self.speculator is not None:
+            self.speculator.arrived()
 
     def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         """Drop a request now, wherever it is; its blocks are free at once."""
@@ -133,12 +143,15 @@ class Scheduler:
                 del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]
                 seq.num_pending_tokens = 0
             seq.ahead.clear()
+            seq.proposal = []
+            seq.kv_stale = False
             seq.status = SequenceStatus.WAITING
             seq.block_table = []
             seq.num_cached_tokens = seq.num_computed_tokens = 0
             seq.num_scheduled_tokens = seq.num_hashed_blocks = 0
             self.waiting.append(seq)
         self._released.clear()
+        self.num_kv_stale = 0
 
     def drain_released(self) -> list[int]:
         """Seq ids whose blocks were released since the last call (workers drop their state)."""
@@ -195,6 +208,11 @@ class Scheduler:
         new_blocks: list[tuple[int, int]] = []
         done: list[Sequence] = []   # every token sampled (pending): nothing left to compute
         rows = 0    # decode rows: one per sequence, more for fast-forward tokens
+        spec = self.speculator
+        if spec is not None and not spec.active(len(self.running)):
+            spec.tick()
+            spec = None     # big batches, or a back-off: every sequence decodes overlapped
+        proposals: list[list[int]] | None = None
         while self.running and rows < limit:
             seq = self.running.popleft()
             n = len(seq.token_ids)
@@ -205,29 +223,60 @@ class Scheduler:
             if todo > 1 and rows and rows + todo > limit:
                 self.running.appendleft(seq)     # next step
                 break
+            proposal: list[int] = []
+            if spec is not None and not seq.num_pending_tokens and spec.eligible(seq):
+                room = min(seq.len_limit - n - 1, limit - rows - todo)
+                if room > 0:
+                    proposal = spec.propose(seq, room, len(self.running) + len(seqs) + 1)
+            need = n + len(proposal)   # tokens whose KV the step leaves in the cache
+            if proposal and -(-need // bs) - len(seq.block_table) > bm.num_free_blocks:
+                # proposals never preempt anyone: as many as the free blocks hold
+                room = (max(len(seq.block_table), -(-n // bs)) + max(
+                    bm.num_free_blocks - max(-(-n // bs) - len(seq.block_table), 0), 0)) * bs - n
+                del proposal[max(room, 0):]
+                need = n + len(proposal)
+            if proposal:
+                if proposals is None:
+                    proposals = [[] for _ in seqs]
+                seq.proposal = proposal
+                todo += len(proposal)
             # BlockManager.can_append / may_append, inlined: this runs for every running
             # sequence every step, and almost never finds one that needs a block.
-            if len(seq.block_table) * bs < n:   # its next token(s) need a block
+            if len(seq.block_table) * bs < need:   # its next token(s) need a block
                 first = len(new_blocks)
-                for _ in range(-(-n // bs) - len(seq.block_table)):
+                for _ in range(-(-need // bs) - len(seq.block_table)):
                     while not bm.num_free_blocks and self.running:
                         self._preempt(self.running.pop())  # the newest loses its KV
                     if not bm.num_free_blocks:
                         del new_blocks[first:]
+                        seq.proposal = []
                         self._preempt(seq)
                         break
                     new_blocks.append((len(seqs), bm.append_block(seq)))
                 else:
                     seq.num_scheduled_tokens = todo
                     seqs.append(seq)
+                    if proposals is not None:
+                        proposals.append(proposal)
                     rows += todo
                 continue
             seq.num_scheduled_tokens = todo
             seqs.append(seq)
+            if proposals is not None:
+                proposals.append(proposal)
             rows += todo
         self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
-        return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks)
-                if seqs else None)
+        if spec is not None and seqs:
+            spec.proposed(proposals is not None)
+        return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks,
+                      proposals=proposals, num_rows=rows) if seqs else None)
+
+    def wants_sync(self) -> bool:
+        """Whether the next step should wait for the one in flight: a sequence that may get
+        proposals needs its newest token known first (speculation.py: why that pays)."""
+        spec = self.speculator
+        return (spec is not None and spec.active(len(self.running))
+                and any(spec.eligible(s) for s in self.running))
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -258,7 +307,8 @@ class Scheduler:
         for seq, samples in zip(batch.seqs, batch.sample):
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted after schedule(): its result is dropped
-            seq.num_computed_tokens += seq.num_scheduled_tokens
+            # (proposals' KV counts once resolve knows which were accepted)
+            seq.num_computed_tokens += seq.num_scheduled_tokens - len(seq.proposal)
             seq.num_scheduled_tokens = 0
             if samples:
                 seq.token_ids.append(PENDING_TOKEN)
@@ -271,6 +321,9 @@ class Scheduler:
                 logprobs: list[float] | None = None) -> list[Sequence]:
         """The step's ids arrived: fill the oldest placeholder of each sampling seq and
         finish seqs; returns the seqs that got a token (`last_resolved_token`)."""
+        if batch.proposals is not None:
+            return self._resolve_verify(batch, sampled, logprobs)
+        self.resolved_rows = None
         samples = batch.sample
         seqs = batch.seqs if all(samples) else [s for s, keep in zip(batch.seqs, samples) if keep]
         if len(sampled) != len(seqs):
@@ -318,6 +371,80 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
         return out
 
+    def _resolve_verify(self, batch: Batch, sampled: list[int],
+                        logprobs: list[float] | None) -> list[Sequence]:
+        """resolve for a decode step with proposals: seq i has 1 + len(proposals[i]) samples,
+        the target's token after each of its rows. The proposals equal to the sample before
+        them are accepted, then one sample more; the run is cut where a stop id or the length
+        limit ends the sequence. Returns a seq per token given out (resolved_rows: the
+        sample each came from), in order."""
+        want = sum(1 + len(p) for p in batch.proposals)
+        if len(sampled) != want:
+            raise ValueError(f"{len(sampled)} sampled ids for {want} verify rows")
+        bs = self.block_manager.block_size
+        out: list[Sequence] = []
+        rows: list[int] = []
+        at = 0
+        finished = False
+        for seq, proposal in zip(batch.seqs, batch.proposals):
+            row, at = at, at + 1 + len(proposal)
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted (or finished) after schedule(): its result is dropped
+            if seq.ahead:  # fast-forward knew this one: the worker sampled the forced token
+                if sampled[row] != seq.ahead.pop(0):
+                    self.num_fast_forward_mismatches += 1
+                continue
+            if not seq.num_pending_tokens:
+                continue
+            accepted = 0
+            if proposal:   # (its only placeholder is this step's: it waited for the last)
+                seq.proposal = []
+                while accepted < len(proposal) and proposal[accepted] == sampled[row + accepted]:
+                    accepted += 1
+                seq.spec.record(len(proposal), accepted)
+                if accepted < len(proposal) and not seq.kv_stale:
+                    seq.kv_stale = True
+                    self.num_kv_stale += 1
+            ids = seq.token_ids
+            reason = None
+            for i in range(row, row + accepted + 1):
+                token = sampled[i]
+                if i == row:   # the oldest placeholder
+                    pos = len(ids) - seq.num_pending_tokens
+                    ids[pos] = token
+                    seq.num_pending_tokens -= 1
+                else:          # an accepted proposal's sample: its row's KV holds the proposal
+                    pos = len(ids)
+                    ids.append(token)
+                    seq.num_computed_tokens += 1
+                out.append(seq)
+                rows.append(i)
+                if logprobs is not None and seq.sampling.logprobs:
+                    seq.logprobs.append(logprobs[i])
+                if token in seq.stop_ids and pos - seq.num_prompt_tokens >= seq.sampling.min_tokens:
+                    reason = "stop"
+                elif not seq.num_pending_tokens and len(ids) >= seq.len_limit:
+                    reason = "length"
+                if reason is not None:
+                    break
+            if reason is None:
+                if min(seq.num_computed_tokens, len(ids) - seq.num_pending_tokens) \
+                        >= (seq.num_hashed_blocks + 1) * bs and seq.block_table:
+                    self.block_manager.commit(seq)
+                continue
+            del ids[pos + 1:]   # placeholders of steps it should not have run
+            seq.num_pending_tokens = 0
+            del self._live[seq.seq_id]
+            self._release(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            finished = True
+        if finished:
+            self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
+            self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
+        self.resolved_rows = rows
+        return out
+
     def fast_forward(self, seq: Sequence, forced: list[int]) -> list[int]:
         """Tokens seq's grammar forces after its newest known one become known now: the
         sample of its step in flight (if any) is forced[0] (the worker samples that token
@@ -349,6 +476,9 @@ class Scheduler:
         return known
 
     def _release(self, seq: Sequence) -> None:
+        if seq.kv_stale:   # its workers' state is dropped (or resent in full)
+            seq.kv_stale = False
+            self.num_kv_stale -= 1
         if seq.block_table:
             self.block_manager.deallocate(seq)
             self._released.append(seq.seq_id)

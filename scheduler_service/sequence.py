@@ -9,6 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_service.speculation import SpecState
 
 
 # Placeholder for a token sampled by a step still in flight (overlap scheduling): the
@@ -43,6 +47,8 @@ class SamplingOptions:
     grammar: str = ""                 # llguidance grammar the output must follow ("" = free)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (id, bias) added to the logits
     min_tokens: int = 0               # stop ids cannot end the output before this many tokens
+    prediction: tuple[int, ...] = ()  # the caller's guess at the output: proposed ahead
+    speculate: bool = True            # False: never propose tokens for this request
 
     @property
     def has_penalty(self) -> bool:
@@ -83,6 +89,12 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # ids that end it (stop_token_ids, eos unless ignored)
     len_limit: int = 0                      # it ends ("length") once it holds this many tokens
     arrival_time: float = 0.0   # time.monotonic() at the engine core; 0 once first scheduled
+    # Speculative decoding (scheduler_service/speculation.py): the tokens proposed for the
+    # step in flight, the proposer's state, and whether the workers hold KV of rejected
+    # proposals past num_computed_tokens (the next decode step tells them to rewind).
+    proposal: list[int] = field(default_factory=list)
+    spec: "SpecState | None" = None
+    kv_stale: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # our own copy: we append to it

@@ -13,6 +13,7 @@ numpy only: the null worker must not need torch.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -220,10 +221,19 @@ class SeqTable:
                     raise StepError(f"sequence {dec_seq_ids[i]}: more blocks than max_model_len needs")
                 self.tables[row, n] = block
                 self.table_len[row] = n + 1
+            for i, kv_len in np.frombuffer(d.kv_len_i32, "<i4").reshape(-1, 2).tolist():
+                if not 0 <= i < nd or not 0 <= kv_len <= self.computed[dec_rows[i]]:
+                    raise StepError(f"kv_len {kv_len} for decode row {i} of {nd}: beyond its KV")
+                self.computed[dec_rows[i]] = kv_len   # rejected proposals' KV is dead
             listed = seq_ids + dec_seq_ids
             per = np.frombuffer(d.num_tokens_i32, "<i4").astype(np.int64) if d.num_tokens_i32 else None
             if per is not None and (len(per) != nd or (per < 1).any()):
                 raise StepError(f"decode num_tokens must hold one count >= 1 for each of {nd} sequences")
+            n_samp = np.frombuffer(d.num_samples_i32, "<i4").astype(np.int64) if d.num_samples_i32 else None
+            if n_samp is not None and (len(n_samp) != nd or (n_samp < 1).any()
+                                       or (n_samp > (per if per is not None else 1)).any()):
+                raise StepError(f"decode num_samples must hold one count in [1, num_tokens] for "
+                                f"each of {nd} sequences")
             n_dec = nd if per is None else int(per.sum())
             dec_tokens = (np.frombuffer(d.token_ids_i32, "<i4").astype(np.int64) if d.token_ids_i32
                           else np.full(n_dec, PLACEHOLDER, np.int64))
@@ -238,7 +248,9 @@ class SeqTable:
                     raise StepError("a placeholder input (-1) must be its sequence's first token")
                 dec_seq_ids = np.repeat(dec_ids, per).tolist()
                 dec_rows = np.repeat(dec_rows, per).tolist()
-                dec_sample = (dec_offset == np.repeat(per - 1, per)).tolist()
+                # the last row samples; a verify step's last num_samples rows do
+                last = np.repeat(per - (1 if n_samp is None else n_samp), per)
+                dec_sample = (dec_offset >= last).tolist()
             seq_ids += dec_seq_ids
             rows += dec_rows
         else:
@@ -315,3 +327,9 @@ class SeqTable:
         sampled = [s for s, keep in zip(plan.seq_ids, plan.sample.tolist()) if keep]
         if sampled:
             self.last_rows = {s: i for i, s in enumerate(sampled)}
+            if len(self.last_rows) < len(sampled):
+                # A verify step's sequences: which of their samples comes next is the
+                # scheduler's to say, so no placeholder may refer to them.
+                for seq_id, n in Counter(sampled).items():
+                    if n > 1:
+                        del self.last_rows[seq_id]

@@ -42,6 +42,11 @@
 #   fp8      FP8 weights: GEMMs, 0.6B logits vs HF, Qwen3-8B shapes in-process (bf16 / fp8 /
 #            fp8 + fp8 KV) and through gRPC (fp8 + fp8 KV) x FP8_RUNS (1), nano-vllm x PEER_RUNS (2)
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
+#   spec     speculative decoding through gRPC at Qwen3-8B shapes (SPEC_MODEL, SPEC_WORKER_ARGS,
+#            e.g. "--quantization fp8 --kv-cache-dtype fp8"): batch 1 and 8 (256-token prompts,
+#            512 output tokens, greedy) plain and with --prediction exact / half / wrong x
+#            SPEC_RUNS (3); then nano-vllm's workload with the scheduler's --speculative ngram
+#            against without x SPEC_BIG_RUNS (2, 0 = skip), and batch 1 with ngram
 #   flash    build + install the trimmed flash-attn wheel (FLASH_ATTN_ARGS, FLASH_ATTN_TIMEOUT s),
 #            then its --smoke check; put it first so kernels/bench see it
 # PACK=1 leaves one archive, $OUT/results.tgz, instead of the files (for callers that copy
@@ -190,6 +195,47 @@ for w in ${*:-kernels model bench}; do
       timeout 200 bash .peer/run_nano_vllm.sh $M8 "${PEER_RUNS:-2}" > "$OUT/fp8_peer.txt" 2>&1 || rc=1
       cat "$OUT/fp8_gemm.md" "$OUT/fp8_logits.md"; grep -H "Throughput" "$OUT/fp8_peer.txt"
       grep -H "output tok/s\|^ *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]*$" "$OUT"/fp8_local_*.txt "$OUT/fp8_grpc.txt" ;;
+    spec)   # speculative decoding (issue 43): one worker, the scheduler restarted per mode
+      # layers' outputs scaled by 0.05: greedy keeps a wide margin, so a verify step's argmax
+      # equals a plain step's in bf16 (on plain random weights near-ties flip within tokens)
+      M8=${SPEC_MODEL:-/dev/shm/qwen3-8b-damped}
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 Qwen3-8B 0.05 >/dev/null 2>&1
+      # shellcheck disable=SC2086
+      python3 -m worker_service --model $M8 --port 50061 --max-model-len 4096 --log-level WARNING \
+        ${SPEC_WORKER_ARGS:-} > "$OUT/spec_worker.log" 2>&1 &
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051 --client-procs 1)
+      F=(--min-input-len 256 --max-input-len 256 --min-output-len 512 --max-output-len 512
+         --temperature 0 --warmup 2 --runs "${SPEC_RUNS:-3}")
+      spec_sched() {   # (re)start the scheduler with these flags
+        [ -n "${SCHED_PID:-}" ] && kill "$SCHED_PID" 2>/dev/null && wait "$SCHED_PID" 2>/dev/null
+        : > "$OUT/spec_scheduler.log"
+        python3 -m scheduler_service --model $M8 --workers 127.0.0.1:50061 --port 50051 \
+          --max-model-len 4096 --log-level WARNING "$@" >> "$OUT/spec_scheduler.log" 2>&1 &
+        SCHED_PID=$!
+        for i in $(seq 400); do grep -q listening "$OUT/spec_scheduler.log" && break; sleep 1; done
+      }
+      spec_sched
+      for n in 1 8; do
+        timeout 120 "${B[@]}" "${F[@]}" --num-seqs $n --json "$OUT/spec_b${n}_plain.json" \
+          > "$OUT/spec_b${n}_plain.txt" 2>&1 || rc=1
+        for p in exact half wrong; do
+          timeout 120 "${B[@]}" "${F[@]}" --num-seqs $n --prediction $p \
+            --json "$OUT/spec_b${n}_$p.json" > "$OUT/spec_b${n}_$p.txt" 2>&1 || rc=1
+        done
+      done
+      if [ "${SPEC_BIG_RUNS:-2}" -gt 0 ]; then
+        timeout 200 "${B[@]}" --client-procs 4 --runs "${SPEC_BIG_RUNS:-2}" \
+          --json "$OUT/spec_big_plain.json" > "$OUT/spec_big_plain.txt" 2>&1 || rc=1
+        spec_sched --speculative ngram
+        timeout 200 "${B[@]}" --client-procs 4 --runs "${SPEC_BIG_RUNS:-2}" \
+          --json "$OUT/spec_big_ngram.json" > "$OUT/spec_big_ngram.txt" 2>&1 || rc=1
+      else
+        spec_sched --speculative ngram
+      fi
+      timeout 120 "${B[@]}" "${F[@]}" --num-seqs 1 --json "$OUT/spec_b1_ngram.json" \
+        > "$OUT/spec_b1_ngram.txt" 2>&1 || rc=1
+      kill "$SCHED_PID" %1 2>/dev/null; wait
+      grep -H "output tok/s  \|prediction  \|speculation  \|mean batch\|^error" "$OUT"/spec_*.txt ;;
     peer)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;

@@ -1,0 +1,247 @@
+"""Speculative decoding, the engine core's half: who proposes what, and how many.
+
+A proposal is a guess at a sequence's next tokens. The decode step that carries it (a
+verify step: worker.proto's DecodeBatch.num_samples_i32) runs the guesses as extra decode
+rows of the sequence, the same rows fast-forward's forced tokens use, and samples the
+target's token after every row. `Scheduler.resolve` keeps the guesses that equal the sample
+before them, then that sample: for a proposer that is a point mass (every one here) this
+*is* the standard rejection rule (accept x with probability p(x); on rejection the sample
+is drawn from p without x, renormalized), so greedy output is token-identical to no
+speculation and a seeded request draws the same tokens (its noise is keyed by position).
+
+Proposers (both read only tokens the engine core knows):
+* `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the
+  sequence's last n tokens (n from `ngram_max` down to `ngram_min`) in prompt + output;
+* a request's `prediction` (OpenAI predicted outputs): the caller's expected answer; the
+  proposer follows it while the output agrees and, after a disagreement, re-aligns with
+  the first place in the prediction (from where it was) that the output's last tokens
+  match, as a suffix match would.
+
+When: a proposal follows the sequence's newest token, and a verify step's next position
+depends on what was accepted, so steps that propose wait for the step in flight to answer
+(`Scheduler.wants_sync`): they give up the overlap of two steps in flight, a host round
+trip per step. Measured (an H200, Qwen3-8B shapes) a sequence that sat out the step after
+each of its verify steps instead cost a batch of 8 a sixth of its rows; waiting costs the
+round trip only. That pays where a step reads all the weights for a token or two (small
+batches), not in big ones: no proposals while more than `max_batch` sequences run, and
+where a step finds nothing to propose the next ones run overlapped for a back-off that
+doubles (to 16 steps) while tries keep finding nothing.
+
+How many (k): proposal i of a sequence is sent only if its chance of acceptance (the
+sequence's recent per-token acceptance to the power i) beats what the row costs: the
+step's rows times the measured marginal cost of a row over the step's time (`StepCost`,
+fitted to the decode steps' worker times).
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+METHODS = ("off", "ngram")   # off: only requests' predictions are proposed
+
+
+@dataclass
+class SpecConfig:
+    method: str = "off"       # one of METHODS
+    num_tokens: int = 8       # most proposals per sequence and step (k)
+    ngram_max: int = 4
+    ngram_min: int = 2
+    max_batch: int = 32       # no proposals while more sequences run
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}: choose from "
+                             f"{', '.join(METHODS)}")
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError("num speculative tokens must be in [1, 64]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram min <= ngram max")
+
+
+@dataclass
+class SpecState:
+    """One sequence's proposer state (lives on the Sequence; rebuilt lazily after restarts)."""
+    corpus: array = field(default_factory=lambda: array("i"))   # ngram: prompt + known output
+    prediction: array | None = None   # the request's prediction, packed for searching
+    pred_pos: int | None = None   # prediction: index of the next token it expects
+    anchor: int = 0               # prediction: where it last agreed (re-alignment starts here)
+    seen: int = 0                 # output tokens folded into pred_pos
+    accepted: float = 0.0         # decayed counts of accepted proposals and of attempts
+    attempts: float = 0.0         # (accepted + rejections): per-token acceptance = ratio
+    num_proposed: int = 0         # totals for usage and metrics
+    num_accepted: int = 0
+
+    def acceptance(self, prior: float) -> float:
+        return (self.accepted + 2 * prior) / (self.attempts + 2)
+
+    last_accepted: int = 0        # of the last verify step
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.last_accepted = accepted
+        self.accepted = 0.7 * self.accepted + accepted
+        self.attempts = 0.7 * self.attempts + accepted + (accepted < proposed)
+        self.num_proposed += proposed
+        self.num_accepted += accepted
+
+
+class StepCost:
+    """Decode step time as a + b * rows, fitted to measured steps (worker time)."""
+
+    def __init__(self, prior_ratio: float = 1 / 256):
+        self.ms: dict[int, float] = {}   # rows -> decayed mean step ms
+        self.a, self.b = 1.0, prior_ratio
+
+    def observe(self, rows: int, ms: float) -> None:
+        if ms <= 0:
+            return
+        old = self.ms.get(rows)
+        self.ms[rows] = ms if old is None else 0.9 * old + 0.1 * ms
+        if len(self.ms) >= 2 and (old is None or len(self.ms) < 64 or rows % 16 == 0):
+            self._fit()
+
+    def _fit(self) -> None:
+        xs, ys = list(self.ms), list(self.ms.values())
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        if var <= 0:
+            return
+        b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
+        a = my - b * mx
+        if a > 0:
+            self.a, self.b = a, b
+
+    def threshold(self, rows: int) -> float:
+        """The acceptance chance a proposed row must beat in a step of `rows` rows: its
+        cost over the step's cost per row."""
+        return rows * self.b / (self.a + self.b * rows)
+
+
+def _find(corpus: bytes, pattern: bytes, start: int, end: int, last: bool) -> int:
+    """Token index of pattern (packed int32) in corpus[start:end) (token indices), first or
+    last occurrence; -1 if none."""
+    lo, hi = start * 4, end * 4
+    while True:
+        at = corpus.rfind(pattern, lo, hi) if last else corpus.find(pattern, lo, hi)
+        if at < 0 or at % 4 == 0:
+            return at // 4 if at >= 0 else -1
+        if last:
+            hi = at + len(pattern) - 1
+        else:
+            lo = at + 1
+
+
+def ngram_proposal(corpus: array, k: int, n_max: int, n_min: int) -> list[int]:
+    """The k tokens after the latest earlier occurrence of corpus's last n tokens."""
+    size = len(corpus)
+    raw = corpus.tobytes()
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        at = _find(raw, raw[(size - n) * 4:], 0, size - 1, last=True)
+        if at >= 0:
+            return corpus[at + n:at + n + k].tolist()
+    return []
+
+
+def follow_prediction(st: SpecState, prediction: array, output: list[int], n_max: int) -> None:
+    """Fold output tokens not yet seen into st.pred_pos; re-align after a disagreement."""
+    if st.seen > len(output):   # the output was cut back (restart): start over
+        st.seen, st.pred_pos, st.anchor = 0, 0, 0
+    if not st.seen and st.pred_pos is None:
+        st.pred_pos = 0
+    for t in output[st.seen:]:
+        p = st.pred_pos
+        if p is not None and p < len(prediction) and prediction[p] == t:
+            st.pred_pos = p + 1
+            st.anchor = p + 1
+        else:
+            st.pred_pos = None
+    st.seen = len(output)
+    if st.pred_pos is None and output:
+        raw = prediction.tobytes()
+        tail = array("i", output[-n_max:])
+        for n in range(len(tail), 0, -1):
+            pattern = tail[len(tail) - n:].tobytes()
+            at = _find(raw, pattern, st.anchor, len(prediction), last=False)
+            if at < 0:
+                at = _find(raw, pattern, 0, min(st.anchor + n, len(prediction)), last=True)
+            if at >= 0:
+                st.pred_pos = at + n
+                return
+
+
+class Speculator:
+    """Proposals for the scheduler's decode steps (one per engine core)."""
+
+    PRIOR = {"prediction": 0.8, "ngram": 0.5}   # acceptance before a sequence has any
+    MAX_BACKOFF = 16   # overlapped steps between tries, at most
+
+    def __init__(self, config: SpecConfig):
+        self.config = config
+        self.cost = StepCost()
+        self.backoff = 0   # decode steps to run overlapped before trying to propose again
+        self.wait = 1      # the next back-off (doubles while tries find nothing)
+
+    def active(self, num_running: int) -> bool:
+        """Whether this step's sequences may get proposals."""
+        return num_running <= self.config.max_batch and self.backoff <= 0
+
+    def arrived(self) -> None:
+        """A new request may bring a prediction or text that repeats: try again at once."""
+        self.backoff, self.wait = 0, 1
+
+    def tick(self) -> None:
+        """A decode step ran overlapped."""
+        self.backoff -= 1
+
+    def proposed(self, any_proposal: bool) -> None:
+        """A step that tried to propose: back off while nothing is found (unrelated
+        predictions, text without repeats), so waiting for each step costs nothing then."""
+        if any_proposal:
+            self.wait = 1
+        else:
+            self.backoff, self.wait = self.wait, min(2 * self.wait, self.MAX_BACKOFF)
+
+    def eligible(self, seq) -> bool:
+        """Whether seq may get proposals: it asked for none to be made, or its format's
+        masks and penalties would need the proposed tokens on the sampling rank first."""
+        s = seq.sampling
+        return (s.speculate and (bool(s.prediction) or self.config.method == "ngram")
+                and not s.grammar and not s.has_penalty)
+
+    def propose(self, seq, room: int, batch_rows: int) -> list[int]:
+        """Up to `room` tokens to verify after seq's newest (known) token; [] to decode it
+        plainly."""
+        st = seq.spec
+        if st is None:
+            st = seq.spec = SpecState()
+        cfg = self.config
+        source = "prediction" if seq.sampling.prediction else "ngram"
+        a = st.acceptance(self.PRIOR[source])
+        threshold = self.cost.threshold(batch_rows)
+        k, chance = 0, a
+        while k < min(cfg.num_tokens, room) and chance > threshold:
+            k += 1
+            chance *= a
+        proposal: list[int] = []
+        if k:
+            ids = seq.token_ids
+            if source == "prediction":
+                if st.prediction is None:
+                    st.prediction = array("i", seq.sampling.prediction)
+                pred = st.prediction
+                follow_prediction(st, pred, ids[seq.num_prompt_tokens:], cfg.ngram_max)
+                if st.pred_pos is not None:
+                    proposal = pred[st.pred_pos:st.pred_pos + k].tolist()
+            else:
+                st.corpus.extend(ids[len(st.corpus):])
+                proposal = ngram_proposal(st.corpus, k, cfg.ngram_max, cfg.ngram_min)
+        return proposal
+
+
+def spec_usage(seq) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens of a finished seq (OpenAI's usage counts;
+    zeros where the request sent no prediction)."""
+    st = seq.spec
+    if st is None or not seq.sampling.prediction:
+        return 0, 0
+    return st.num_accepted, st.num_proposed - st.num_accepted

@@ -1,0 +1,200 @@
+"""Speculative decoding end to end: a real worker and the control plane on loopback, a
+random-weight tiny Qwen3, `--speculative ngram` plus requests' predictions.
+
+The reference is no speculation: Hugging Face greedy for greedy requests, and the same
+server with `speculative = false` for seeded sampling, logprobs and stops. Proposals must
+change only speed: every stream equals the reference token for token, whatever the
+proposal (the exact answer, a corrupted one, an unrelated one, one longer or shorter than
+the answer), and the step counters show the proposals were really verified.
+"""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import torch
+import transformers
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from services import engine_idle, start_scheduler, start_worker, wait_until
+from test_structured import hf_greedy
+from tiny_checkpoint import tiny_qwen3_dir
+
+pytestmark = pytest.mark.slow
+VOCAB = 389
+K = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=21)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """(gRPC stub, openai client) of a scheduler running --speculative ngram."""
+    worker = start_worker(model_dir)
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=4, extra=[
+            "--speculative", "ngram", "--num-speculative-tokens", str(K), "--http-port", "0",
+            "--served-model-name", "tiny"])
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{sched.http_port}/v1",
+                                   api_key="unused", max_retries=0, timeout=120)
+            yield generate_pb2_grpc.GenerationStub(channel), client
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def request(prompt, prediction=None, **sampling) -> generate_pb2.GenerateRequest:
+    params = generate_pb2.SamplingParams(**sampling)
+    if prediction is not None:
+        params.prediction.token_ids.ids.extend(prediction)
+    return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), sampling=params)
+
+
+def stats(stub) -> generate_pb2.Stats:
+    return stub.GetStats(generate_pb2.StatsRequest())
+
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [30 + i for i in range(20)], [7]]
+
+
+def test_greedy_predictions_of_every_quality_equal_hf(stub, hf_model):
+    """Exact, corrupted, unrelated, longer and shorter predictions: the output is HF greedy;
+    an exact prediction is never rejected."""
+    rng = random.Random(0)
+    before = stats(stub)
+    for prompt in PROMPTS:
+        ref = hf_greedy(hf_model, prompt, 40)
+        half = [t if (i // 5) % 2 == 0 else (t + 1) % VOCAB for i, t in enumerate(ref)]
+        cases = {"exact": ref, "half": half, "wrong": [rng.randrange(VOCAB) for _ in ref],
+                 "longer": ref + ref[:10], "shorter": ref[:15], "none": None}
+        for name, prediction in cases.items():
+            out = stub.Complete(request(prompt, prediction, temperature=0.0, max_tokens=40,
+                                        ignore_eos=True), timeout=120)
+            assert list(out.token_ids) == ref, name
+            u = out.usage
+            if name == "exact":   # (how many are proposed is the cost model's choice)
+                assert u.accepted_prediction_tokens >= 15 and u.rejected_prediction_tokens == 0, u
+            if prediction is None:
+                assert u.accepted_prediction_tokens == u.rejected_prediction_tokens == 0
+            elif name != "wrong":   # (an unrelated one may never meet the output)
+                assert u.accepted_prediction_tokens > 0, name
+    after = stats(stub)
+    assert after.num_verify_steps > before.num_verify_steps
+    assert after.num_spec_accepted_tokens > before.num_spec_accepted_tokens
+    assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
+
+
+def test_ngram_greedy_equals_hf(stub, hf_model):
+    """Greedy requests with n-gram proposals equal HF greedy, alone and concurrently (where
+    the measured cost of a row may stop proposals). Alone, the second prompt's output
+    repeats a token (368 368 ...), which n-grams predict: proposals are accepted."""
+    before = stats(stub)
+    prompt = PROMPTS[1]
+    out = stub.Complete(request(prompt, temperature=0.0, max_tokens=48, ignore_eos=True), timeout=120)
+    assert list(out.token_ids) == hf_greedy(hf_model, prompt, 48)
+    after = stats(stub)
+    assert after.num_spec_accepted_tokens > before.num_spec_accepted_tokens
+    prompts = PROMPTS + [[11, 12, 11, 12, 11, 12], [100 + 3 * i for i in range(30)]]
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(stub.Complete, request(p, temperature=0.0, max_tokens=48, ignore_eos=True),
+                            timeout=120) for p in prompts]
+        outs = [list(f.result().token_ids) for f in futs]
+    for p, out in zip(prompts, outs):
+        assert out == hf_greedy(hf_model, p, 48)
+
+
+def test_stops_and_limits_inside_an_accepted_run(stub, hf_model):
+    """A stop id, a max_tokens and min_tokens that fall inside a run of accepted proposals
+    end the output exactly where they would without speculation."""
+    prompt = PROMPTS[0]
+    ref = hf_greedy(hf_model, prompt, 40)
+    stop_id = ref[9]
+    first = ref.index(stop_id)
+    out = stub.Complete(request(prompt, ref, temperature=0.0, max_tokens=40, ignore_eos=True,
+                                stop_token_ids=[stop_id]), timeout=60)
+    assert list(out.token_ids) == ref[:first + 1]
+    assert out.finish_reason == generate_pb2.FINISH_REASON_STOP
+    for max_tokens in (1, 2, 3, 7):
+        out = stub.Complete(request(prompt, ref, temperature=0.0, max_tokens=max_tokens,
+                                    ignore_eos=True), timeout=60)
+        assert list(out.token_ids) == ref[:max_tokens]
+        assert out.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    plain = stub.Complete(request(prompt, None, temperature=0.0, max_tokens=40, ignore_eos=True,
+                                  stop_token_ids=[stop_id], min_tokens=first + 2,
+                                  speculative=False), timeout=60)
+    spec = stub.Complete(request(prompt, ref, temperature=0.0, max_tokens=40, ignore_eos=True,
+                                 stop_token_ids=[stop_id], min_tokens=first + 2), timeout=60)
+    assert list(spec.token_ids) == list(plain.token_ids) and len(plain.token_ids) > first + 1
+
+
+def test_seeded_sampling_and_logprobs_equal_no_speculation(stub):
+    """A seeded request's noise is keyed by position, so accepting a proposal that equals
+    the draw leaves every later draw as it was: the same tokens (and logprobs) with the
+    prediction of its own answer, of a corrupted one and of none, n = 2 included."""
+    prompt = PROMPTS[1]
+    kw = dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=40, ignore_eos=True,
+              logprobs=True, top_logprobs=2, n=2)
+    plain = stub.Complete(request(prompt, None, speculative=False, **kw), timeout=60)
+    answer = list(plain.choices[0].token_ids)
+    for prediction in (answer, answer[:10] + [1, 2, 3] + answer[13:]):
+        spec = stub.Complete(request(prompt, prediction, **kw), timeout=60)
+        for a, b in zip(plain.choices, spec.choices):
+            assert list(a.token_ids) == list(b.token_ids)
+            assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-4)
+            assert [list(t.token_ids) for t in a.top_logprobs] == \
+                [list(t.token_ids) for t in b.top_logprobs]
+        assert spec.usage.accepted_prediction_tokens > 0
+
+
+def test_bad_predictions_are_invalid_argument(stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Complete(request([1, 2], [VOCAB + 5]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Complete(request([1, 2], [3] * 100_000), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
+
+
+def test_openai_prediction(served, hf_model):
+    """OpenAI's `prediction` on completions and chat: same output as without it, and the
+    usage's completion_tokens_details counts; a malformed prediction is a 400."""
+    stub, client = served
+    plain = client.completions.create(model="tiny", prompt="hello world", max_tokens=30,
+                                      temperature=0.0, extra_body={"ignore_eos": True})
+    text = plain.choices[0].text
+    spec = client.completions.create(model="tiny", prompt="hello world", max_tokens=30,
+                                     temperature=0.0, extra_body={
+                                         "ignore_eos": True,
+                                         "prediction": {"type": "content", "content": text}})
+    assert spec.choices[0].text == text
+    details = spec.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20,
+                temperature=0.0)
+    plain = client.chat.completions.create(**chat)
+    answer = plain.choices[0].message.content
+    spec = client.chat.completions.create(
+        **chat, prediction={"type": "content", "content": [{"type": "text", "text": answer}]})
+    assert spec.choices[0].message.content == answer
+    for bad in ({"type": "content", "content": 5}, {"type": "other", "content": "x"}, "text"):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**chat, extra_body={"prediction": bad})
