@@ -173,7 +173,13 @@ def greedy_mismatches(workload: list[BenchRequest], traces: list[Trace]) -> int 
     change nothing; on a GPU a batch of another shape may still flip a near-tie)."""
     if not workload or workload[0].answer is None:
         return None
-    return sum(t.tokens != r.answer for r, t in zip(workload, traces))
+    bad = [(r, t) for r, t in zip(workload, traces) if t.tokens != r.answer]
+    if bad:
+        r, t = bad[0]
+        at = next(i for i, (a, b) in enumerate(zip(r.answer + [-1], t.tokens + [-2])) if a != b)
+        print(f"first mismatch at {at}: greedy {r.answer[max(at - 3, 0):at + 8]} "
+              f"got {t.tokens[max(at - 3, 0):at + 8]}", file=sys.stderr)
+    return len(bad)
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -1040,7 +1046,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.client_procs > 1 and args.in_process:
         parser.error("--client-procs is for the gRPC modes (--target, --null-worker)")
     if args.client_procs == 0:
-        args.client_procs = 1 if args.in_process else default_client_procs()
+        args.client_procs = 1 if args.in_process or args.prediction else default_client_procs()
     try:
         spec_config(args)
     except ValueError as e:

@@ -22,12 +22,17 @@ waits for it before re-prefill.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from scheduler_service.speculation import Speculator
+
+
+_DEBUG = bool(os.environ.get("NANOSERVE_SPEC_DEBUG"))
 
 
 @dataclass
@@ -402,6 +407,10 @@ class Scheduler:
                 while accepted < len(proposal) and proposal[accepted] == sampled[row + accepted]:
                     accepted += 1
                 seq.spec.record(len(proposal), accepted)
+                if _DEBUG:
+                    print(f"verify seq {seq.seq_id} at {len(seq.token_ids) - 1}: last "
+                          f"{seq.token_ids[-6:-1]} proposed {proposal} sampled "
+                          f"{sampled[row:row + len(proposal) + 1]}", file=sys.stderr, flush=True)
                 if accepted < len(proposal) and not seq.kv_stale:
                     seq.kv_stale = True
                     self.num_kv_stale += 1

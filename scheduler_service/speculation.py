@@ -13,9 +13,10 @@ Proposers (both read only tokens the engine core knows):
 * `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the
   sequence's last n tokens (n from `ngram_max` down to `ngram_min`) in prompt + output;
 * a request's `prediction` (OpenAI predicted outputs): the caller's expected answer; the
-  proposer follows it while the output agrees and, after a disagreement, re-aligns with
-  the first place in the prediction (from where it was) that the output's last tokens
-  match, as a suffix match would.
+  proposer follows it while the output agrees and, after a disagreement, re-aligns where
+  the output's last tokens occur in the prediction (a suffix match), taking the occurrence
+  nearest to where an edit of the same length would have left it: in repetitive text the
+  nearest, not the first, is where the answer goes on.
 
 When: a proposal follows the sequence's newest token, and a verify step's next position
 depends on what was accepted, so steps that propose wait for the step in flight to answer
@@ -64,7 +65,8 @@ class SpecState:
     corpus: array = field(default_factory=lambda: array("i"))   # ngram: prompt + known output
     prediction: array | None = None   # the request's prediction, packed for searching
     pred_pos: int | None = None   # prediction: index of the next token it expects
-    anchor: int = 0               # prediction: where it last agreed (re-alignment starts here)
+    anchor: int = 0               # prediction: where it last agreed,
+    anchor_out: int = 0           # and the output's length then (re-alignment starts there)
     seen: int = 0                 # output tokens folded into pred_pos
     accepted: float = 0.0         # decayed counts of accepted proposals and of attempts
     attempts: float = 0.0         # (accepted + rejections): per-token acceptance = ratio
@@ -85,10 +87,15 @@ class SpecState:
 
 
 class StepCost:
-    """Decode step time as a + b * rows, fitted to measured steps (worker time)."""
+    """Decode step time as a + b * rows, fitted to measured steps (worker time). A row count
+    joins the fit once seen MIN_SEEN times: one odd step (measured on an H100: a 2-row step
+    of a warm-up at twice a 1-row step) must not bend the line."""
+
+    MIN_SEEN = 3
 
     def __init__(self, prior_ratio: float = 1 / 256):
         self.ms: dict[int, float] = {}   # rows -> decayed mean step ms
+        self.seen: dict[int, int] = {}
         self.a, self.b = 1.0, prior_ratio
 
     def observe(self, rows: int, ms: float) -> None:
@@ -96,11 +103,15 @@ class StepCost:
             return
         old = self.ms.get(rows)
         self.ms[rows] = ms if old is None else 0.9 * old + 0.1 * ms
-        if len(self.ms) >= 2 and (old is None or len(self.ms) < 64 or rows % 16 == 0):
+        n = self.seen[rows] = self.seen.get(rows, 0) + 1
+        if n == self.MIN_SEEN or (n > self.MIN_SEEN and n % 16 == 0):
             self._fit()
 
     def _fit(self) -> None:
-        xs, ys = list(self.ms), list(self.ms.values())
+        xs = [r for r, n in self.seen.items() if n >= self.MIN_SEEN]
+        ys = [self.ms[r] for r in xs]
+        if len(xs) < 2:
+            return
         n = len(xs)
         mx, my = sum(xs) / n, sum(ys) / n
         var = sum((x - mx) ** 2 for x in xs)
@@ -132,11 +143,16 @@ def _find(corpus: bytes, pattern: bytes, start: int, end: int, last: bool) -> in
 
 
 def ngram_proposal(corpus: array, k: int, n_max: int, n_min: int) -> list[int]:
-    """The k tokens after the latest earlier occurrence of corpus's last n tokens."""
+    """The k tokens after the latest earlier occurrence of corpus's last n tokens (n from
+    n_max down): the latest with k tokens after it, else the latest (in a run of one
+    repeated token the latest occurrence is one token back, with one token after it)."""
     size = len(corpus)
     raw = corpus.tobytes()
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        at = _find(raw, raw[(size - n) * 4:], 0, size - 1, last=True)
+        pattern = raw[(size - n) * 4:]
+        at = _find(raw, pattern, 0, size - k, last=True) if size - k >= n else -1
+        if at < 0:
+            at = _find(raw, pattern, 0, size - 1, last=True)
         if at >= 0:
             return corpus[at + n:at + n + k].tolist()
     return []
@@ -145,28 +161,42 @@ def ngram_proposal(corpus: array, k: int, n_max: int, n_min: int) -> list[int]:
 def follow_prediction(st: SpecState, prediction: array, output: list[int], n_max: int) -> None:
     """Fold output tokens not yet seen into st.pred_pos; re-align after a disagreement."""
     if st.seen > len(output):   # the output was cut back (restart): start over
-        st.seen, st.pred_pos, st.anchor = 0, 0, 0
+        st.seen, st.pred_pos, st.anchor, st.anchor_out = 0, None, 0, 0
     if not st.seen and st.pred_pos is None:
         st.pred_pos = 0
-    for t in output[st.seen:]:
+    for i in range(st.seen, len(output)):
         p = st.pred_pos
-        if p is not None and p < len(prediction) and prediction[p] == t:
-            st.pred_pos = p + 1
-            st.anchor = p + 1
+        if p is not None and p < len(prediction) and prediction[p] == output[i]:
+            st.pred_pos = st.anchor = p + 1
+            st.anchor_out = i + 1
         else:
             st.pred_pos = None
     st.seen = len(output)
     if st.pred_pos is None and output:
-        raw = prediction.tobytes()
-        tail = array("i", output[-n_max:])
-        for n in range(len(tail), 0, -1):
-            pattern = tail[len(tail) - n:].tobytes()
-            at = _find(raw, pattern, st.anchor, len(prediction), last=False)
-            if at < 0:
-                at = _find(raw, pattern, 0, min(st.anchor + n, len(prediction)), last=True)
-            if at >= 0:
-                st.pred_pos = at + n
-                return
+        st.pred_pos = realign(prediction, output, n_max, st.anchor,
+                              st.anchor + len(output) - st.anchor_out)
+
+
+def realign(prediction: array, output: list[int], n_max: int, anchor: int, expected: int
+            ) -> int | None:
+    """Where in the prediction the output goes on: after the occurrence of the output's last
+    n tokens (the longest n that occurs) that ends nearest `expected`, the place the output
+    would have reached had the disagreement replaced as many tokens as it took (an edit of
+    the same length), and past `anchor`, where the output left the prediction (what
+    follows an occurrence ending there was just refused). None where no such occurrence is."""
+    raw = prediction.tobytes()
+    size = len(prediction)
+    expected = min(max(expected, anchor + 1), size)
+    tail = array("i", output[-n_max:])
+    for n in range(len(tail), 0, -1):
+        pattern = tail[len(tail) - n:].tobytes()
+        lo = max(anchor + 1 - n, 0)   # occurrences ending past the anchor
+        after = _find(raw, pattern, max(expected + 1 - n, lo), size, last=False)
+        before = _find(raw, pattern, lo, expected, last=True)
+        ends = [at + n for at in (after, before) if at >= 0]
+        if ends:
+            return min(ends, key=lambda end: abs(end - expected))
+    return None
 
 
 class Speculator:

@@ -41,11 +41,13 @@ SHAPES = {
 BATCH, CONTEXT, BLOCK, TIMED_STEPS = 256, 1024, 256, 20
 
 
-def make_checkpoint(name: str, path: pathlib.Path, residual_scale: float = 1.0) -> None:
-    """residual_scale < 1 scales every layer's output projections (o_proj, down_proj): the
-    residual stream stays near the token's embedding, so greedy's argmax has a wide margin
-    and batch shapes' bf16 rounding cannot flip it (speculation's benchmarks need the same
-    greedy answer from a verify step as from a plain one; speed does not depend on values)."""
+def make_checkpoint(name: str, path: pathlib.Path, residual_scale: float = 1.0,
+                    echo: bool = False) -> None:
+    """residual_scale < 1 scales every layer's output projections (o_proj, down_proj), and
+    echo=True makes the LM head the embedding: the model then repeats its last token with a
+    margin of tens of nats, where a random model's greedy choice flips with the kernels'
+    bf16 rounding (graphs vs eager, batch shapes): speculation's benchmarks need one greedy
+    answer whatever the step's shape. Speed does not depend on the values."""
     import transformers
     from tiny_checkpoint import make_tokenizer
     config = transformers.Qwen3Config(**COMMON, **SHAPES[name])
@@ -59,11 +61,12 @@ def make_checkpoint(name: str, path: pathlib.Path, residual_scale: float = 1.0) 
             model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
     finally:
         torch.set_default_dtype(default)
-    if residual_scale != 1.0:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight.mul_(residual_scale)
-                layer.mlp.down_proj.weight.mul_(residual_scale)
+    with torch.no_grad():
+        for layer in model.model.layers if residual_scale != 1.0 else ():
+            layer.self_attn.o_proj.weight.mul_(residual_scale)
+            layer.mlp.down_proj.weight.mul_(residual_scale)
+        if echo:
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.save_pretrained(path)
     make_tokenizer(320).save_pretrained(path)
     del model
