@@ -68,6 +68,13 @@ DECODE_SECONDS = Counter("nanoserve_decode_step_seconds",
                          "Time in decode steps by phase: wall (step to step), schedule, rpc "
                          "(waiting for the answer), worker (the workers' step time), gpu, "
                          "postprocess", ["phase"])
+SPEC_PROPOSED = Counter("nanoserve_spec_proposed_tokens",
+                        "Speculative decoding: tokens proposed for verification (predictions, n-grams)")
+SPEC_ACCEPTED = Counter("nanoserve_spec_accepted_tokens", "Of the proposed tokens, those accepted")
+VERIFY_STEPS = Counter("nanoserve_spec_verify_steps", "Decode steps that verified proposed tokens")
+SPEC_ACCEPTED_LENGTH = Histogram("nanoserve_spec_accepted_per_verify",
+                                 "Proposed tokens accepted per sequence and verify step",
+                                 buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
 
 # EngineStats field -> the phase label it feeds
 _PHASES = {"decode_wall_ms": "wall", "decode_schedule_ms": "schedule", "decode_rpc_ms": "rpc",
@@ -109,6 +116,12 @@ class EngineCoreMetrics:
         STEPS.inc(self._delta("steps", stats.num_steps))
         DECODE_STEPS.inc(self._delta("decode_steps", stats.num_decode_steps))
         DECODE_SEQS.inc(self._delta("decode_seqs", stats.num_decode_seqs))
+        SPEC_PROPOSED.inc(self._delta("spec_proposed", stats.num_spec_proposed_tokens))
+        SPEC_ACCEPTED.inc(self._delta("spec_accepted", stats.num_spec_accepted_tokens))
+        VERIFY_STEPS.inc(self._delta("verify_steps", stats.num_verify_steps))
+        for accepted, times in list(stats.spec_accepted_runs.items()):
+            for _ in range(int(self._delta(f"accepted_{accepted}", times))):
+                SPEC_ACCEPTED_LENGTH.observe(accepted)
         for field, phase in _PHASES.items():
             self._decode[phase].inc(self._delta(field, getattr(stats, field)) / 1e3)
         queued, engine.queue_times = engine.queue_times, []

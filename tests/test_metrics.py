@@ -7,6 +7,7 @@ checked against what the test itself sent or against the servers' own GetStats/H
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import threading
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client.null_model import write_null_model
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import free_port, start_null_worker, start_scheduler, start_worker
+from worker_service.null_worker import expected_tokens
 from tiny_checkpoint import tiny_qwen3_dir
 
 pytestmark = pytest.mark.slow
@@ -43,6 +45,10 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def eos_id(model_dir) -> int:
+    return json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+
+
 def request(prompt: list[int], max_tokens: int = MAX_TOKENS) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt),
@@ -60,7 +66,11 @@ def test_control_plane_metrics_over_http(tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
             stub = generate_pb2_grpc.GenerationStub(ch)
             shared = list(range(1, 3 * BLOCK + 1))   # 3 full blocks: prefix-cache hits
-            first = list(stub.Generate(request(shared + [7], 4), timeout=60))[-1]
+            with_prediction = request(shared + [7], 4)   # its answer: one verify step
+            with_prediction.sampling.prediction.token_ids.ids.extend(
+                expected_tokens(shared + [7], 4, 1000, eos_id(model_dir)))
+            first = list(stub.Generate(with_prediction, timeout=60))[-1]
+            assert first.usage.accepted_prediction_tokens == 2   # + the bonus token: 4
             prompts = [shared + [100 + i] * (i + 1) for i in range(N_REQUESTS)]
             started = threading.Event()
 
@@ -109,6 +119,11 @@ def test_control_plane_metrics_over_http(tmp_path):
         assert value(m, "nanoserve_workers_healthy") == 1
         assert value(m, "nanoserve_preemptions_total") == stats.num_preemptions
         assert value(m, "nanoserve_decode_steps_total") == stats.num_decode_steps > 0
+        assert value(m, "nanoserve_spec_accepted_tokens_total") == stats.num_spec_accepted_tokens \
+            == 2 <= value(m, "nanoserve_spec_proposed_tokens_total") == stats.num_spec_proposed_tokens
+        assert value(m, "nanoserve_spec_verify_steps_total") == stats.num_verify_steps > 0
+        assert value(m, "nanoserve_spec_accepted_per_verify_count") == stats.num_spec_runs
+        assert value(m, "nanoserve_spec_accepted_per_verify_sum") == 2
         assert value(m, "nanoserve_decode_step_seconds_total", phase="gpu") == pytest.approx(
             stats.decode_gpu_ms / 1e3, rel=1e-6)
         assert value(m, "nanoserve_decode_step_seconds_total", phase="wall") >= \
