@@ -249,20 +249,31 @@ OTHER_FAMILIES = {
 @pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
 def test_other_families_greedy_streams_match_hf(tmp_path_factory, family):
     """Qwen2/2.5 (q/k/v biases, no q/k norm) and Qwen3-MoE (a dense layer among sparse
-    ones) through the same services and model code: greedy tokens equal to Hugging Face's."""
+    ones) through the same services and model code: greedy tokens equal to Hugging Face's,
+    with n-gram speculation on and with a prediction right but for one token (verify steps
+    through these models' layers)."""
     path = tiny_qwen3_dir(tmp_path_factory, **OTHER_FAMILIES[family])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     worker = start_worker(path)
     try:
-        sched = start_scheduler(path, [worker.port], block_size=BLOCK)
+        sched = start_scheduler(path, [worker.port], block_size=BLOCK,
+                                extra=["--speculative", "ngram"])
         try:
             with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
                 stub = generate_pb2_grpc.GenerationStub(ch)
                 rng = random.Random(6)
                 for n in (1, 9, 30):
                     prompt = [rng.randrange(3, 389) for _ in range(n)]
+                    ref = hf_greedy_ignore_eos(hf, prompt, 16)
                     ids, _ = generate(stub, prompt, 16, ignore_eos=True)
-                    assert ids == hf_greedy_ignore_eos(hf, prompt, 16), f"prompt of {n} tokens"
+                    assert ids == ref, f"prompt of {n} tokens"
+                    req = generate_pb2.GenerateRequest(
+                        token_ids=generate_pb2.TokenIds(ids=prompt), sampling=generate_pb2.SamplingParams(
+                            temperature=0.0, max_tokens=16, ignore_eos=True,
+                            prediction=generate_pb2.Prediction(token_ids=generate_pb2.TokenIds(
+                                ids=ref[:6] + [(ref[6] + 1) % 389] + ref[7:]))))
+                    out = stub.Complete(req, timeout=60)
+                    assert list(out.token_ids) == ref and out.usage.accepted_prediction_tokens > 0
         finally:
             sched.stop()
     finally:

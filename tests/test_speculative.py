@@ -9,7 +9,9 @@ the answer), and the step counters show the proposals were really verified.
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,7 +21,7 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import engine_idle, start_scheduler, start_worker, wait_until
+from services import engine_idle, named_children, start_scheduler, start_worker, wait_until
 from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -198,3 +200,48 @@ def test_openai_prediction(served, hf_model):
     for bad in ({"type": "content", "content": 5}, {"type": "other", "content": "x"}, "text"):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(**chat, extra_body={"prediction": bad})
+
+
+@pytest.mark.parametrize("victim", ["worker", "engine-core"])
+def test_killed_mid_speculation_streams_finish_identical(model_dir, hf_model, victim):
+    """A worker SIGKILLed while predictions are verified: the engine core re-prefills every
+    sequence (rejected proposals' KV is gone with the rest) and proposes again. The engine
+    core SIGKILLed: each frontend stream resumes on the new core with its tokens and its
+    prediction. Greedy streams equal HF greedy; a seeded sampled one equals its run without
+    speculation; no block is left in use."""
+    worker = start_worker(model_dir)
+    port = worker.port
+    sched = start_scheduler(model_dir, [port], block_size=4,
+                            extra=["--speculative", "ngram", "--num-speculative-tokens", "3"])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            n = 120
+            prompts = [PROMPTS[0], PROMPTS[1], [40 + i for i in range(12)]]
+            refs = [hf_greedy(hf_model, p, n) for p in prompts]
+            seeded = dict(temperature=0.9, seed=77, max_tokens=n, ignore_eos=True)
+            plain = list(stub.Complete(request(PROMPTS[2], speculative=False, **seeded),
+                                       timeout=120).token_ids)
+            # right for 30 tokens, then unrelated: streams slow down to a token a step
+            reqs = [request(p, ref[:30] + [5] * 40, temperature=0.0, max_tokens=n, ignore_eos=True)
+                    for p, ref in zip(prompts, refs)]
+            reqs.append(request(PROMPTS[2], plain[:30] + [5] * 40, **seeded))
+            streams = [stub.Generate(r, timeout=180) for r in reqs]
+            got = [[] for _ in streams]
+            while len(got[0]) < 40:
+                got[0] += next(streams[0]).token_ids
+            if victim == "worker":
+                worker.stop(sig=9)
+                worker = start_worker(model_dir, port=port)
+            else:
+                os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
+            for i, s in enumerate(streams):
+                for chunk in s:
+                    got[i] += chunk.token_ids
+            assert ("worker group failed" if victim == "worker" else "engine core exited") \
+                in sched.output()
+            assert got == refs + [plain]
+            assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
+    finally:
+        sched.stop()
+        worker.stop()
