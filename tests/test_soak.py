@@ -19,7 +19,8 @@ import pytest
 
 from client.null_model import write_null_model
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import named_children, rss_bytes, start_null_worker, start_scheduler, wait_until
+from services import (engine_idle, named_children, rss_bytes, start_null_worker, start_scheduler,
+                      wait_until)
 from worker_service.null_worker import expected_tokens
 
 pytestmark = pytest.mark.slow
@@ -34,9 +35,10 @@ def model_dir(tmp_path_factory):
                             max_position_embeddings=MAX_LEN)
 
 
-async def one_stream(stub, rng: random.Random, eos: int) -> tuple[str, str]:
+async def one_stream(stub, rng: random.Random, eos: int, predict: bool = False) -> tuple[str, str]:
     """(kind, outcome): kind in complete / cancel / deadline; outcome "ok", "ok, expired"
-    (deadline exceeded after a correct prefix) or what went wrong."""
+    (deadline exceeded after a correct prefix) or what went wrong. predict: send a
+    prediction (the answer, the answer with a stretch replaced, or none)."""
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 48))]
     n = rng.randint(4, 64)
     want = expected_tokens(prompt, n, VOCAB, eos)
@@ -48,6 +50,12 @@ async def one_stream(stub, rng: random.Random, eos: int) -> tuple[str, str]:
         sampling=generate_pb2.SamplingParams(
             max_tokens=n, ignore_eos=True, temperature=rng.choice([0.0, 0.7, 1.0]),
             stop_token_ids=[stop_id] if stop_id is not None else []))
+    if predict and rng.random() < 0.7:
+        guess = expected_tokens(prompt, n, VOCAB, eos)
+        if rng.random() < 0.5:
+            at = rng.randrange(n)
+            guess[at:at + 5] = [rng.randrange(VOCAB) for _ in range(5)]
+        req.sampling.prediction.token_ids.ids.extend(guess)
     u = rng.random()
     kind = "cancel" if u < 0.3 else "deadline" if u < 0.5 else "complete"
     timeout = rng.uniform(0.02, 1.0) if kind == "deadline" else 120
@@ -76,12 +84,13 @@ async def one_stream(stub, rng: random.Random, eos: int) -> tuple[str, str]:
     return kind, "ok"
 
 
-async def one_round(port: int, seed: int, eos: int) -> list[tuple[str, str]]:
+async def one_round(port: int, seed: int, eos: int, streams: int = STREAMS,
+                    predict: bool = False) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        rngs = [random.Random(rng.random()) for _ in range(STREAMS)]
-        return await asyncio.gather(*(one_stream(stub, r, eos) for r in rngs))
+        rngs = [random.Random(rng.random()) for _ in range(streams)]
+        return await asyncio.gather(*(one_stream(stub, r, eos, predict) for r in rngs))
 
 
 def test_soak_cancellations_deadlines_and_memory(model_dir):
@@ -127,6 +136,31 @@ def test_soak_cancellations_deadlines_and_memory(model_dir):
         assert sched.popen.poll() is None and worker.popen.poll() is None
         assert named_children(sched.popen.pid) == kids   # no restarts along the way
         channel.close()
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+def test_soak_while_speculating(model_dir):
+    """The same mix with n-gram speculation and predictions on most requests (exact, or with
+    a stretch replaced), speculation allowed at any batch size, a KV cache small enough to
+    preempt: every completed stream is exact, and after each round nothing is left in use."""
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    worker = start_null_worker(model_dir, step_ms=2, extra=["--null-kv-blocks", "48"])
+    sched = start_scheduler(model_dir, [worker.port], block_size=16, extra=[
+        "--speculative", "ngram", "--speculative-max-batch", "1000", "--ngram-min", "1"])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            for r in range(2):
+                results = asyncio.run(one_round(sched.port, seed=100 + r, eos=eos, streams=150,
+                                                predict=True))
+                bad = [(k, o) for k, o in results if not o.startswith("ok")]
+                assert not bad, bad[:5]
+                assert wait_until(lambda: engine_idle(stub), timeout=15), \
+                    stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
+            s = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
+            assert s.num_spec_accepted_tokens > 0 and s.num_preemptions > 0, s
     finally:
         sched.stop()
         worker.stop()
