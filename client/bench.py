@@ -791,7 +791,7 @@ def run_in_process(args: argparse.Namespace, wcfg: WorkloadConfig
             from scheduler_service.fast_forward import FastForward
             ff = FastForward.for_model(args.model, info)
         return Engine(group, info, config, collector.on_output, overlap=not args.no_overlap,
-                      fast_forward=ff, speculator=Speculator(spec_config(args)))
+                      fast_forward=ff, speculator=Speculator(spec_config(args), ff and ff.allowed))
 
     runner_thread = _EngineThread(group, args.block_size, args.num_kv_blocks, make_engine)
     engine, info = runner_thread.engine, runner_thread.engine.info

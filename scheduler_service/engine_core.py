@@ -81,7 +81,7 @@ class EngineCore:
         ff = FastForward.for_model(cfg.model_dir, info) if cfg.fast_forward else None
         self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,
                              on_health=self._send_health, fast_forward=ff,
-                             speculator=Speculator(cfg.speculation))
+                             speculator=Speculator(cfg.speculation, ff and ff.allowed))
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)   # never drop a step's tokens

@@ -13,6 +13,7 @@ Measured on this repo's 2-core VM (Qwen3's tokenizer, a 4-key JSON schema): taki
 token ~4 us, asking for forced tokens ~0.5 us (~32 us when some are forced).
 Only sequences without logprobs or penalties fast-forward: a forced token has no
 sampled logprob, and penalties would need the forced tokens counted on the worker.
+The same matchers check speculative proposals for constrained sequences (`allowed`).
 """
 from __future__ import annotations
 
@@ -43,18 +44,29 @@ class FastForward:
         self.grammars = CompiledGrammars(tokenizer, where="in the engine core")
         self.matchers: dict[int, tuple[LLMatcher, int]] = {}   # seq_id -> (matcher, outputs taken in)
 
-    def forced(self, seq: Sequence) -> list[int]:
-        """Take seq's known output tokens into its matcher; the tokens its grammar forces
-        next ([] where none is forced, or the grammar is done or broken)."""
+    def _matcher(self, seq: Sequence) -> LLMatcher:
+        """seq's matcher, advanced through its known output tokens."""
         m, taken = (self.matchers.get(seq.seq_id)
                     or (self.grammars.fresh(seq.sampling.grammar)[0], 0))
         known = seq.num_tokens - seq.num_pending_tokens - seq.num_prompt_tokens
         if known > taken:
             m.consume_tokens(seq.token_ids[seq.num_prompt_tokens + taken:seq.num_prompt_tokens + known])
         self.matchers[seq.seq_id] = (m, known)
+        return m
+
+    def forced(self, seq: Sequence) -> list[int]:
+        """Take seq's known output tokens into its matcher; the tokens its grammar forces
+        next ([] where none is forced, or the grammar is done or broken)."""
+        m = self._matcher(seq)
         if m.is_error() or m.is_stopped():
             return []
         return m.compute_ff_tokens()
+
+    def allowed(self, seq: Sequence, proposal: list[int]) -> int:
+        """How many of the tokens proposed after seq's known ones its grammar allows
+        (speculative decoding cuts the rest before they are sent)."""
+        m = self._matcher(seq)
+        return 0 if m.is_error() or m.is_stopped() else m.validate_tokens(proposal)
 
     def drop(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)

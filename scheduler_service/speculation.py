@@ -205,8 +205,11 @@ class Speculator:
     PRIOR = {"prediction": 0.8, "ngram": 0.5}   # acceptance before a sequence has any
     MAX_BACKOFF = 16   # overlapped steps between tries, at most
 
-    def __init__(self, config: SpecConfig):
+    def __init__(self, config: SpecConfig, allowed=None):
         self.config = config
+        # allowed(seq, tokens) -> how many of the proposed tokens seq's output format allows
+        # (FastForward.allowed); None: constrained sequences get no proposals
+        self.allowed = allowed
         self.cost = StepCost()
         self.backoff = 0   # decode steps to run overlapped before trying to propose again
         self.wait = 1      # the next back-off (doubles while tries find nothing)
@@ -232,11 +235,12 @@ class Speculator:
             self.backoff, self.wait = self.wait, min(2 * self.wait, self.MAX_BACKOFF)
 
     def eligible(self, seq) -> bool:
-        """Whether seq may get proposals: it asked for none to be made, or its format's
-        masks and penalties would need the proposed tokens on the sampling rank first."""
+        """Whether seq may get proposals: not where it asked for none, where its format
+        could not be checked here, or with penalties (the worker would have to count the
+        proposed tokens into each later row's penalties)."""
         s = seq.sampling
         return (s.speculate and (bool(s.prediction) or self.config.method == "ngram")
-                and not s.grammar and not s.has_penalty)
+                and (not s.grammar or self.allowed is not None) and not s.has_penalty)
 
     def propose(self, seq, room: int, batch_rows: int) -> list[int]:
         """Up to `room` tokens to verify after seq's newest (known) token; [] to decode it
@@ -265,6 +269,8 @@ class Speculator:
             else:
                 st.corpus.extend(ids[len(st.corpus):])
                 proposal = ngram_proposal(st.corpus, k, cfg.ngram_max, cfg.ngram_min)
+        if proposal and seq.sampling.grammar:   # what the format forbids is never sent
+            del proposal[self.allowed(seq, proposal):]
         return proposal
 
 

@@ -44,6 +44,7 @@ class Awaiting:
     """Samples of a launched step that matchers still have to consume."""
     tokens: Callable[[], np.ndarray]          # waits for the step's ids on the host
     rows: list[tuple[int, "Matcher"]]         # (sampling row, matcher) pairs
+    drafts: dict["Matcher", list[int]]        # verify steps: the tokens proposed for a matcher
 
 
 @dataclass(eq=False)
@@ -69,6 +70,9 @@ class GrammarState:
         self.matchers: dict[int, Matcher] = {}   # seq_id -> matcher
         self.awaiting: list[Awaiting] = []
         self.forced: list[tuple[Matcher, list[int]]] = []   # fast-forward tokens to take in
+        # This step's verify rows (speculative decoding): the tokens proposed after the
+        # sequence's last known one; its rows sample after each (DecodeBatch.num_samples_i32).
+        self.drafts: dict[Matcher, list[int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
@@ -89,14 +93,20 @@ class GrammarState:
                     m.m.consume_tokens(output)
                 self.matchers[w.seq_id] = m
         d = req.decode
-        if d.num_tokens_i32 and self.matchers:   # fast-forward: all but the first token are forced
+        self.drafts = {}
+        if d.num_tokens_i32 and self.matchers:   # rows after the first: forced, then proposed
             per = np.frombuffer(d.num_tokens_i32, "<i4")
+            n_samp = (np.frombuffer(d.num_samples_i32, "<i4") if d.num_samples_i32
+                      else np.ones(len(per), np.int32))
             tokens = np.frombuffer(d.token_ids_i32, "<i4")
             ends = np.cumsum(per)
-            for seq_id, n, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), per.tolist(),
-                                      ends.tolist()):
+            for seq_id, n, s, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), per.tolist(),
+                                         n_samp.tolist(), ends.tolist()):
                 if n > 1 and (m := self.matchers.get(seq_id)) is not None:
-                    self.forced.append((m, tokens[end - n + 1:end].tolist()))
+                    if n > s:
+                        self.forced.append((m, tokens[end - n + 1:end - s + 1].tolist()))
+                    if s > 1:
+                        self.drafts[m] = tokens[end - s + 1:end].tolist()
 
     def rows(self, sampling_seq_ids: list[int]) -> list[tuple[int, Matcher]]:
         """(sampling row, matcher) of the step's constrained rows."""
@@ -106,11 +116,24 @@ class GrammarState:
         return [(i, m) for i, s in enumerate(sampling_seq_ids) if (m := get(s)) is not None]
 
     def catch_up(self) -> None:
-        """Advance every matcher by the ids its earlier steps sampled (waits for them)."""
+        """Advance every matcher by the ids its earlier steps sampled (waits for them). A
+        verify step's matcher takes the run the scheduler accepts: the proposals equal to
+        the sample before them, then one sample more (Scheduler.resolve's rule)."""
         for a in self.awaiting:
             tokens = a.tokens().tolist()
-            self.executor.consume_token_par([(m.m, tokens[i]) for i, m in
-                                             sorted(a.rows, key=lambda r: r[1].root)])
+            if a.drafts:
+                first = {}
+                for i, m in a.rows:
+                    first.setdefault(m, i)
+                for m, drafts in a.drafts.items():
+                    row, j = first[m], 0
+                    while j < len(drafts) and drafts[j] == tokens[row + j]:
+                        j += 1
+                    m.m.consume_tokens(tokens[row:row + j + 1])
+            rest = [(m.m, tokens[i]) for i, m in sorted(a.rows, key=lambda r: r[1].root)
+                    if m not in a.drafts]
+            if rest:
+                self.executor.consume_token_par(rest)
         self.awaiting.clear()
 
     def fill(self, rows: list[tuple[int, Matcher]], out: np.ndarray) -> None:
@@ -125,8 +148,13 @@ class GrammarState:
             m.m.consume_tokens(tokens)
         self.forced.clear()
         work = []
+        verify = []   # (matcher, index of its first row, drafts): a mask per row, in order
         for j, (_, m) in enumerate(rows):
-            if m.m.is_error():
+            if m in self.drafts:
+                if j == 0 or rows[j - 1][1] is not m:
+                    verify.append((m.m, j, self.drafts[m]))
+                    out[j:j + len(self.drafts[m]) + 1] = self.eos_only   # past an invalid draft
+            elif m.m.is_error():
                 out[j] = self.eos_only
             elif m.fast_forward and (forced := m.m.compute_ff_tokens()):
                 out[j] = 0   # (no llguidance mask: that costs far more than asking)
@@ -139,7 +167,10 @@ class GrammarState:
             for m, j in work:
                 if m.is_error():
                     out[j] = self.eos_only
+        if verify:   # llguidance advances each matcher through its drafts and rolls it back
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(
+                verify, out.ctypes.data, self.words * 4, len(rows))
 
     def sampled(self, rows: list[tuple[int, Matcher]], tokens: Callable[[], np.ndarray]) -> None:
         """The step that masked `rows` is launched; `tokens()` will give its sampled ids."""
-        self.awaiting.append(Awaiting(tokens, rows))
+        self.awaiting.append(Awaiting(tokens, rows, self.drafts))
