@@ -235,12 +235,12 @@ class Speculator:
             self.backoff, self.wait = self.wait, min(2 * self.wait, self.MAX_BACKOFF)
 
     def eligible(self, seq) -> bool:
-        """Whether seq may get proposals: not where it asked for none, where its format
-        could not be checked here, or with penalties (the worker would have to count the
-        proposed tokens into each later row's penalties)."""
+        """Whether seq may get proposals: not where it asked for none or where its format
+        could not be checked here. (Penalties: the sampling rank counts a row's proposed
+        tokens before it into its penalties, worker_service/penalties.py.)"""
         s = seq.sampling
         return (s.speculate and (bool(s.prediction) or self.config.method == "ngram")
-                and (not s.grammar or self.allowed is not None) and not s.has_penalty)
+                and (not s.grammar or self.allowed is not None))
 
     def propose(self, seq, room: int, batch_rows: int) -> list[int]:
         """Up to `room` tokens to verify after seq's newest (known) token; [] to decode it

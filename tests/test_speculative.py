@@ -276,3 +276,22 @@ def test_structured_output_with_predictions_and_ngrams(stub):
     after = stats(stub)
     assert after.num_spec_accepted_tokens > before.num_spec_accepted_tokens
     assert after.num_fast_forward_mismatches == 0
+
+
+def test_penalties_with_predictions_equal_no_speculation(stub):
+    """Repetition, presence and frequency penalties: a verify row counts the proposals
+    before it as output, and only the accepted run is counted after the step. Greedy and
+    seeded outputs equal the same requests without speculation, with exact, corrupted and
+    no predictions, n-grams on."""
+    for pen in (dict(repetition_penalty=1.3), dict(presence_penalty=1.5, frequency_penalty=0.7)):
+        for kw in (dict(temperature=0.0), dict(temperature=0.9, seed=11)):
+            prompt = PROMPTS[1]
+            plain = stub.Complete(request(prompt, None, speculative=False, max_tokens=60,
+                                          ignore_eos=True, **pen, **kw), timeout=120)
+            ids = list(plain.token_ids)
+            for prediction in (ids, ids[:20] + [7] * 5 + ids[25:], None):
+                out = stub.Complete(request(prompt, prediction, max_tokens=60, ignore_eos=True,
+                                            **pen, **kw), timeout=120)
+                assert list(out.token_ids) == ids, (pen, kw)
+                if prediction is ids:
+                    assert out.usage.accepted_prediction_tokens > 0

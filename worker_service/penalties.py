@@ -29,10 +29,20 @@ from worker_service.step_plan import SamplingParams, StepError
 class PenaltyRows:
     """The penalized rows of one step's sampling batch."""
     rows: torch.Tensor        # [P] int64 rows of the logits
-    slots: torch.Tensor       # [P] int64 their slots in PenaltyState
+    slots: torch.Tensor       # [P] int64 their slots in PenaltyState (past them: scratch rows)
     repetition: torch.Tensor  # [P] float32
     presence: torch.Tensor
     frequency: torch.Tensor
+    # Verify steps (speculative decoding): a row after proposed tokens counts them as output.
+    # scratch: [S, V] counts of those rows (their slots point past the real ones), own: [P]
+    # each row's real slot, and for the rows after proposals (Q of them): their index among
+    # the P, the sampling row before them, the token proposed there, and [P] the index of
+    # each row's first row: a row's sample is counted only if every proposal before it was.
+    scratch: torch.Tensor | None = None
+    scratch_mask: torch.Tensor | None = None
+    own: torch.Tensor | None = None
+    after: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    first: torch.Tensor | None = None
 
 
 class PenaltyState:
@@ -45,6 +55,7 @@ class PenaltyState:
         self.free: list[int] = []
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.drafts: dict[int, list[int]] = {}   # this step's verify rows: seq_id -> proposals
         if self.fused:
             self._compile()
 
@@ -76,6 +87,15 @@ class PenaltyState:
             if SamplingParams.from_proto(w.sampling, self.vocab_size).has_penalty:
                 self.add(w.seq_id, np.frombuffer(w.prompt_ids_i32, "<i4"),
                          np.frombuffer(w.output_ids_i32, "<i4"))
+        d = req.decode
+        self.drafts = {}
+        if d.num_samples_i32 and self.slot_of:
+            n_samp = np.frombuffer(d.num_samples_i32, "<i4").tolist()
+            ends = np.cumsum(np.frombuffer(d.num_tokens_i32, "<i4")).tolist()
+            tokens = np.frombuffer(d.token_ids_i32, "<i4")
+            for seq_id, s, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), n_samp, ends):
+                if s > 1 and seq_id in self.slot_of:
+                    self.drafts[seq_id] = tokens[end - s + 1:end].tolist()
 
     def drop(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)
@@ -116,29 +136,77 @@ class PenaltyState:
         def f32(values):
             return torch.tensor(values, dtype=torch.float32).to(dev, non_blocking=True)
 
-        return PenaltyRows(
-            rows=torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
-            slots=torch.tensor([self.slot_of[seq_ids[i]] for i in rows],
-                               dtype=torch.int64).to(dev, non_blocking=True),
+        def i64(values):
+            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+
+        own = [self.slot_of[seq_ids[i]] for i in rows]
+        pr = PenaltyRows(
+            rows=i64(rows), slots=i64(own),
             repetition=f32([params[i].repetition_penalty for i in rows]),
             presence=f32([params[i].presence_penalty for i in rows]),
             frequency=f32([params[i].frequency_penalty for i in rows]))
+        if self.drafts:
+            self._verify_rows(pr, rows, own, seq_ids)
+        return pr
+
+    def _verify_rows(self, pr: PenaltyRows, rows: list[int], own: list[int],
+                     seq_ids: list[int]) -> None:
+        """Scratch counts for rows after proposed tokens (a verify group's rows are
+        consecutive: its first samples after the last known token, row i after proposal i)."""
+        slots, first, scratch_of, drafts_in = list(own), [], [], []
+        after_pos, after_prev, after_tok = [], [], []
+        for j, (i, seq_id) in enumerate(zip(rows, (seq_ids[i] for i in rows))):
+            k = j - first[j - 1] if j and seq_id in self.drafts and \
+                seq_ids[rows[j - 1]] == seq_id and rows[j - 1] == i - 1 else 0
+            first.append(j - k)
+            if k:
+                drafts = self.drafts[seq_id]
+                slots[j] = len(self.counts) + len(scratch_of)
+                scratch_of.append(own[j])
+                drafts_in.append(drafts[:k])
+                after_pos.append(j)
+                after_prev.append(i - 1)
+                after_tok.append(drafts[k - 1])
+        if not scratch_of:
+            return
+        dev = self.device
+        src = torch.tensor(scratch_of, dtype=torch.int64, device=dev)
+        scratch = self.counts.index_select(0, src)
+        r = torch.tensor([q for q, d in enumerate(drafts_in) for _ in d], dtype=torch.int64, device=dev)
+        t = torch.tensor([x for d in drafts_in for x in d], dtype=torch.int64, device=dev)
+        scratch.index_put_((r, t), torch.ones_like(r, dtype=torch.int32), accumulate=True)
+        pr.scratch, pr.scratch_mask = scratch, self.prompt_mask.index_select(0, src)
+        pr.own, pr.slots = pr.slots, torch.tensor(slots, dtype=torch.int64, device=dev)
+        pr.after = tuple(torch.tensor(v, dtype=torch.int64, device=dev)
+                         for v in (after_pos, after_prev, after_tok))
+        pr.first = torch.tensor(first, dtype=torch.int64, device=dev)
 
     def apply(self, logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
         """A float32 copy of logits with the penalized rows penalized."""
         out = logits.to(torch.float32, copy=True)
+        mask, counts = self.prompt_mask, self.counts
+        if pr.scratch is not None:
+            mask, counts = torch.cat([mask, pr.scratch_mask]), torch.cat([counts, pr.scratch])
         if self.fused:
             from kernels.penalties import apply_penalties_
-            return apply_penalties_(out, pr.rows, pr.slots, self.prompt_mask, self.counts,
+            return apply_penalties_(out, pr.rows, pr.slots, mask, counts,
                                     pr.repetition, pr.presence, pr.frequency)
-        sub = apply_penalties_ref(out.index_select(0, pr.rows),
-                                  self.prompt_mask.index_select(0, pr.slots),
-                                  self.counts.index_select(0, pr.slots), pr.repetition,
+        sub = apply_penalties_ref(out.index_select(0, pr.rows), mask.index_select(0, pr.slots),
+                                  counts.index_select(0, pr.slots), pr.repetition,
                                   pr.presence, pr.frequency)
         return out.index_copy_(0, pr.rows, sub)
 
     def record(self, pr: PenaltyRows, tokens: torch.Tensor) -> None:
-        """Count the ids just sampled (on the device, in stream order)."""
-        self.counts.index_put_((pr.slots, tokens.index_select(0, pr.rows)),
-                               torch.ones(len(pr.slots), dtype=torch.int32, device=self.device),
-                               accumulate=True)
+        """Count the ids just sampled (on the device, in stream order); in a verify group
+        only the run the scheduler accepts (Scheduler.resolve's rule: each proposal equal
+        to the sample before it, then one sample more)."""
+        count = torch.ones(len(pr.rows), dtype=torch.int32, device=self.device)
+        slots = pr.slots
+        if pr.after is not None:
+            pos, prev, tok = pr.after
+            miss = torch.zeros(len(pr.rows), dtype=torch.int64, device=self.device)
+            miss[pos] = (tokens.index_select(0, prev) != tok).to(torch.int64)
+            seen = miss.cumsum(0)
+            count = (seen == seen.index_select(0, pr.first)).to(torch.int32)
+            slots = pr.own
+        self.counts.index_put_((slots, tokens.index_select(0, pr.rows)), count, accumulate=True)
