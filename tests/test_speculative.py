@@ -295,3 +295,24 @@ def test_penalties_with_predictions_equal_no_speculation(stub):
                 assert list(out.token_ids) == ids, (pen, kw)
                 if prediction is ids:
                     assert out.usage.accepted_prediction_tokens > 0
+
+
+def test_a_stop_string_inside_an_accepted_run(stub):
+    """Tokens of an accepted run arrive together; the frontend still ends the text before
+    the first stop string and reports STOP, as without speculation."""
+    base = request(PROMPTS[1], None, temperature=0.0, max_tokens=60, ignore_eos=True)
+    base.skip_special_tokens = True
+    plain = stub.Complete(base, timeout=60)
+    ids, text = list(plain.token_ids), plain.text
+    stop = next(text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
+                if text[i:i + 3].strip() and text.index(text[i:i + 3]) == i)
+    for prediction, spec in ((None, False), (ids, True)):
+        before = stats(stub)
+        r = request(PROMPTS[1], prediction, temperature=0.0, max_tokens=60, ignore_eos=True,
+                    stop=[stop], speculative=spec)
+        r.skip_special_tokens = True
+        out = stub.Complete(r, timeout=60)
+        assert out.text == text[:text.index(stop)] and out.finish_reason == generate_pb2.FINISH_REASON_STOP
+        # (usage's prediction counts, like cached_tokens, come with the engine core's end of
+        # the request; a stop string ends it in the frontend first)
+        assert (stats(stub).num_spec_accepted_tokens > before.num_spec_accepted_tokens) == spec
