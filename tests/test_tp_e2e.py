@@ -143,6 +143,34 @@ def test_tp2_constrained_sampling_matches_tp1(stacks):
         jsonschema.validate(json.loads(c.text), schema)
 
 
+def test_tp2_predictions_match_tp1_and_hf(stacks):
+    """Verify steps under TP=2: every rank runs the proposal rows and rewinds the same KV,
+    rank 0 samples. Greedy with an exact and a corrupted prediction equals HF; seeded
+    sampling with penalties and a prediction equals TP=1's."""
+    model_dir, _, tp2, tp1 = stacks
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [5, 9, 5, 9, 17, 30, 31]
+    ref = hf_greedy_ignore_eos(hf, prompt, 40)
+    stats = lambda s: s.stub.GetStats(generate_pb2.StatsRequest())  # noqa: E731
+    before = stats(tp2).num_spec_accepted_tokens
+    for prediction in (ref, ref[:10] + [3, 4] + ref[12:]):
+        req = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt), sampling=generate_pb2.SamplingParams(
+                temperature=0.0, max_tokens=40, ignore_eos=True, prediction=generate_pb2.Prediction(
+                    token_ids=generate_pb2.TokenIds(ids=prediction))))
+        assert list(tp2.stub.Complete(req, timeout=120).token_ids) == ref
+    assert stats(tp2).num_spec_accepted_tokens > before
+    sampled = generate_pb2.SamplingParams(temperature=0.9, seed=8, max_tokens=40, ignore_eos=True,
+                                          presence_penalty=0.8)
+    plain = tp1.stub.Complete(generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampled), timeout=120)
+    sampled.prediction.token_ids.ids.extend(plain.token_ids)
+    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampled)
+    a, b = (s.stub.Complete(req, timeout=120) for s in (tp2, tp1))
+    assert list(a.token_ids) == list(b.token_ids) == list(plain.token_ids)
+    assert a.usage.accepted_prediction_tokens > 0
+
+
 def test_tp2_kv_capacity_is_per_rank_minimum(stacks):
     """Each rank holds half the KV heads, so a block costs half: twice the blocks of TP=1
     for the same budget; the group takes the smaller rank's (0.04 GiB) count."""
