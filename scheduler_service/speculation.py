@@ -32,6 +32,12 @@ How many (k): proposal i of a sequence is sent only if its chance of acceptance 
 sequence's recent per-token acceptance to the power i) beats what the row costs: the
 step's rows times the measured marginal cost of a row over the step's time (`StepCost`,
 fitted to the decode steps' worker times).
+
+Output formats and penalties apply to every verify row as to a plain sample: a constrained
+sequence's proposal is cut where its format forbids it (`allowed`: the fast-forward
+matchers), and the sampling rank masks each row with the grammar's state after the
+proposals before it and counts them into the row's penalties (worker_service/grammar.py,
+penalties.py), then takes in the run the scheduler accepts, by the same rule.
 """
 from __future__ import annotations
 
@@ -72,11 +78,10 @@ class SpecState:
     attempts: float = 0.0         # (accepted + rejections): per-token acceptance = ratio
     num_proposed: int = 0         # totals for usage and metrics
     num_accepted: int = 0
+    last_accepted: int = 0        # of the last verify step
 
     def acceptance(self, prior: float) -> float:
         return (self.accepted + 2 * prior) / (self.attempts + 2)
-
-    last_accepted: int = 0        # of the last verify step
 
     def record(self, proposed: int, accepted: int) -> None:
         self.last_accepted = accepted
