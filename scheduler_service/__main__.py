@@ -86,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     spec.add_argument("--speculative-max-batch", type=int, default=32, metavar="N",
                       help="propose nothing while more than N sequences run (big batches are "
                            "bound by compute and KV reads, not by the weight read)")
+    spec.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                      default=True,
+                      help="per sequence, propose as many tokens as its recent acceptance pays "
+                           "for at the measured cost of a decode row; --no-speculative-adaptive "
+                           "always proposes up to K")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,
@@ -138,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.speculation = SpecConfig(method=args.speculative,
                                       num_tokens=args.num_speculative_tokens,
                                       ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                                      max_batch=args.speculative_max_batch)
+                                      max_batch=args.speculative_max_batch,
+                                      adaptive=args.speculative_adaptive)
     except ValueError as e:
         p.error(str(e))
     if args.frontends < 0:

@@ -224,7 +224,7 @@ class Engine:
             outputs = self._finish_step(oldest, resp)
             t3 = time.perf_counter()
             if not oldest.is_prefill:   # counted before clients hear of the step
-                if self.speculator is not None:
+                if self.speculator is not None and self._plain_rows(oldest):
                     self.speculator.cost.observe(oldest.num_rows, resp.gpu_ms or resp.step_ms)
                 s = self.stats
                 s.num_decode_steps += 1
@@ -384,6 +384,14 @@ class Engine:
             out.top_logprobs.extend([([], [])] * len(seq_ids))
         self.stats.num_generated_tokens += len(seq_ids)
         self.stats.num_fast_forward_tokens += len(seq_ids)
+
+    def _plain_rows(self, batch: Batch) -> bool:
+        """Whether a decode step's time is its rows' cost (speculation's StepCost): not where
+        a format's masks or penalties add work of their own. (Checked only in batches small
+        enough to speculate: bigger ones are timed as they come, an O(batch) scan spared.)"""
+        seqs = batch.seqs
+        return len(seqs) > self.speculator.config.max_batch or not any(
+            s.sampling.grammar or s.sampling.has_penalty for s in seqs)
 
     def _count_verified(self, batch: Batch) -> None:
         """Proposed / accepted totals and the accepted-run histogram of a verify step."""

@@ -54,6 +54,7 @@ class SpecConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     max_batch: int = 32       # no proposals while more sequences run
+    adaptive: bool = True     # k from acceptance and row cost; False: always up to num_tokens
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -92,14 +93,15 @@ class SpecState:
 
 
 class StepCost:
-    """Decode step time as a + b * rows, fitted to measured steps (worker time). A row count
-    joins the fit once seen MIN_SEEN times: one odd step (measured on an H100: a 2-row step
-    of a warm-up at twice a 1-row step) must not bend the line."""
+    """Decode step time as a + b * rows, fitted to measured steps (worker time): per row
+    count the fastest step seen, once seen MIN_SEEN times. Slow outliers are not the rows'
+    cost: on an H100 a warm-up's lone 2-row step took twice a 1-row step; on CPU a row
+    count's first steps pay for first-time work and flattened or inverted the line."""
 
     MIN_SEEN = 3
 
     def __init__(self, prior_ratio: float = 1 / 256):
-        self.ms: dict[int, float] = {}   # rows -> decayed mean step ms
+        self.ms: dict[int, float] = {}   # rows -> fastest step ms
         self.seen: dict[int, int] = {}
         self.a, self.b = 1.0, prior_ratio
 
@@ -107,7 +109,7 @@ class StepCost:
         if ms <= 0:
             return
         old = self.ms.get(rows)
-        self.ms[rows] = ms if old is None else 0.9 * old + 0.1 * ms
+        self.ms[rows] = ms if old is None else min(old, ms)
         n = self.seen[rows] = self.seen.get(rows, 0) + 1
         if n == self.MIN_SEEN or (n > self.MIN_SEEN and n % 16 == 0):
             self._fit()
@@ -256,7 +258,7 @@ class Speculator:
         cfg = self.config
         source = "prediction" if seq.sampling.prediction else "ngram"
         a = st.acceptance(self.PRIOR[source])
-        threshold = self.cost.threshold(batch_rows)
+        threshold = self.cost.threshold(batch_rows) if cfg.adaptive else 0.0
         k, chance = 0, a
         while k < min(cfg.num_tokens, room) and chance > threshold:
             k += 1

@@ -257,7 +257,7 @@ def test_other_families_greedy_streams_match_hf(tmp_path_factory, family):
     worker = start_worker(path)
     try:
         sched = start_scheduler(path, [worker.port], block_size=BLOCK,
-                                extra=["--speculative", "ngram"])
+                                extra=["--speculative", "ngram", "--no-speculative-adaptive"])
         try:
             with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
                 stub = generate_pb2_grpc.GenerationStub(ch)

@@ -41,9 +41,11 @@ def served(model_dir):
     worker = start_worker(model_dir)
     sched = None
     try:
+        # (not adaptive: on 2 CPU cores a decode row can cost more than an n-gram is worth,
+        # and the tests below assert that proposals were verified, in either order)
         sched = start_scheduler(model_dir, [worker.port], block_size=4, extra=[
             "--speculative", "ngram", "--num-speculative-tokens", str(K), "--http-port", "0",
-            "--served-model-name", "tiny"])
+            "--served-model-name", "tiny", "--no-speculative-adaptive"])
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{sched.http_port}/v1",
                                    api_key="unused", max_retries=0, timeout=120)

@@ -66,7 +66,8 @@ def start_stack(model_dir, world_size: int, **tp) -> Stack:
                else [start_worker(model_dir)])
     try:
         sched = start_scheduler(model_dir, [w.port for w in workers], block_size=BLOCK,
-                                extra=["--max-num-batched-tokens", "64", "--fast-forward"])
+                                extra=["--max-num-batched-tokens", "64", "--fast-forward",
+                                       "--no-speculative-adaptive"])
     except BaseException:
         _stop_all(*workers)
         raise
