@@ -221,8 +221,8 @@ class Scheduler:
         while self.running and rows < limit:
             seq = self.running.popleft()
             n = len(seq.token_ids)
-            if seq.num_pending_tokens and n >= seq.len_limit:
-                done.append(seq)
+            if seq.proposal or (seq.num_pending_tokens and n >= seq.len_limit):
+                done.append(seq)   # a verify step in flight: how far it got is unknown yet
                 continue
             todo = n - seq.num_computed_tokens   # 1, or 1 + forced tokens after a fast-forward
             if todo > 1 and rows and rows + todo > limit:
@@ -411,7 +411,7 @@ class Scheduler:
                     print(f"verify seq {seq.seq_id} at {len(seq.token_ids) - 1}: last "
                           f"{seq.token_ids[-6:-1]} proposed {proposal} sampled "
                           f"{sampled[row:row + len(proposal) + 1]}", file=sys.stderr, flush=True)
-                if accepted < len(proposal) and not seq.kv_stale:
+                if accepted < len(proposal) and not seq.kv_stale and seq.block_table:
                     seq.kv_stale = True
                     self.num_kv_stale += 1
             ids = seq.token_ids
@@ -425,7 +425,8 @@ class Scheduler:
                 else:          # an accepted proposal's sample: its row's KV holds the proposal
                     pos = len(ids)
                     ids.append(token)
-                    seq.num_computed_tokens += 1
+                    if seq.block_table:   # (not if preempted since: it recomputes them all)
+                        seq.num_computed_tokens += 1
                 out.append(seq)
                 rows.append(i)
                 if logprobs is not None and seq.sampling.logprobs:

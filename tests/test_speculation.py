@@ -216,3 +216,37 @@ def test_accepted_runs_are_distributed_as_the_target(mutant):
     tv = 0.5 * (counts / n - exact).abs().sum().item()
     noise = 0.5 * (exact * (1 - exact) / n).sqrt().sum().item()   # TV's expected size by chance
     assert (tv > 3 * noise) == mutant, (tv, noise)
+
+
+def test_a_verify_step_in_flight_is_waited_for_when_speculation_stops():
+    """Requests arrive while a verify step is in flight and push the batch past
+    max_batch: the next steps overlap again, but the verifying sequence waits for its
+    answer (how many of its rows count is unknown until then), then decodes plainly
+    from where its accepted run left it, its workers told to rewind past rejected rows."""
+    cfg = SchedulerConfig(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128)
+    sched = Scheduler(cfg, Speculator(SpecConfig(num_tokens=4, max_batch=1, adaptive=False)))
+    prompt = [5, 6, 7]
+    answer = greedy(prompt, 20)
+    a = Sequence(0, prompt, SamplingOptions(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                            prediction=tuple(answer[:3] + [1, 1, 1])))
+    sched.add(a)
+    first = sched.schedule()            # a's prefill
+    sched.advance(first)
+    sched.resolve(first, [answer[0]])
+    verify = sched.schedule()           # a's verify step: answer[1], answer[2], then 1, 1
+    assert verify.proposals == [[answer[1], answer[2], 1, 1]]
+    sched.advance(verify)               # ... in flight
+    for i in (1, 2):
+        sched.add(Sequence(i, [9 + i, 4], SamplingOptions(max_tokens=5, ignore_eos=True)))
+    prefill = sched.schedule()
+    assert a not in prefill.seqs and prefill.is_prefill
+    sched.advance(prefill)
+    decode = sched.schedule()           # overlapped (3 running > max_batch): a sits out
+    assert a not in decode.seqs and decode.proposals is None and len(decode.seqs) == 2
+    sched.resolve(verify, [answer[1], answer[2], answer[3], 50, 51])
+    assert a.completion_token_ids == answer[:4] and a.num_computed_tokens == len(prompt) + 3
+    assert sched.num_kv_stale == 1
+    sched.resolve(prefill, [1, 2])
+    sched.advance(decode)
+    after = sched.schedule()            # a again, plainly, with its rewind
+    assert a in after.seqs and after.proposals is None
