@@ -250,3 +250,15 @@ def test_a_verify_step_in_flight_is_waited_for_when_speculation_stops():
     sched.advance(decode)
     after = sched.schedule()            # a again, plainly, with its rewind
     assert a in after.seqs and after.proposals is None
+
+
+def test_an_unknown_speculative_method_fails_at_start_with_the_choices():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "scheduler_service", "--model", "m", "--workers",
+                           "127.0.0.1:1", "--speculative", "eagle"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'eagle'" in proc.stderr \
+        and "'off', 'ngram'" in proc.stderr
+    with pytest.raises(ValueError, match="num speculative tokens"):
+        SpecConfig(num_tokens=0)
