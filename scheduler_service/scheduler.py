@@ -22,17 +22,12 @@ waits for it before re-prefill.
 """
 from __future__ import annotations
 
-import os
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from scheduler_service.speculation import Speculator
-
-
-_DEBUG = bool(os.environ.get("NANOSERVE_SPEC_DEBUG"))
 
 
 @dataclass
@@ -363,18 +358,26 @@ class Scheduler:
                         and seq.block_table:
                     commit(seq)   # blocks that waited for this id
             if reason is not None:
-                del ids[pos + 1:]   # placeholders of steps it should not have run
-                seq.num_pending_tokens = 0
-                del self._live[seq.seq_id]
-                self._release(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
+                self._end(seq, pos, reason)
                 finished = True
             out.append(seq)
         if finished:
-            self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
-            self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
+            self._sweep()
         return out
+
+    def _end(self, seq: Sequence, pos: int, reason: str) -> None:
+        """seq's token at pos ended it: placeholders of steps it should not have run go,
+        its blocks are free (the caller sweeps the queues once per step)."""
+        del seq.token_ids[pos + 1:]
+        seq.num_pending_tokens = 0
+        del self._live[seq.seq_id]
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _sweep(self) -> None:
+        self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
+        self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
 
     def _resolve_verify(self, batch: Batch, sampled: list[int],
                         logprobs: list[float] | None) -> list[Sequence]:
@@ -407,10 +410,6 @@ class Scheduler:
                 while accepted < len(proposal) and proposal[accepted] == sampled[row + accepted]:
                     accepted += 1
                 seq.spec.record(len(proposal), accepted)
-                if _DEBUG:
-                    print(f"verify seq {seq.seq_id} at {len(seq.token_ids) - 1}: last "
-                          f"{seq.token_ids[-6:-1]} proposed {proposal} sampled "
-                          f"{sampled[row:row + len(proposal) + 1]}", file=sys.stderr, flush=True)
                 if accepted < len(proposal) and not seq.kv_stale and seq.block_table:
                     seq.kv_stale = True
                     self.num_kv_stale += 1
@@ -442,16 +441,10 @@ class Scheduler:
                         >= (seq.num_hashed_blocks + 1) * bs and seq.block_table:
                     self.block_manager.commit(seq)
                 continue
-            del ids[pos + 1:]   # placeholders of steps it should not have run
-            seq.num_pending_tokens = 0
-            del self._live[seq.seq_id]
-            self._release(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = reason
+            self._end(seq, pos, reason)
             finished = True
         if finished:
-            self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
-            self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
+            self._sweep()
         self.resolved_rows = rows
         return out
 
