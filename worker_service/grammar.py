@@ -32,6 +32,7 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from nanoserve.compiled_grammars import CompiledGrammars
 from nanoserve.v1 import worker_pb2
+from worker_service.step_plan import verify_drafts
 
 
 def mask_threads() -> int:
@@ -95,18 +96,18 @@ class GrammarState:
         d = req.decode
         self.drafts = {}
         if d.num_tokens_i32 and self.matchers:   # rows after the first: forced, then proposed
+            drafts = verify_drafts(d)
             per = np.frombuffer(d.num_tokens_i32, "<i4")
-            n_samp = (np.frombuffer(d.num_samples_i32, "<i4") if d.num_samples_i32
-                      else np.ones(len(per), np.int32))
             tokens = np.frombuffer(d.token_ids_i32, "<i4")
             ends = np.cumsum(per)
-            for seq_id, n, s, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), per.tolist(),
-                                         n_samp.tolist(), ends.tolist()):
+            for seq_id, n, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), per.tolist(),
+                                      ends.tolist()):
                 if n > 1 and (m := self.matchers.get(seq_id)) is not None:
-                    if n > s:
-                        self.forced.append((m, tokens[end - n + 1:end - s + 1].tolist()))
-                    if s > 1:
-                        self.drafts[m] = tokens[end - s + 1:end].tolist()
+                    proposed = drafts.get(seq_id, [])
+                    if n > len(proposed) + 1:
+                        self.forced.append((m, tokens[end - n + 1:end - len(proposed)].tolist()))
+                    if proposed:
+                        self.drafts[m] = proposed
 
     def rows(self, sampling_seq_ids: list[int]) -> list[tuple[int, Matcher]]:
         """(sampling row, matcher) of the step's constrained rows."""

@@ -22,7 +22,7 @@ import torch
 
 from kernels.penalties import apply_penalties_ref
 from nanoserve.v1 import worker_pb2
-from worker_service.step_plan import SamplingParams, StepError
+from worker_service.step_plan import SamplingParams, StepError, verify_drafts
 
 
 @dataclass
@@ -87,15 +87,7 @@ class PenaltyState:
             if SamplingParams.from_proto(w.sampling, self.vocab_size).has_penalty:
                 self.add(w.seq_id, np.frombuffer(w.prompt_ids_i32, "<i4"),
                          np.frombuffer(w.output_ids_i32, "<i4"))
-        d = req.decode
-        self.drafts = {}
-        if d.num_samples_i32 and self.slot_of:
-            n_samp = np.frombuffer(d.num_samples_i32, "<i4").tolist()
-            ends = np.cumsum(np.frombuffer(d.num_tokens_i32, "<i4")).tolist()
-            tokens = np.frombuffer(d.token_ids_i32, "<i4")
-            for seq_id, s, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), n_samp, ends):
-                if s > 1 and seq_id in self.slot_of:
-                    self.drafts[seq_id] = tokens[end - s + 1:end].tolist()
+        self.drafts = verify_drafts(req.decode) if self.slot_of else {}
 
     def drop(self, seq_id: int) -> None:
         slot = self.slot_of.pop(seq_id, None)

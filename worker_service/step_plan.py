@@ -23,6 +23,20 @@ from nanoserve.v1 import worker_pb2
 PLACEHOLDER = -1
 
 
+def verify_drafts(d: worker_pb2.DecodeBatch) -> dict[int, list[int]]:
+    """A decode batch's verify rows (speculative decoding): seq_id -> the tokens proposed
+    after its last known one (the inputs of its last num_samples - 1 rows). What the
+    sampling rank's grammar and penalty state need of a step, checked by SeqTable.plan."""
+    if not d.num_samples_i32:
+        return {}
+    n_samp = np.frombuffer(d.num_samples_i32, "<i4").tolist()
+    ends = np.cumsum(np.frombuffer(d.num_tokens_i32, "<i4")).tolist()
+    tokens = np.frombuffer(d.token_ids_i32, "<i4")
+    return {seq_id: tokens[end - s + 1:end].tolist()
+            for seq_id, s, end in zip(np.frombuffer(d.seq_ids_u64, "<u8").tolist(), n_samp, ends)
+            if s > 1}
+
+
 class StepError(ValueError):
     """A StepRequest that contradicts the worker's state (bad ids, unknown sequence)."""
 
