@@ -194,6 +194,22 @@ def generation_stub(model_dir: Path, block_size: int = 8, extra: list[str] = ())
         worker.stop()
 
 
+# What the scheduler logs when kill() took each victim down.
+KILLED_LOG = {"worker": "worker group failed", "engine-core": "engine core exited"}
+
+
+def kill(victim: str, sched: Proc, worker: Proc, model_dir: Path) -> Proc:
+    """SIGKILL mid-traffic: the worker (a new one starts on its port, as a supervisor would
+    start it) or the scheduler's engine core (its supervisor restarts it). Returns the
+    worker to stop at the end."""
+    if victim == "worker":
+        port = worker.port
+        worker.stop(sig=9)
+        return start_worker(model_dir, port=port)
+    os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
+    return worker
+
+
 def engine_idle(stub) -> bool:
     """A scheduler's GenerationStub reports nothing running or waiting and every KV block
     free: what every test that ends traffic waits for."""

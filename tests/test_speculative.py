@@ -9,9 +9,7 @@ the answer), and the step counters show the proposals were really verified.
 """
 from __future__ import annotations
 
-import os
 import random
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,7 +19,7 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import engine_idle, named_children, start_scheduler, start_worker, wait_until
+from services import KILLED_LOG, engine_idle, kill, start_scheduler, start_worker, wait_until
 from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -212,8 +210,7 @@ def test_killed_mid_speculation_streams_finish_identical(model_dir, hf_model, vi
     prediction. Greedy streams equal HF greedy; a seeded sampled one equals its run without
     speculation; no block is left in use."""
     worker = start_worker(model_dir)
-    port = worker.port
-    sched = start_scheduler(model_dir, [port], block_size=4,
+    sched = start_scheduler(model_dir, [worker.port], block_size=4,
                             extra=["--speculative", "ngram", "--num-speculative-tokens", "3"])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
@@ -232,16 +229,11 @@ def test_killed_mid_speculation_streams_finish_identical(model_dir, hf_model, vi
             got = [[] for _ in streams]
             while len(got[0]) < 40:
                 got[0] += next(streams[0]).token_ids
-            if victim == "worker":
-                worker.stop(sig=9)
-                worker = start_worker(model_dir, port=port)
-            else:
-                os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
+            worker = kill(victim, sched, worker, model_dir)
             for i, s in enumerate(streams):
                 for chunk in s:
                     got[i] += chunk.token_ids
-            assert ("worker group failed" if victim == "worker" else "engine core exited") \
-                in sched.output()
+            assert KILLED_LOG[victim] in sched.output()
             assert got == refs + [plain]
             assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
     finally:

@@ -9,9 +9,7 @@ Face greedy; formats that do not compile are INVALID_ARGUMENT before any work is
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +20,7 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import (engine_idle, generation_stub, named_children, start_null_worker,
+from services import (KILLED_LOG, engine_idle, generation_stub, kill, start_null_worker,
                       start_scheduler, start_worker, wait_until)
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -190,8 +188,7 @@ def test_killed_mid_stream_constrained_output_still_valid(model_dir, flags, vict
     with the tokens it has; the core re-prefills them and the worker rebuilds each matcher
     from that output (with fast-forward, so does the core's own)."""
     worker = start_worker(model_dir)
-    port = worker.port
-    sched = start_scheduler(model_dir, [port], block_size=8, extra=flags)
+    sched = start_scheduler(model_dir, [worker.port], block_size=8, extra=flags)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
@@ -204,17 +201,12 @@ def test_killed_mid_stream_constrained_output_still_valid(model_dir, flags, vict
             finish = [None] * len(streams)
             for _ in range(10):   # 10 tokens in: every matcher has state to lose
                 texts[0] += next(streams[0]).text
-            if victim == "worker":
-                worker.stop(sig=9)
-                worker = start_worker(model_dir, port=port)
-            else:
-                os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
+            worker = kill(victim, sched, worker, model_dir)
             for i, s in enumerate(streams):
                 for chunk in s:
                     texts[i] += chunk.text
                     finish[i] = chunk.finish_reason
-            assert ("worker group failed" if victim == "worker" else "engine core exited") \
-                in sched.output()
+            assert KILLED_LOG[victim] in sched.output()
             for text, reason in zip(texts, finish):
                 assert reason == generate_pb2.FINISH_REASON_STOP, text
                 jsonschema.validate(json.loads(text), schema)
