@@ -3,7 +3,7 @@
     python tests/gpu/fp8_check.py gemm                 # _scaled_mm vs its reference and vs bf16
     python tests/gpu/fp8_check.py sweep                # W8A16 kernel tile configs, decode sizes
     python tests/gpu/fp8_check.py logits DIR           # bf16 vs fp8 weights against HF fp32
-    python tests/gpu/fp8_check.py checkpoint DIR [NAME [RESIDUAL_SCALE [echo]]]   # random bf16 Qwen3-8B-shaped (or NAME's, test_tp_gpu.SHAPES) checkpoint
+    python tests/gpu/fp8_check.py checkpoint DIR [NAME [RESIDUAL_SCALE [echo|count]]]   # random bf16 Qwen3-8B-shaped (or NAME's, test_tp_gpu.SHAPES) checkpoint
 
 gemm: at Qwen3-8B's linear shapes (qkv, o, gate_up, down) and token counts from decode to
 prefill, W8A8 (per-token quantization + one torch._scaled_mm with rowwise scales) and W8A16
@@ -149,7 +149,7 @@ def main() -> int:
         from test_tp_gpu import make_checkpoint
         make_checkpoint(sys.argv[3] if len(sys.argv) > 3 else "Qwen3-8B", pathlib.Path(sys.argv[2]),
                         float(sys.argv[4]) if len(sys.argv) > 4 else 1.0,
-                        echo=len(sys.argv) > 5 and sys.argv[5] == "echo")
+                        head=sys.argv[5] if len(sys.argv) > 5 else "random")
     return 0
 
 

@@ -42,7 +42,7 @@
 #   fp8      FP8 weights: GEMMs, 0.6B logits vs HF, Qwen3-8B shapes in-process (bf16 / fp8 /
 #            fp8 + fp8 KV) and through gRPC (fp8 + fp8 KV) x FP8_RUNS (1), nano-vllm x PEER_RUNS (2)
 #   sampling penalties + top_logprobs on CUDA (graphs, overlapped placeholder steps) vs HF
-#   spec     speculative decoding through gRPC at Qwen3-8B shapes (SPEC_MODEL, SPEC_WORKER_ARGS,
+#   spec     speculative decoding through gRPC at Qwen3-8B shapes (SPEC_MODEL or SPEC_HEAD, SPEC_WORKER_ARGS,
 #            e.g. "--quantization fp8 --kv-cache-dtype fp8"): batch 1 and 8 (256-token prompts,
 #            512 output tokens, greedy) plain and with --prediction exact / half / wrong x
 #            SPEC_RUNS (3); then nano-vllm's workload with the scheduler's --speculative ngram
@@ -196,12 +196,14 @@ for w in ${*:-kernels model bench}; do
       cat "$OUT/fp8_gemm.md" "$OUT/fp8_logits.md"; grep -H "Throughput" "$OUT/fp8_peer.txt"
       grep -H "output tok/s\|^ *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]*$" "$OUT"/fp8_local_*.txt "$OUT/fp8_grpc.txt" ;;
     spec)   # speculative decoding (issue 43): one worker, the scheduler restarted per mode
-      # an echo model (test_tp_gpu.make_checkpoint, layers' outputs zeroed): it repeats its last token by a margin of
-      # tens of nats, so every step shape gives one greedy answer (a random 8B model's greedy
-      # choice flips with bf16 rounding: graphs vs eager differ from the first token). The
-      # answers are trivial, so acceptance is the mechanism's, not a model's: exact = all
-      M8=${SPEC_MODEL:-/dev/shm/qwen3-8b-echo}
-      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 Qwen3-8B 0 echo >/dev/null 2>&1
+      # a counting model (test_tp_gpu.make_checkpoint, layers' outputs zeroed, SPEC_HEAD=count):
+      # it answers t+1 after t by a margin of tens of nats, so every step shape gives one greedy
+      # answer (a random 8B model's greedy choice flips with bf16 rounding: graphs vs eager
+      # differ from the first token), and the answer never repeats, so n-grams find nothing and
+      # a corrupted prediction cannot re-align early; SPEC_HEAD=echo repeats the last token
+      # (n-grams' best case). Acceptance is the mechanism's, not a model's: exact = all
+      M8=${SPEC_MODEL:-/dev/shm/qwen3-8b-${SPEC_HEAD:-count}}
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 Qwen3-8B 0 "${SPEC_HEAD:-count}" >/dev/null 2>&1
       # shellcheck disable=SC2086
       python3 -m worker_service --model $M8 --port 50061 --max-model-len 4096 --log-level WARNING \
         ${SPEC_WORKER_ARGS:-} > "$OUT/spec_worker.log" 2>&1 &

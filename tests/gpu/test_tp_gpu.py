@@ -42,12 +42,14 @@ BATCH, CONTEXT, BLOCK, TIMED_STEPS = 256, 1024, 256, 20
 
 
 def make_checkpoint(name: str, path: pathlib.Path, residual_scale: float = 1.0,
-                    echo: bool = False) -> None:
-    """residual_scale < 1 scales every layer's output projections (o_proj, down_proj), and
-    echo=True makes the LM head the embedding: the model then repeats its last token with a
-    margin of tens of nats, where a random model's greedy choice flips with the kernels'
-    bf16 rounding (graphs vs eager, batch shapes): speculation's benchmarks need one greedy
-    answer whatever the step's shape. Speed does not depend on the values."""
+                    head: str = "random") -> None:
+    """residual_scale < 1 scales every layer's output projections (o_proj, down_proj).
+    head="echo" makes the LM head the embedding, "count" the embedding shifted by one row:
+    with residual_scale 0 the model then repeats its last token (echo) or answers t+1 after
+    t (count) by a margin of tens of nats, where a random model's greedy choice flips with
+    the kernels' bf16 rounding (graphs vs eager, batch shapes): speculation's benchmarks
+    need one greedy answer whatever the step's shape, and "count" never repeats itself, so
+    a corrupted prediction cannot re-align early. Speed does not depend on the values."""
     import transformers
     from tiny_checkpoint import make_tokenizer
     config = transformers.Qwen3Config(**COMMON, **SHAPES[name])
@@ -65,8 +67,9 @@ def make_checkpoint(name: str, path: pathlib.Path, residual_scale: float = 1.0,
         for layer in model.model.layers if residual_scale != 1.0 else ():
             layer.self_attn.o_proj.weight.mul_(residual_scale)
             layer.mlp.down_proj.weight.mul_(residual_scale)
-        if echo:
-            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        if head in ("echo", "count"):   # count: row t+1 of the head is token t's embedding
+            shift = 1 if head == "count" else 0
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight.roll(shift, 0))
     model.save_pretrained(path)
     make_tokenizer(320).save_pretrained(path)
     del model
