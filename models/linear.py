@@ -26,6 +26,7 @@ class LinearBase(nn.Module):
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        self.lora = None   # models/lora.py LoraSlots, when adapters are served
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -50,7 +51,10 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -162,5 +166,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+        y = self.matmul(x)
+        if self.lora is not None:   # a partial sum of the delta, like the GEMM's (lora.py)
+            self.lora.apply(x, y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -91,6 +91,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="per sequence, propose as many tokens as its recent acceptance pays "
                            "for at the measured cost of a decode row; --no-speculative-adaptive "
                            "always proposes up to K")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (PEFT format: a directory with "
+                        "adapter_config.json and adapter_model.safetensors, as the workers see "
+                        "it); a request picks one by name (gRPC GenerateRequest.adapter, OpenAI "
+                        "`model`); the workers need --max-loras")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,
@@ -147,6 +152,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                       adaptive=args.speculative_adaptive)
     except ValueError as e:
         p.error(str(e))
+    args.adapters = []
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--lora-modules: {item!r} is not NAME=PATH")
+        if name in (n for n, _ in args.adapters) or name == args.served_model_name:
+            p.error(f"--lora-modules: the name {name!r} is taken")
+        args.adapters.append((name, path))
     if args.frontends < 0:
         p.error("--frontends must be >= 0 (0 = auto)")
     if args.frontends == 0:
@@ -185,7 +198,8 @@ class ControlPlane:
             fast_forward=args.fast_forward, model_dir=args.model,
             speculation=args.speculation,
             worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
-            worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret)
+            worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret,
+            adapters=tuple(args.adapters))
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
             reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,

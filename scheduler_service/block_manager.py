@@ -37,6 +37,15 @@ def compute_hash(token_ids: tuple[int, ...], prefix_hash: int | None) -> int:
     return h.intdigest()
 
 
+def _root(seq: Sequence) -> tuple[int | None, int | None]:
+    """(hash, content_id) standing before a sequence's block 0: none for the base model,
+    and for a LoRA adapter its id as both (content ids are never negative): KV computed
+    through one adapter is not another's, so their blocks never match, even on a hash
+    collision (adapter ids are never reused)."""
+    a = seq.sampling.adapter_id
+    return (None, None) if not a else (a, -a)
+
+
 @dataclass
 class Block:
     """One physical KV block. The fields below `ref_count` describe its contents once
@@ -93,9 +102,10 @@ class BlockManager:
         assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
         bs = self.block_size
         parent: Block | None = None
+        root = _root(seq)
         num_hits = 0
         for i in range((seq.num_tokens - 1) // bs):  # full blocks ending before the last token
-            block = self._lookup(tuple(seq.block_tokens(i, bs)), parent)
+            block = self._lookup(tuple(seq.block_tokens(i, bs)), parent, root)
             if block is None:
                 break  # chained: after one miss nothing further can match
             if block.ref_count == 0:
@@ -133,15 +143,16 @@ class BlockManager:
         A block holding an in-flight placeholder token waits: its ids are not known yet."""
         bs = self.block_size
         known = min(seq.num_computed_tokens, seq.num_tokens - seq.num_pending_tokens)
+        root = _root(seq)
         while seq.num_hashed_blocks < known // bs:
             i = seq.num_hashed_blocks
             parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.block_tokens(i, bs))
-            twin = self._lookup(tokens, parent)  # a block already holding the same prefix
-            block.hash = compute_hash(tokens, parent.hash if parent else None)
+            twin = self._lookup(tokens, parent, root)  # a block already holding the same prefix
+            block.hash = compute_hash(tokens, parent.hash if parent else root[0])
             block.token_ids = tokens
-            block.parent_content_id = parent.content_id if parent else None
+            block.parent_content_id = parent.content_id if parent else root[1]
             block.content_id = twin.content_id if twin else next(self._content_ids)
             self.hash_to_block[block.hash] = block.block_id  # newest wins; twins are equal
             seq.num_hashed_blocks += 1
@@ -165,18 +176,20 @@ class BlockManager:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _lookup(self, tokens: tuple[int, ...], parent: Block | None) -> Block | None:
-        """The registered block holding KV of exactly `parent`'s prefix + `tokens`, or None.
+    def _lookup(self, tokens: tuple[int, ...], parent: Block | None,
+                root: tuple[int | None, int | None] = (None, None)) -> Block | None:
+        """The registered block holding KV of exactly `parent`'s prefix + `tokens`, or None
+        (`root`: what stands before block 0, _root).
 
         The hash finds a candidate; its stored tokens and its parent's content_id prove it.
         """
         if len(tokens) < self.block_size:
             return None
-        block_id = self.hash_to_block.get(compute_hash(tokens, parent.hash if parent else None))
+        block_id = self.hash_to_block.get(compute_hash(tokens, parent.hash if parent else root[0]))
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        parent_content_id = parent.content_id if parent else None
+        parent_content_id = parent.content_id if parent else root[1]
         if block.token_ids != tokens or block.parent_content_id != parent_content_id:
             return None  # hash collision
         return block

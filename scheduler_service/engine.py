@@ -285,6 +285,7 @@ class Engine:
                 work.reset_block_table = True
                 work.block_table_i32 = array("i", seq.block_table).tobytes()
                 s = seq.sampling
+                work.adapter_id = s.adapter_id
                 work.sampling.temperature = s.temperature
                 work.sampling.top_p = s.top_p
                 work.sampling.top_k = s.top_k

@@ -55,6 +55,7 @@ class EngineCoreConfig:
     worker_tls_cert: str | None = None   # our client cert, for workers that require one
     worker_tls_key: str | None = None
     worker_secret: str | None = None     # sent with every worker call
+    adapters: tuple[tuple[str, str], ...] = ()   # --lora-modules: (name, path) each
 
 
 class EngineCore:
@@ -69,14 +70,16 @@ class EngineCore:
         """Connect to the workers, tell the supervisor (`ready`, a Connection), run."""
         cfg = self.config
         group = WorkerGroup(cfg.workers, credentials=channel_credentials(
-            cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key), secret=cfg.worker_secret)
+            cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key), secret=cfg.worker_secret,
+            adapters=cfg.adapters)
         log.info("connecting to %d worker(s): %s", len(cfg.workers), ", ".join(cfg.workers))
         info = await wait_for_group(group, cfg.block_size, cfg.num_kv_blocks)
         max_model_len = min(cfg.max_model_len or info.max_model_len, info.max_model_len)
         sched = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=cfg.block_size,
                                 max_num_seqs=cfg.max_num_seqs,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                max_model_len=max_model_len, eos_token_id=info.eos_token_id)
+                                max_model_len=max_model_len, eos_token_id=info.eos_token_id,
+                                max_loras=info.max_loras)
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len}
         ff = FastForward.for_model(cfg.model_dir, info) if cfg.fast_forward else None
         self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,

@@ -21,8 +21,8 @@ from nanoserve.security import OPEN_PUBLIC, AsyncGuard, add_port, server_credent
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
-from scheduler_service.generation import (Generation, Limits, RequestError, Usage, invalid,
-                                          sampling_from_proto)
+from scheduler_service.generation import (Generation, Limits, RequestError, Usage, adapter_id,
+                                          invalid, sampling_from_proto)
 from scheduler_service.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
@@ -55,6 +55,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 ids = self._prompt(request)
                 sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits,
                                                self.gen.encode_output)
+                sampling.adapter_id = adapter_id(request.adapter, self.gen.limits)
             except RequestError as e:   # never reached the stream: count it here
                 metrics.request_ended("error", e.code)
                 raise
@@ -119,7 +120,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             model=self.model_name, vocab_size=limits.vocab_size,
             max_model_len=limits.max_model_len, eos_token_id=info["eos_token_id"],
             tensor_parallel_size=info["world_size"], block_size=info["block_size"],
-            num_kv_blocks=info["num_kv_blocks"])
+            num_kv_blocks=info["num_kv_blocks"], adapters=limits.adapters)
 
     async def GetStats(self, request, context):
         try:
@@ -212,7 +213,8 @@ async def serve(cfg: FrontendConfig, ready) -> None:
     limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
                     default_max_tokens=cfg.default_max_tokens,
-                    structured_output=bool(info.get("structured_output")))
+                    structured_output=bool(info.get("structured_output")),
+                    adapters=tuple(info.get("adapters") or ()))
     gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
     service = GenerationService(gen, name)

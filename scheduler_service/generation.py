@@ -54,6 +54,7 @@ class Limits:
     default_max_tokens: int = 256
     structured_output: bool = True   # the workers follow grammars
     max_stop_strings: int = 16
+    adapters: tuple[str, ...] = ()   # LoRA adapters served, id = position + 1
 
 
 @dataclass
@@ -153,6 +154,17 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
             raise invalid(str(e)) from None
     return check_sampling(opts, p.max_tokens if p.HasField("max_tokens") else None, prompt_len,
                           limits, list(p.stop))
+
+
+def adapter_id(name: str, limits: Limits) -> int:
+    """The engine core's id of a LoRA adapter by name ("": the base model), NOT_FOUND if
+    none is served by that name."""
+    if not name:
+        return 0
+    if name not in limits.adapters:
+        served = ", ".join(limits.adapters) or "none"
+        raise RequestError("NOT_FOUND", f"unknown LoRA adapter `{name}` (served: {served})")
+    return limits.adapters.index(name) + 1
 
 
 def prediction_from_proto(p: generate_pb2.Prediction, limits: Limits,

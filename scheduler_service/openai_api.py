@@ -81,6 +81,7 @@ class Request:
     reasoning: bool = False      # chat: split <think>...</think> into reasoning_content
     in_reasoning: bool = False   # chat: the prompt opened <think> (the answer starts inside)
     tool_calls: bool = False     # chat: parse <tool_call> blocks into tool_calls
+    adapter: int = 0             # the LoRA adapter `model` named (0: the base model)
 
 
 def _field(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -250,24 +251,35 @@ class OpenAIApi:
         return web.json_response({"status": "ok" if ok else "unavailable"},
                                  status=200 if ok else 503)
 
-    def _model_card(self) -> dict:
-        return {"id": self.cfg.model_name, "object": "model", "created": self.created,
-                "owned_by": "nanoserve", "max_model_len": self.gen.limits.max_model_len}
+    def _model_card(self, adapter: int = 0) -> dict:
+        """The base model's card, or a LoRA adapter's (its base as `parent`, as vLLM's)."""
+        base = self.cfg.model_name
+        card = {"id": base, "object": "model", "created": self.created, "owned_by": "nanoserve",
+                "root": base, "parent": None, "max_model_len": self.gen.limits.max_model_len}
+        if adapter:
+            card.update(id=self.gen.limits.adapters[adapter - 1], parent=base)
+        return card
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        ids = range(len(self.gen.limits.adapters) + 1)
+        return web.json_response({"object": "list", "data": [self._model_card(i) for i in ids]})
 
     async def model(self, request: web.Request) -> web.Response:
         try:
-            self._check_model(request.match_info["model"])
+            adapter = self._check_model(request.match_info["model"])
         except RequestError as e:
             return error_response(e)
-        return web.json_response(self._model_card())
+        return web.json_response(self._model_card(adapter))
 
-    def _check_model(self, name: Any) -> None:
-        if name is not None and name != self.cfg.model_name:
-            raise RequestError("NOT_FOUND", f"The model `{name}` does not exist "
-                                            f"(this server serves `{self.cfg.model_name}`)")
+    def _check_model(self, name: Any) -> int:
+        """The LoRA adapter a request's `model` names (0: the base model; absent: the base)."""
+        if name is None or name == self.cfg.model_name:
+            return 0
+        if isinstance(name, str) and name in self.gen.limits.adapters:
+            return self.gen.limits.adapters.index(name) + 1
+        served = ", ".join((self.cfg.model_name, *self.gen.limits.adapters))
+        raise RequestError("NOT_FOUND", f"The model `{name}` does not exist "
+                                        f"(this server serves {served})")
 
     async def _parse(self, request: web.Request, chat: bool) -> Request:
         try:
@@ -276,7 +288,7 @@ class OpenAIApi:
             raise invalid("the body is not valid JSON") from None
         if not isinstance(body, dict):
             raise invalid("the body must be a JSON object")
-        self._check_model(body.get("model"))
+        adapter = self._check_model(body.get("model"))
         for name in ("functions", "suffix"):   # refused, not ignored
             if body.get(name):
                 raise invalid(f"'{name}' is not supported")
@@ -313,7 +325,7 @@ class OpenAIApi:
         options = _field(body, "stream_options", (dict,), {})
         return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
                        logprobs, k, _field(body, "skip_special_tokens", (bool,), True),
-                       reasoning, in_reasoning, bool(tools and tools.parse))
+                       reasoning, in_reasoning, bool(tools and tools.parse), adapter)
 
     def _opens_reasoning(self, template_kwargs: dict) -> bool:
         """The template's generation prompt ends with `<think>` (thinking-only models): the
@@ -345,6 +357,7 @@ class OpenAIApi:
             try:
                 opts = sampling_from_proto(req.sampling, len(ids), self.gen.limits,
                                            self.gen.encode_output)
+                opts.adapter_id = req.adapter
                 async for delta in self.gen.stream(ids, opts, list(req.sampling.stop),
                                                    req.skip_special_tokens):
                     queue.put_nowait((i * req.n + delta.index, delta))

@@ -38,6 +38,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     eos_token_id: int | None = None
+    max_loras: int = 0       # distinct LoRA adapters one step may use (the workers' slots)
 
     @property
     def max_decode_rows(self) -> int:
@@ -177,10 +178,17 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         # Seqs whose last chunk is scheduled join `running` at once, so len(running)
         # counts them; a chunked seq ends the loop (it used the whole budget).
+        adapters: set[int] | None = None   # LoRA adapters running, looked at when needed
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
+            if seq.sampling.adapter_id:   # a step uses at most max_loras adapters: admit
+                if adapters is None:      # only while its adapter fits beside the running ones
+                    adapters = {s.sampling.adapter_id for s in self.running} - {0}
+                if seq.sampling.adapter_id not in adapters and len(adapters) >= cfg.max_loras:
+                    break
+                adapters.add(seq.sampling.adapter_id)
             if not seq.block_table:  # not mid chunked prefill: needs its blocks first
                 if not bm.can_allocate(seq):
                     break

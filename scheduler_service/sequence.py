@@ -49,6 +49,7 @@ class SamplingOptions:
     min_tokens: int = 0               # stop ids cannot end the output before this many tokens
     prediction: tuple[int, ...] = ()  # the caller's guess at the output: proposed ahead
     speculate: bool = True            # False: never propose tokens for this request
+    adapter_id: int = 0               # LoRA adapter (engine core's numbering), 0 = the base
 
     @property
     def has_penalty(self) -> bool:

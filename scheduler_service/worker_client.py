@@ -75,9 +75,12 @@ class _StepStream:
 
 class WorkerGroup:
     def __init__(self, addresses: list[str], connect_timeout: float = 10.0,
-                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
+                 adapters: tuple[tuple[str, str], ...] = ()):
         """credentials: TLS to the workers (nanoserve.security.channel_credentials), None =
-        plaintext; secret: the workers' shared secret, sent with every call."""
+        plaintext; secret: the workers' shared secret, sent with every call; adapters:
+        (name, path) of each LoRA adapter to serve, id = position + 1."""
+        self.adapters = tuple(adapters)
         if not addresses:
             raise ValueError("at least one worker address is needed")
         self.addresses = addresses
@@ -102,7 +105,10 @@ class WorkerGroup:
     async def connect(self, block_size: int, num_kv_blocks: int = 0, wait: bool = True) -> GroupInfo:
         """Info from every rank, agree on the KV size, Init all, open Step streams.
 
-        num_kv_blocks > 0 pins the size (a reconnect must keep the scheduler's count)."""
+        num_kv_blocks > 0 pins the size (a reconnect must keep the scheduler's count).
+        Every Init sends the LoRA adapters (self.adapters), so a restarted worker has them
+        again."""
+        adapters = self.adapters
         self.close_streams()
         self._open_channels()
         infos = await self._on_every_rank(
@@ -120,6 +126,10 @@ class WorkerGroup:
                 raise WorkerGroupError(
                     f"ranks use different KV cache dtypes: {first.kv_cache_dtype} (rank 0) vs "
                     f"{info.kv_cache_dtype} (rank {rank})", lost=False)
+        max_loras = min(i.max_loras for i in infos)
+        if adapters and not max_loras:
+            raise WorkerGroupError(f"{len(adapters)} LoRA adapter(s) to serve, but the workers "
+                                   f"were started without --max-loras", lost=False)
         capacity = min(i.num_kv_blocks for i in infos)
         blocks = num_kv_blocks or capacity
         if blocks == 0 or blocks > capacity:
@@ -128,7 +138,8 @@ class WorkerGroup:
         # Every rank's Init at once, never one after another: a TP rank's Init meets its
         # peers in collectives (a barrier, then CUDA graph capture runs the model's
         # all-reduces), so rank 0's Init cannot finish before rank 1's has begun.
-        init = worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size)
+        init = worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size, adapters=[
+            worker_pb2.Adapter(id=i + 1, name=n, path=p) for i, (n, p) in enumerate(adapters)])
         await self._on_every_rank(
             lambda stub: self._call(stub.Init, init, wait, timeout=INIT_TIMEOUT_S))
         self._events = asyncio.Queue() if len(self.channels) > 1 else None
@@ -140,7 +151,8 @@ class WorkerGroup:
                               max_model_len=min(i.max_model_len for i in infos),
                               eos_token_id=first.eos_token_id,
                               kv_cache_dtype=first.kv_cache_dtype,
-                              structured_output=first.structured_output)
+                              structured_output=first.structured_output,
+                              max_loras=max_loras, adapters=tuple(n for n, _ in adapters))
         return self.info
 
     async def _on_every_rank(self, call) -> list:

@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each kernel from Python; triton backend; 0 = all prefills eager")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (every step launches each kernel from Python)")
+    p.add_argument("--max-loras", type=int, default=0, metavar="N",
+                   help="LoRA adapters held on the device at once (the most one step may mix; "
+                        "others wait in host memory and swap in least-recently-used first); "
+                        "0 = no LoRA. The scheduler names the adapters (--lora-modules)")
+    p.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="the largest adapter rank accepted (slots are sized for it)")
     tp = p.add_argument_group(
         "tensor parallelism",
         "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "
@@ -116,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--model is required (or --null)")
     if args.null and args.world_size != 1:
         p.error("--null serves a single rank (--world-size 1)")
+    if args.max_loras < 0 or args.max_lora_rank < 1:
+        p.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
     return args
 
 
@@ -199,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
-        enforce_eager=args.enforce_eager), tp)
+        enforce_eager=args.enforce_eager, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)
     serve_metrics(args)

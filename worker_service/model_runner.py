@@ -33,6 +33,7 @@ from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.v1 import worker_pb2
+from worker_service.adapters import AdapterStore
 from worker_service.grammar import GrammarState
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
@@ -55,6 +56,8 @@ class RunnerConfig:
     max_num_seqs: int = 256               # largest decode batch (CUDA graph buckets)
     max_prefill_graph_tokens: int = 2048  # one-sequence prefills up to this replay a graph; 0: none
     enforce_eager: bool = False           # True: no CUDA graphs
+    max_loras: int = 0                    # LoRA adapters resident at once (0: no LoRA)
+    max_lora_rank: int = 16
 
 
 @dataclass
@@ -140,6 +143,9 @@ class ModelRunner:
                                                 device=self.device, attn_backend=self.backend,
                                                 quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
+        # LoRA slots before the profile run, so the KV budget leaves them their room
+        self.adapters = (AdapterStore(self.model, config.max_loras, config.max_lora_rank)
+                         if config.max_loras else None)
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
                                  self.hf_config.max_position_embeddings)
@@ -253,7 +259,9 @@ class ModelRunner:
             compile_fused_sampling(self.vocab_size, self.dtype, self.device)
         self.last_sampled = None
         self.graphs = self.prefill_graphs = None
-        if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
+        if self.adapters is not None and self.device.type == "cuda":
+            log.info("LoRA: CUDA graphs off (their capture of the adapter path is not built yet)")
+        elif self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
             self._capture_graphs(block_size)
 
     def _capture_graphs(self, block_size: int) -> None:
@@ -407,6 +415,8 @@ class ModelRunner:
             fill_dev = (to_device(plan.fill[0], dev),
                         self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
         sampling = plan.sample
+        if self.adapters is not None:
+            self.adapters.begin(self.table.adapter[plan.rows], plan.num_tokens)
         runs = decode_runs(plan.rows) if plan.is_decode else None   # fast-forward rows
         if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
                 and tables.shape[1] <= self.graphs.max_blocks:

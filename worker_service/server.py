@@ -18,6 +18,7 @@ import grpc
 
 from nanoserve.security import OPEN_WORKER, SyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.adapters import AdapterError
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner, StepError
 
@@ -47,7 +48,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_size=block_size, vocab_size=r.vocab_size, max_model_len=r.max_model_len,
             eos_token_id=r.eos_token_id, device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
             attention_backend=r.backend.name, kv_cache_dtype=r.kv_cache_dtype_name,
-            structured_output=r.grammar_tokenizer is not None)
+            structured_output=r.grammar_tokenizer is not None,
+            max_loras=r.config.max_loras, max_lora_rank=r.config.max_lora_rank)
 
     def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:
@@ -57,6 +59,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.num_kv_blocks > capacity:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{request.num_kv_blocks} blocks asked, {capacity} fit")
+            if request.adapters and self.runner.adapters is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"{len(request.adapters)} LoRA adapter(s) sent, but this worker "
+                              f"was started without --max-loras")
+            if self.runner.adapters is not None:
+                try:
+                    self.runner.adapters.set_adapters(request.adapters)
+                except AdapterError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.runner.init_kv(request.num_kv_blocks, request.block_size)
             self.steps = self.steps_overlapped = 0
         self.metrics.initialized(request.num_kv_blocks, request.block_size)

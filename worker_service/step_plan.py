@@ -148,6 +148,7 @@ class SeqTable:
         self.table_len = np.zeros(0, dtype=np.int64)     # blocks in each row's table
         self.computed = np.zeros(0, dtype=np.int64)      # tokens of each row in the KV cache
         self.params: list[SamplingParams] = []
+        self.adapter = np.zeros(0, dtype=np.int64)       # each row's LoRA adapter id (0: none)
         self.last_rows: dict[int, int] = {}   # seq_id -> its row in the last step's samples
 
     def __len__(self) -> int:
@@ -163,6 +164,7 @@ class SeqTable:
             self.table_len = np.concatenate([self.table_len, np.zeros(grow, np.int64)])
             self.computed = np.concatenate([self.computed, np.zeros(grow, np.int64)])
             self.params.extend([GREEDY] * grow)
+            self.adapter = np.concatenate([self.adapter, np.zeros(grow, np.int64)])
             self.free_rows = list(range(n + grow - 1, n - 1, -1))
         row = self.free_rows.pop()
         self.row_of[seq_id] = row
@@ -200,6 +202,7 @@ class SeqTable:
                 row = self._new_row(w.seq_id)
                 self._set_table(row, np.frombuffer(w.block_table_i32, "<i4"), w.seq_id)
                 self.params[row] = SamplingParams.from_proto(w.sampling, self.vocab_size)
+                self.adapter[row] = w.adapter_id
             else:
                 row = self.row_of.get(w.seq_id)
                 if row is None:

@@ -32,3 +32,5 @@ class GroupInfo:
     eos_token_id: int
     kv_cache_dtype: str = ""
     structured_output: bool = False   # rank 0 follows grammars (WorkerInfo.structured_output)
+    max_loras: int = 0                # LoRA slots (WorkerInfo.max_loras: min over ranks)
+    adapters: tuple[str, ...] = ()    # the LoRA adapters' names, id = position + 1

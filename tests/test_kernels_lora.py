@@ -1,0 +1,264 @@
+"""Multi-LoRA shrink / expand Triton kernels (kernels/lora.py) vs their torch references, the
+references vs a float64 per-row loop, and the per-step row grouping (lora_rows), on CPU via
+the interpreter.
+
+Slots are mixed per row, with rows of slot -1 (no adapter) and a slot that has no rows;
+T in {0, 1, 7, 33}, R in {8, 16, 24} (24: rank padded to 32 by masks), K and N not
+multiples of the tiles, so every tile kind is partial somewhere. Each slot's scale and
+weights differ, so a row computed with a neighbour's slot shows (the mutation tests).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+# Must precede the first `import triton` (tests/conftest.py does the same, globally);
+# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
+if not os.environ.get("NANOSERVE_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.lora import (LoraRows, lora_expand, lora_expand_ref, lora_rows, lora_shrink,
+                          lora_shrink_ref)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+K, N, S = 200, 144, 5          # slot S - 1 never gets rows
+
+
+def make_slots(t: int, num_slots: int = S, seed: int = 0) -> torch.Tensor:
+    """Slots in [-1, num_slots - 2] (the last slot stays empty), at least one -1 row and
+    neighbouring rows of different slots whenever t allows."""
+    g = torch.Generator().manual_seed(seed)
+    slot = torch.randint(-1, num_slots - 1, (t,), generator=g, dtype=torch.int32)
+    if t >= 3:
+        slot[0], slot[1], slot[2] = 0, -1, 1
+    return slot.to(DEVICE)
+
+
+def make_weights(r: int, dtype: torch.dtype, k: int = K, n: int = N, num_slots: int = S,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a [S, R, K] ~ 1/sqrt(K) (h is O(1)), b [S, N, R] ~ 1/sqrt(R), scale [S] in [0.5, 2]:
+    the LoRA delta is O(1), like y."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    a = (torch.randn(num_slots, r, k, generator=g) / k ** 0.5).to(dtype)
+    b = (torch.randn(num_slots, n, r, generator=g) / r ** 0.5).to(dtype)
+    scale = torch.linspace(0.5, 2.0, num_slots)
+    return a.to(DEVICE), b.to(DEVICE), scale.to(DEVICE)
+
+
+def assert_h_close(h: torch.Tensor, ref: torch.Tensor) -> None:
+    """h is float32 either way; only the summation order differs (tensor-core bf16
+    products are exact in float32)."""
+    assert h.shape == ref.shape and h.dtype == torch.float32
+    torch.testing.assert_close(h, ref, rtol=1e-4, atol=1e-4)
+
+
+def assert_y_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: tight. bf16/fp16: each side rounds its float32 sum once, so at most one ulp
+    (<= 2^-7 relative for bf16) apart where the sums straddle a rounding boundary."""
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
+
+
+# --- lora_rows ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", [0, 1, 7, 33, 40])
+def test_lora_rows_groups_stably(t: int) -> None:
+    slot = make_slots(t, seed=t)
+    rows = lora_rows(slot, S)
+    assert isinstance(rows, LoraRows)
+    for f in (rows.slot, rows.order, rows.count, rows.start):
+        assert f.dtype == torch.int32 and f.device == slot.device
+    assert rows.order.shape == (t,) and rows.count.shape == (S,) and rows.start.shape == (S,)
+    order, count, start = rows.order.long().cpu(), rows.count.long().cpu(), rows.start.long().cpu()
+    s = slot.long().cpu()
+    assert sorted(order.tolist()) == list(range(t))                  # a permutation
+    valid = s[s >= 0]
+    assert count.tolist() == torch.bincount(valid, minlength=S)[:S].tolist()
+    assert start.tolist() == (torch.cumsum(count, 0) - count).tolist()
+    for j in range(S):                                                 # each slot's range
+        idx = order[start[j]:start[j] + count[j]].tolist()
+        assert all(s[i] == j for i in idx) and idx == sorted(idx)      # stable
+    rest = order[int(count.sum()):].tolist()                           # slot -1 rows last
+    assert all(s[i] == -1 for i in rest) and rest == sorted(rest)
+    assert int(count[S - 1]) == 0
+
+
+def test_lora_rows_all_none_and_int64_input() -> None:
+    rows = lora_rows(torch.full((6,), -1, dtype=torch.int64, device=DEVICE), 3)
+    assert rows.slot.dtype == torch.int32
+    assert rows.count.tolist() == [0, 0, 0] and rows.start.tolist() == [0, 0, 0]
+    assert rows.order.tolist() == list(range(6))
+
+
+# --- references vs a float64 per-row loop -------------------------------------------------
+
+def loop_f64(x, a, b, scale, slot, y, offset):
+    """h and the new y, one row at a time in float64 (y rounded once at the end)."""
+    t_rows, r = x.shape[0], a.shape[1]
+    h = torch.zeros(t_rows, r, dtype=torch.float64)
+    y_new = y.double().cpu().clone()
+    for t in range(t_rows):
+        s = int(slot[t])
+        if s < 0:
+            continue
+        h[t] = a[s].double().cpu() @ x[t].double().cpu()
+        delta = float(scale[s]) * (b[s].double().cpu() @ h[t])
+        y_new[t, offset:offset + b.shape[1]] += delta
+    return h, y_new.to(y.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_refs_match_float64_loop(dtype: torch.dtype) -> None:
+    t, r, offset = 33, 24, 9
+    slot = make_slots(t, seed=1)
+    rows = lora_rows(slot, S)
+    a, b, scale = make_weights(r, dtype, seed=1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, K, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(t, N + 20, generator=g).to(dtype).to(DEVICE)
+    h64, y64 = loop_f64(x, a, b, scale, slot.cpu(), y, offset)
+    h = lora_shrink_ref(x, a, rows)
+    torch.testing.assert_close(h.cpu().double(), h64, rtol=1e-5, atol=1e-5)
+    y_ref = y.clone()
+    lora_expand_ref(h, b, scale, rows, y_ref, offset)
+    assert_y_close(y_ref.cpu(), y64)
+    none = (slot < 0).cpu()
+    assert bool(none.any()) and (h.cpu()[none] == 0).all()
+    assert torch.equal(y_ref.cpu()[none], y.cpu()[none])               # untouched
+
+
+# --- kernels vs references ----------------------------------------------------------------
+
+CASES = list(itertools.product([0, 1, 7, 33], [8, 16, 24]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, r", CASES)
+def test_shrink_matches_ref(t: int, r: int, dtype: torch.dtype) -> None:
+    slot = make_slots(t, seed=t + r)
+    rows = lora_rows(slot, S)
+    a, _, _ = make_weights(r, dtype, seed=r)
+    x = torch.randn(t, K, generator=torch.Generator().manual_seed(t)).to(dtype).to(DEVICE)
+    ref = lora_shrink_ref(x, a, rows)
+    for split_k in (None, 1):                 # the default splits K (atomics) on few rows
+        h = lora_shrink(x, a, rows, split_k=split_k)
+        assert_h_close(h, ref)
+        assert (h[slot < 0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, r", CASES)
+def test_expand_matches_ref(t: int, r: int, dtype: torch.dtype) -> None:
+    """y is a non-contiguous column slice of a wider buffer, and the adapter's N columns
+    sit at an offset inside it: nothing outside them (nor slot -1 rows) may change."""
+    slot = make_slots(t, seed=t + r)
+    rows = lora_rows(slot, S)
+    _, b, scale = make_weights(r, dtype, seed=r)
+    g = torch.Generator().manual_seed(t + 7)
+    h = torch.randn(t, r, generator=g).to(DEVICE)
+    h[slot < 0] = 0
+    base = torch.randn(t, N + 64, generator=g).to(dtype).to(DEVICE)
+    base_ref = base.clone()
+    y, y_ref = base[:, 16:16 + N + 40], base_ref[:, 16:16 + N + 40]
+    assert t <= 1 or not y.is_contiguous()
+    lora_expand(h, b, scale, rows, y, offset=24)
+    lora_expand_ref(h, b, scale, rows, y_ref, offset=24)
+    assert_y_close(base, base_ref)
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[:, 40:40 + N] = slot[:, None] < 0
+    assert torch.equal(base[untouched], base_ref[untouched])
+
+
+def test_shrink_expand_fp16_end_to_end() -> None:
+    t, r = 33, 16
+    slot = make_slots(t, seed=5)
+    rows = lora_rows(slot, S)
+    a, b, scale = make_weights(r, torch.float16, seed=5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(t, K, generator=g).half().to(DEVICE)
+    y = torch.randn(t, N, generator=g).half().to(DEVICE)
+    y_ref = y.clone()
+    h = lora_shrink(x, a, rows)
+    assert_h_close(h, lora_shrink_ref(x, a, rows))
+    lora_expand(h, b, scale, rows, y)
+    lora_expand_ref(lora_shrink_ref(x, a, rows), b, scale, rows, y_ref)
+    assert_y_close(y, y_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_tiles_per_slot_and_many_slots(dtype: torch.dtype) -> None:
+    """16-row tiles over 40 rows that are mostly one slot (three tiles of it), 20 slots
+    (the in-kernel slot lookup spans 32 lanes), K split 3 ways in 32-wide chunks, and a
+    transposed (column-major) x."""
+    t, r, num_slots = 40, 24, 20
+    slot = torch.full((t,), 11, dtype=torch.int32)
+    slot[::7] = torch.tensor([0, 19, -1, 3, 11, 18], dtype=torch.int32)
+    slot = slot.to(DEVICE)
+    rows = lora_rows(slot, num_slots)
+    a, b, scale = make_weights(r, dtype, num_slots=num_slots, seed=9)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(K, t, generator=g).to(dtype).to(DEVICE).T       # strides (1, t)
+    ref = lora_shrink_ref(x, a, rows)
+    for split_k in (1, 3):
+        assert_h_close(lora_shrink(x, a, rows, block_m=16, block_k=32, split_k=split_k), ref)
+    y = torch.randn(t, N, generator=g).to(dtype).to(DEVICE)
+    y_ref = y.clone()
+    lora_expand(ref, b, scale, rows, y, block_m=16, block_n=32)
+    lora_expand_ref(ref, b, scale, rows, y_ref)
+    assert_y_close(y, y_ref)
+
+
+# --- mutation: a neighbour's slot must show -----------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_neighbour_slot_is_detected(dtype: torch.dtype) -> None:
+    """Rows grouped from the slot array shifted by one row (each row takes its neighbour's
+    adapter) give outputs that fail the comparison both kernels pass with the right rows."""
+    t, r = 33, 16
+    slot = make_slots(t, seed=3)
+    rows = lora_rows(slot, S)
+    shifted = lora_rows(torch.roll(slot, 1), S)
+    assert not torch.equal(shifted.slot, rows.slot)
+    a, b, scale = make_weights(r, dtype, seed=3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t, K, generator=g).to(dtype).to(DEVICE)
+    y0 = torch.randn(t, N, generator=g).to(dtype).to(DEVICE)
+    h_ref = lora_shrink_ref(x, a, rows)
+    y_ref = y0.clone()
+    lora_expand_ref(h_ref, b, scale, rows, y_ref)
+
+    assert_h_close(lora_shrink(x, a, rows), h_ref)
+    with pytest.raises(AssertionError):
+        assert_h_close(lora_shrink(x, a, shifted), h_ref)
+
+    y = y0.clone()
+    lora_expand(h_ref, b, scale, rows, y)
+    assert_y_close(y, y_ref)
+    y_bad = y0.clone()
+    lora_expand(h_ref, b, scale, shifted, y_bad)
+    with pytest.raises(AssertionError):
+        assert_y_close(y_bad, y_ref)
+
+
+def test_shape_checks() -> None:
+    slot = make_slots(7)
+    rows = lora_rows(slot, S)
+    a, b, scale = make_weights(8, torch.float32)
+    x = torch.randn(7, K, device=DEVICE)
+    with pytest.raises(AssertionError):
+        lora_shrink(x[:6], a, rows)                      # rows built for another T
+    with pytest.raises(AssertionError):
+        lora_shrink(x.bfloat16(), a, rows)               # adapter dtype != x dtype
+    with pytest.raises(AssertionError):
+        lora_expand(torch.zeros(7, 8, device=DEVICE), b, scale, rows,
+                    torch.zeros(7, N, device=DEVICE), offset=1)     # N columns past y's end

@@ -1,0 +1,276 @@
+"""Multi-LoRA serving against Hugging Face transformers + PEFT (the reference).
+
+Three random PEFT adapters (non-zero B) of different ranks, modules and scalings on a tiny
+Qwen3: our model's logits with each adapter equal PEFT's, a batch mixing the adapters and
+the base equals each served alone, and through the real services (worker with two slots
+for three adapters: LRU swaps) greedy tokens equal PEFT's generate, over gRPC and the
+OpenAI API (the `openai` SDK picks an adapter by model name). A mutation that gives a row
+its neighbour's adapter must fail the comparison.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from services import free_port, start_scheduler, start_worker
+from tiny_checkpoint import tiny_qwen3_dir
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {   # name: (rank, alpha, modules, rsLoRA)
+    "all8": (8, 16, ALL, False),
+    "qv4": (4, 8, ["q_proj", "v_proj"], True),
+    "mlp16": (16, 8, ["o_proj", "gate_proj", "down_proj"], False),
+}
+MAX_RANK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=5)
+
+
+def _base(model_dir):
+    return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """name -> (directory, the PEFT model serving it)."""
+    out = {}
+    for i, (name, (r, alpha, modules, rs)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, use_rslora=rs,
+                              init_lora_weights=False, lora_dropout=0.0)
+        model = peft.get_peft_model(_base(model_dir), cfg).eval()
+        path = tmp_path_factory.mktemp(f"lora_{name}")
+        model.save_pretrained(path)
+        out[name] = (path, model)
+    return out
+
+
+@torch.no_grad()
+def peft_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    for _ in range(n):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+# ---- the model with adapters in slots, in-process ------------------------------------------
+
+def _runner(model_dir, adapters, max_loras):
+    from nanoserve.v1 import worker_pb2
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    runner = ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, max_loras=max_loras, max_lora_rank=MAX_RANK))
+    runner.adapters.set_adapters([worker_pb2.Adapter(id=i + 1, name=n, path=str(adapters[n][0]))
+                                  for i, n in enumerate(ADAPTERS)])
+    runner.init_kv(64, 8)
+    return runner
+
+
+def _prefill_logits(runner, prompts: list[list[int]], adapter_ids: list[int], step_id=1):
+    """Last-token logits of a one-step prefill of every prompt (rows = prompts)."""
+    from kernels.attention import AttentionMetadata
+    from nanoserve.v1 import worker_pb2
+    req = worker_pb2.StepRequest(step_id=step_id)
+    blocks = 0
+    for i, (p, a) in enumerate(zip(prompts, adapter_ids)):
+        n = -(-len(p) // 8)
+        req.seqs.add(seq_id=step_id * 100 + i, num_tokens=len(p), start_pos=0, sample=True,
+                     reset_block_table=True, adapter_id=a,
+                     block_table_i32=np.arange(blocks, blocks + n, dtype="<i4").tobytes())
+        blocks += n
+    req.token_ids_i32 = np.array([t for p in prompts for t in p], "<i4").tobytes()
+    plan = runner.table.plan(req)
+    with torch.inference_mode():
+        logits = runner._logits(plan)
+    runner.table.commit(plan)
+    return logits
+
+
+def test_logits_equal_peft_mixed_batch(model_dir, adapters):
+    """One prefill step mixing the base and three adapters (two slots would not hold them:
+    four slots here) gives each row PEFT's logits for its adapter; a row given its
+    neighbour's adapter does not."""
+    runner = _runner(model_dir, adapters, max_loras=4)
+    base = _base(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 389, (n,), generator=gen).tolist() for n in (13, 7, 21, 9)]
+    ids = [0, 1, 2, 3]   # base, all8, qv4, mlp16
+    got = _prefill_logits(runner, prompts, ids)
+    refs = [base] + [adapters[n][1] for n in ADAPTERS]
+    with torch.no_grad():
+        want = [m(input_ids=torch.tensor([p])).logits[0, -1] for m, p in zip(refs, prompts)]
+    for i in range(4):
+        torch.testing.assert_close(got[i], want[i], rtol=1e-4, atol=1e-4)
+        if i:   # the adapter changes the logits (so the check above can fail)
+            with torch.no_grad():
+                plain = base(input_ids=torch.tensor([prompts[i]])).logits[0, -1]
+            assert (want[i] - plain).abs().max() > 1e-2
+    # mutation: every row's neighbour's adapter
+    shifted = _prefill_logits(runner, prompts, ids[1:] + ids[:1], step_id=2)
+    for i in range(4):
+        assert (shifted[i] - want[i]).abs().max() > 1e-3
+
+
+def test_lru_swap_keeps_results(model_dir, adapters):
+    """Two slots, three adapters used in turn: every step loads what it lacks (evicting
+    the least recently used) and still equals PEFT."""
+    runner = _runner(model_dir, adapters, max_loras=2)
+    prompt = list(range(5, 20))
+    with torch.no_grad():
+        want = {i + 1: adapters[n][1](input_ids=torch.tensor([prompt])).logits[0, -1]
+                for i, n in enumerate(ADAPTERS)}
+    for step, a in enumerate([1, 2, 3, 1, 3, 2, 2, 1], start=1):
+        got = _prefill_logits(runner, [prompt], [a], step_id=step)
+        torch.testing.assert_close(got[0], want[a], rtol=1e-4, atol=1e-4)
+        assert a in runner.adapters.slot_of and len(runner.adapters.slot_of) <= 2
+
+
+def test_bad_adapters_refused(model_dir, adapters, tmp_path):
+    """Rank over the maximum, a module the base lacks, a shape that does not match, a
+    malformed file: AdapterError with the reason, the served set unchanged."""
+    from nanoserve.v1 import worker_pb2
+    from worker_service.adapters import AdapterError
+    runner = _runner(model_dir, adapters, max_loras=2)
+    before = dict(runner.adapters.adapters)
+
+    def variant(name: str, edit_cfg=None, edit_weights=None):
+        from safetensors.torch import load_file, save_file
+        src = adapters["all8"][0]
+        d = tmp_path / name
+        d.mkdir()
+        cfg = json.loads((src / "adapter_config.json").read_text())
+        w = load_file(src / "adapter_model.safetensors")
+        if edit_cfg:
+            edit_cfg(cfg)
+        if edit_weights:
+            w = edit_weights(w)
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        save_file(w, d / "adapter_model.safetensors")
+        return d
+
+    def first(w, fn):
+        k = next(k for k in sorted(w) if "q_proj.lora_B" in k)
+        w[k] = fn(w[k])
+        return w
+
+    cases = {
+        "rank": (variant("rank", lambda c: c.update(r=32)), "exceeds --max-lora-rank"),
+        "shape": (variant("shape", edit_weights=lambda w: first(w, lambda t: t[:-1])), "base model needs"),
+        "module": (variant("module", edit_weights=lambda w: {
+            **w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(389, 8)}), "can adapt"),
+        "dora": (variant("dora", lambda c: c.update(use_dora=True)), "use_dora"),
+    }
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8}')
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    cases["file"] = (broken, "cannot read")
+    for name, (path, why) in cases.items():
+        with pytest.raises(AdapterError, match=why):
+            runner.adapters.set_adapters([worker_pb2.Adapter(id=9, name=name, path=str(path))])
+        assert runner.adapters.adapters == before
+
+
+# ---- through the services -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(model_dir, adapters):
+    worker = start_worker(model_dir, extra=["--max-loras", "2", "--max-lora-rank", str(MAX_RANK)])
+    sched = None
+    try:
+        http = free_port()
+        sched = start_scheduler(model_dir, [worker.port], extra=[
+            "--http-port", str(http), "--served-model-name", "tiny", "--lora-modules",
+            *[f"{n}={adapters[n][0]}" for n in ADAPTERS]])
+        yield worker, sched, http
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+def _grpc_greedy(stub, prompt, n, adapter=""):
+    req = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), adapter=adapter,
+        sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [t for c in stub.Generate(req, timeout=120) for t in c.token_ids]
+
+
+def test_services_greedy_equal_peft(served, model_dir, adapters):
+    """Base + three adapters at once through gRPC, twice over one shared 24-token prefix
+    (three blocks of 8: the prefix cache must keep each adapter's KV apart), with two GPU
+    slots: every stream equals PEFT greedy for its adapter."""
+    _, sched, _ = served
+    base = _base(model_dir)
+    prefix = list(range(30, 54))
+    jobs = [(prefix + [t], name) for t in (7, 11) for name in ["", *ADAPTERS]]
+    want = [peft_greedy(adapters[n][1] if n else base, p, 12) for p, n in jobs]
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        info = stub.GetModelInfo(generate_pb2.ModelInfoRequest())
+        assert list(info.adapters) == list(ADAPTERS)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda j: _grpc_greedy(stub, j[0], 12, j[1]), jobs))
+        assert got == want
+        assert len({tuple(w) for w in want[:4]}) == 4   # the adapters answer differently
+        with pytest.raises(grpc.RpcError) as e:
+            _grpc_greedy(stub, prefix, 4, "nope")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
+
+
+def test_openai_sdk_picks_adapter_by_model(served, model_dir, adapters):
+    openai = pytest.importorskip("openai")
+    _, _, http = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x")
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", *ADAPTERS}
+    assert models["qv4"].model_extra.get("parent") == "tiny"
+    prompt = list(range(60, 75))
+    for name in ["tiny", "qv4", "mlp16"]:
+        ref = _base(model_dir) if name == "tiny" else adapters[name][1]
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.choices[0].text == _decode(model_dir, peft_greedy(ref, prompt, 8))
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+
+
+def _decode(model_dir, ids):
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def test_tp2_equals_peft(model_dir, adapters):
+    """TP=2 (gloo): A sharded like a row-parallel layer's input, B like a column-parallel
+    layer's output, no collective of the adapters' own; greedy equals PEFT."""
+    from services import start_tp_workers
+    workers = start_tp_workers(model_dir, 2, extra=["--max-loras", "2", "--max-lora-rank",
+                                                    str(MAX_RANK)])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [w.port for w in workers], extra=[
+            "--lora-modules", *[f"{n}={adapters[n][0]}" for n in ADAPTERS]])
+        prompt = list(range(80, 97))
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            for name in ADAPTERS:
+                assert _grpc_greedy(stub, prompt, 10, name) == \
+                    peft_greedy(adapters[name][1], prompt, 10), name
+    finally:
+        if sched:
+            sched.stop()
+        for w in workers:
+            w.stop()

@@ -1,0 +1,163 @@
+"""LoRA adapters on one rank: read from PEFT's files into host memory, swapped into the
+model's `max_loras` GPU slots least-recently-used first (models/lora.py holds the slots).
+
+The scheduler sends every adapter it serves at Init (InitRequest.adapters) and keeps each
+step's distinct adapters within max_loras, so a step always fits: the slots it needs are
+loaded before its forward, evicting only adapters the step does not use.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from kernels.lora import lora_rows
+from models.lora import LoraSlots, attach
+from worker_service.step_plan import StepError
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served (bad files, rank, modules or shapes): clear text."""
+
+
+@dataclass
+class HostAdapter:
+    name: str
+    rank: int
+    scale: float
+    # per LoraSlots (by id()), its parts' (A, B), this rank's slices, in host memory
+    parts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _config(path: str, name: str) -> dict:
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {name}: cannot read {path}/adapter_config.json: {e}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {name}: not a LoRA adapter (peft_type "
+                           f"{cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r})")
+    for key, ok in (("use_dora", not cfg.get("use_dora")), ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
+                    ("bias", cfg.get("bias", "none") == "none"),
+                    ("modules_to_save", not cfg.get("modules_to_save")),
+                    ("rank_pattern", not cfg.get("rank_pattern")),
+                    ("alpha_pattern", not cfg.get("alpha_pattern"))):
+        if not ok:
+            raise AdapterError(f"adapter {name}: {key}={cfg.get(key)!r} is not supported")
+    return cfg
+
+
+def read_adapter(name: str, path: str, targets: dict[str, tuple[LoraSlots, int]],
+                 max_rank: int) -> HostAdapter:
+    """One PEFT adapter, checked against the model's layers, sliced for this rank."""
+    cfg = _config(path, name)
+    r = cfg.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise AdapterError(f"adapter {name}: bad rank r={r!r}")
+    if r > max_rank:
+        raise AdapterError(f"adapter {name}: rank {r} exceeds --max-lora-rank {max_rank}")
+    alpha = cfg.get("lora_alpha", r)
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    file = os.path.join(path, "adapter_model.safetensors")
+    try:
+        weights = load_file(file)
+    except Exception as e:   # safetensors raises its own types for a bad header
+        raise AdapterError(f"adapter {name}: cannot read {file}: {e}") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in weights.items():
+        module, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise AdapterError(f"adapter {name}: unexpected tensor {key}")
+        pairs.setdefault(module, {})[kind[0]] = t
+    if not pairs:
+        raise AdapterError(f"adapter {name}: no LoRA weights in {file}")
+    parts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module, ab in pairs.items():
+        if module not in targets:
+            raise AdapterError(f"adapter {name}: module {module} is not one this model can "
+                               f"adapt (q/k/v/o/gate/up/down projections of dense layers)")
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {name}: {module} lacks lora_{'B' if 'A' in ab else 'A'}")
+        slots, part = targets[module]
+        a, b = ab["A"], ab["B"]
+        n_in, n_out = slots.full_shapes(part)
+        if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
+            raise AdapterError(f"adapter {name}: {module} has A {tuple(a.shape)} and B "
+                               f"{tuple(b.shape)}; the base model needs A ({r}, {n_in}) and "
+                               f"B ({n_out}, {r})")
+        a, b = slots.shard(part, a, b)
+        dtype = slots.a.dtype
+        parts.setdefault(id(slots), {})[part] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+    return HostAdapter(name, r, scale, parts)
+
+
+class AdapterStore:
+    """The adapters this rank serves (host memory) and which ones the GPU slots hold."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.ctx, self.targets = attach(model, max_loras, max_rank)
+        self.layers: list[LoraSlots] = list({id(s): s for s, _ in self.targets.values()}.values())
+        self.adapters: dict[int, HostAdapter] = {}
+        self.slot_of: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
+        self.device = self.layers[0].a.device if self.layers else torch.device("cpu")
+
+    def set_adapters(self, adapters) -> None:
+        """Serve exactly these (InitRequest.adapters): read the new ones, forget the rest.
+        Raises AdapterError, leaving the previous set in place."""
+        fresh = {a.id: (self.adapters.get(a.id) if a.id in self.adapters
+                        and self.adapters[a.id].name == a.name else None) for a in adapters}
+        loaded = {a.id: fresh[a.id] or read_adapter(a.name, a.path, self.targets, self.max_rank)
+                  for a in adapters}
+        for gone in set(self.slot_of) - set(loaded):
+            del self.slot_of[gone]
+        self.adapters = loaded
+
+    def begin(self, adapter_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Before a forward: each row's adapter (0 = base) -> its tokens' slots, loading
+        the adapters the slots lack (least recently used ones make room)."""
+        if not adapter_ids.any():
+            self.ctx.rows = None
+            return
+        slot_of_row = np.full(len(adapter_ids), -1, dtype=np.int32)
+        used = [int(a) for a in np.unique(adapter_ids) if a]
+        if len(used) > self.max_loras:
+            raise StepError(f"a step uses {len(used)} LoRA adapters; --max-loras is "
+                               f"{self.max_loras}")
+        for a in used:
+            if a not in self.adapters:
+                raise StepError(f"unknown LoRA adapter id {a}")
+            if a in self.slot_of:
+                self.slot_of.move_to_end(a)
+        for a in used:
+            if a not in self.slot_of:
+                self.slot_of[a] = self._free_slot(used)
+                self._load(a, self.slot_of[a])
+            slot_of_row[adapter_ids == a] = self.slot_of[a]
+        slots = torch.from_numpy(np.repeat(slot_of_row, num_tokens)).to(self.device)
+        self.ctx.rows = lora_rows(slots, self.max_loras)
+
+    def end(self) -> None:
+        self.ctx.rows = None
+
+    def _free_slot(self, keep: list[int]) -> int:
+        taken = set(self.slot_of.values())
+        for s in range(self.max_loras):
+            if s not in taken:
+                return s
+        victim = next(a for a in self.slot_of if a not in keep)   # least recently used
+        return self.slot_of.pop(victim)
+
+    def _load(self, adapter_id: int, slot: int) -> None:
+        ad = self.adapters[adapter_id]
+        for layer in self.layers:
+            parts = ad.parts.get(id(layer), {})
+            layer.load(slot, {p: (a.to(self.device), b.to(self.device))
+                              for p, (a, b) in parts.items()}, ad.scale)
