@@ -169,7 +169,8 @@ def _shrink_kernel(X, A, H, Order, Count, Start, num_slots, R, K, k_per_split,
 def _expand_kernel(H, B, Scale, Y, Order, Count, Start, num_slots, R, N,
                    stride_ht, stride_hr, stride_bs, stride_bn, stride_br, stride_yt, stride_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   SLOTS_P2: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
+                   SLOTS_P2: tl.constexpr, SPLIT_H: tl.constexpr, PRECISION: tl.constexpr,
+                   RNE_BF16: tl.constexpr):
     """y[rows, n-tile] = round(y + scale[slot] * h[rows, :R] @ b[slot, n-tile, :R]^T) for one
     row tile of one slot (axis 1) and one N tile (axis 0); the product in float32."""
     pid_n = tl.program_id(0)
@@ -190,8 +191,20 @@ def _expand_kernel(H, B, Scale, Y, Order, Count, Start, num_slots, R, N,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     w = tl.load(B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
                 + offs_r[:, None] * stride_br,
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-    acc = dot(h, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SPLIT_H:
+        # bf16 b: h = hi + mid + lo, three bf16 parts (~24 bits of h's mantissa), each
+        # times b on the bf16 tensor cores into the float32 accumulator, smallest first.
+        hi = h.to(tl.bfloat16)
+        rest = h - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = dot(lo, w, acc, PRECISION)
+        acc = dot(mid, w, acc, PRECISION)
+        acc = dot(hi, w, acc, PRECISION)
+    else:
+        acc = dot(h, w.to(tl.float32), acc, PRECISION)
     acc = acc * tl.load(Scale + slot)
     y_ptrs = Y + rows[:, None] * stride_yt + offs_n[None, :] * stride_yn
     y_mask = m_mask[:, None] & n_mask[None, :]
@@ -212,10 +225,9 @@ def _num_sms(device: torch.device) -> int:
 def lora_block_m(rows: int) -> int:
     """Rows per tile: tl.dot's minimum (16) at decode sizes, where a slot has few rows;
     taller tiles (fewer re-reads of each adapter tile) as T grows."""
-    for block_m in (16, 32):
-        if rows <= 4 * block_m:
-            return block_m
-    return 64
+    if rows <= 512:         # decode: up to 64 slots of a few rows each
+        return 16
+    return 32 if rows <= 2048 else 64
 
 
 def _row_tiles(T: int, num_slots: int, block_m: int) -> int:
@@ -277,10 +289,12 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: Lor
     """lora_expand_ref in one Triton launch: h [T, R] float32, b [num_slots, N, R] (any
     float dtype), scale [num_slots] float32, y [T, Ny] (bf16/fp16/fp32, any strides, e.g. a
     column slice of a wider output): y[:, offset:offset+N] += scale * (b @ h), in place,
-    rounded once; rows with slot -1 untouched. The product is float32: IEEE for fp32 y,
-    tf32x3 tensor-core products (three tf32 MMAs, ~fp32 accuracy) for 16-bit y. Plain tf32
-    (h rounded to 2^-11) is not enough where y + delta cancels: the rounded sum then
-    misses the reference by more than y's ulp. The keyword arguments are tuning overrides."""
+    rounded once; rows with slot -1 untouched. The product keeps float32 accuracy: IEEE
+    for fp32 y; for 16-bit y h is split into three bf16 parts multiplied by a bf16 b on the
+    tensor cores ("bf16x3", exact products, float32 sums), or tf32x3 for an fp16 b. Plain
+    tf32 (h rounded to 2^-11) is not enough where y + delta cancels: the rounded sum then
+    misses the reference by more than y's ulp. The keyword arguments are tuning overrides
+    (precision: "bf16x3", "tf32x3", "tf32" or "ieee")."""
     T, R = h.shape
     S, N, Rb = b.shape
     assert Rb == R, (b.shape, h.shape)
@@ -292,13 +306,19 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: Lor
         return
     yv = y[:, offset:offset + N]
     bm = block_m or lora_block_m(T)
-    bn = block_n or (64 if T <= 64 else 128)
+    bn = block_n or 128                 # H100 sweep: best or within 5% at T = 1..8192
     grid = (triton.cdiv(N, bn), _row_tiles(T, S, bm))
+    if precision is None:
+        split_h = b.dtype == torch.bfloat16 and y.dtype != torch.float32
+        precision = "ieee" if y.dtype == torch.float32 else "tf32x3"
+    else:                               # tuning override: one float32 dot at that precision
+        split_h = precision == "bf16x3"
+        precision = "tf32" if split_h else precision
     _expand_kernel[grid](
         h, b, scale.reshape(-1), yv, rows.order, rows.count, rows.start, S, R, N,
         h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2),
         yv.stride(0), yv.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=_block_r(R), SLOTS_P2=triton.next_power_of_2(S),
-        PRECISION=precision or ("ieee" if y.dtype == torch.float32 else "tf32x3"),
+        SPLIT_H=split_h, PRECISION=precision,
         RNE_BF16=INTERPRET_ENV and y.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages)

@@ -274,3 +274,46 @@ def test_tp2_equals_peft(model_dir, adapters):
             sched.stop()
         for w in workers:
             w.stop()
+
+
+def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
+    """The CUDA graphs' computation (DecodeGraphs.load + _forward, PrefillGraphs.load +
+    forward: what a replay runs) with adapter slots in their static buffer gives the eager
+    step's logits, padding rows included (slot -1); with every slot -1 it does not."""
+    from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
+    runner = _runner(model_dir, adapters, max_loras=2)
+    store = runner.adapters
+    prompts = [list(range(10, 23)), list(range(40, 49)), list(range(3, 9))]
+    _prefill_logits(runner, prompts, [1, 0, 3])
+    from nanoserve.v1 import worker_pb2
+    req = worker_pb2.StepRequest(step_id=2)
+    req.decode.seq_ids_u64 = np.array([100, 101, 102], "<u8").tobytes()
+    req.decode.token_ids_i32 = np.array([7, 8, 9], "<i4").tobytes()
+    plan = runner.table.plan(req)
+    kv = runner.kv_cache.clone()
+    with torch.inference_mode():
+        eager = runner._logits(plan)
+        runner.kv_cache.copy_(kv)
+        slots = store.slots(runner.table.adapter[plan.rows], plan.num_tokens)
+        assert sorted(slots.tolist()) == [-1, 0, 1]
+        dg = DecodeGraphs(runner.model, runner.backend, 8, runner.max_model_len, 8,
+                          runner.num_kv_heads, runner.device, store.ctx, 2)
+        bs = dg.load(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables,
+                     lora=slots)
+        assert dg.lora_slot[:bs].tolist() == [*slots.tolist()] + [-1] * (bs - 3)
+        torch.testing.assert_close(dg._forward(bs)[:3], eager, rtol=1e-4, atol=1e-4)
+        runner.kv_cache.copy_(kv)
+        dg.load(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables)
+        assert (dg._forward(bs)[:3] - eager).abs().max() > 1e-3   # the base model's
+        runner.kv_cache.copy_(kv)
+        # a one-sequence prefill through the prefill graph's inputs
+        req = worker_pb2.StepRequest(step_id=3)
+        req.seqs.add(seq_id=7, num_tokens=11, start_pos=0, sample=True, reset_block_table=True,
+                     adapter_id=2, block_table_i32=np.arange(20, 22, dtype="<i4").tobytes())
+        req.token_ids_i32 = np.arange(50, 61, dtype="<i4").tobytes()
+        plan = runner.table.plan(req)
+        eager = runner._logits(plan)
+        slots = store.slots(runner.table.adapter[plan.rows], plan.num_tokens)
+        pg = PrefillGraphs(runner.model, 64, runner.max_model_len, 8, runner.device, store.ctx, 2)
+        padded = pg.forward(pg.load(plan, 0, slots))
+        torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)

@@ -120,12 +120,12 @@ class AdapterStore:
             del self.slot_of[gone]
         self.adapters = loaded
 
-    def begin(self, adapter_ids: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Before a forward: each row's adapter (0 = base) -> its tokens' slots, loading
-        the adapters the slots lack (least recently used ones make room)."""
+    def slots(self, adapter_ids: np.ndarray, num_tokens: np.ndarray) -> np.ndarray | None:
+        """Before a forward: each row's adapter (0 = base) -> its tokens' slots [T] (-1:
+        the base model), loading the adapters the slots lack (least recently used ones make
+        room); None where no row uses one."""
         if not adapter_ids.any():
-            self.ctx.rows = None
-            return
+            return None
         slot_of_row = np.full(len(adapter_ids), -1, dtype=np.int32)
         used = [int(a) for a in np.unique(adapter_ids) if a]
         if len(used) > self.max_loras:
@@ -141,11 +141,12 @@ class AdapterStore:
                 self.slot_of[a] = self._free_slot(used)
                 self._load(a, self.slot_of[a])
             slot_of_row[adapter_ids == a] = self.slot_of[a]
-        slots = torch.from_numpy(np.repeat(slot_of_row, num_tokens)).to(self.device)
-        self.ctx.rows = lora_rows(slots, self.max_loras)
+        return np.repeat(slot_of_row, num_tokens)
 
-    def end(self) -> None:
-        self.ctx.rows = None
+    def set_rows(self, slots: np.ndarray | None) -> None:
+        """An eager forward's row grouping (the CUDA graphs build theirs from a buffer)."""
+        self.ctx.rows = None if slots is None else lora_rows(
+            torch.from_numpy(slots).to(self.device), self.max_loras)
 
     def _free_slot(self, keep: list[int]) -> int:
         taken = set(self.slot_of.values())

@@ -16,6 +16,10 @@ padded (slot -1: nothing stored).
   sequence (attention skips them) and only the last real token's logits are computed.
   A prefill step of a few sequences replays one graph per sequence; larger batches stay
   eager: their launches are spread over many prompts' tokens.
+
+With LoRA adapters (models/lora.py) each token's adapter slot is one more static input
+(-1 for padding and the base model): the graph groups the rows by slot itself
+(kernels.lora.lora_rows), so one graph serves any mix of adapters.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.lora import lora_rows
 from worker_service.transfers import to_device
 
 
@@ -52,8 +57,9 @@ def _capture(forward, pool, device: torch.device):
 
 class DecodeGraphs:
     def __init__(self, model, backend, max_batch: int, max_model_len: int, block_size: int,
-                 num_kv_heads: int, device: torch.device) -> None:
+                 num_kv_heads: int, device: torch.device, lora=None, num_slots: int = 0) -> None:
         self.model = model
+        self.lora, self.num_slots = lora, num_slots   # models/lora.LoraContext, its slots
         self.backend = backend
         self.max_batch = max_batch
         self.max_model_len = max_model_len
@@ -70,6 +76,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)   # unused by decode kernels
         self.runs = torch.zeros(2 * max_batch, **i32)   # bucket bs: [:2 * bs] viewed as [2, bs]
+        self.lora_slot = torch.full((max_batch,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
@@ -82,6 +89,8 @@ class DecodeGraphs:
             decode_runs=self.runs[:2 * bs].view(2, bs))
 
     def _forward(self, bs: int) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.rows = lora_rows(self.lora_slot[:bs], self.num_slots)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
         return self.model.compute_logits(hidden)
 
@@ -104,20 +113,22 @@ class DecodeGraphs:
 
     def load(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
              block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-             runs: np.ndarray | None = None) -> int:
+             runs: np.ndarray | None = None, lora: np.ndarray | None = None) -> int:
         """Copy one decode step of n = len(input_ids) rows into the static inputs; returns
         the bucket that holds it (run() replays its graph).
 
         block_tables: [n, w] int32 with w <= max_blocks (context length = position + 1);
         fill: (rows, device ids) written over input_ids (placeholder inputs); runs: [2, n]
-        (decode_runs) where some rows are one sequence's tokens, None: a sequence each."""
+        (decode_runs) where some rows are one sequence's tokens, None: a sequence each;
+        lora: [n] adapter slots (None: the base model for all)."""
         n = len(input_ids)
         bs = next(b for b in self.buckets if b >= n)
         w = block_tables.shape[1]
         # One H2D copy: ids | positions | slots | context lengths | runs' places | rows left
         # in runs (each bs long; padding rows store nothing, attend to nothing and are runs
-        # of one) | the n rows' tables.
-        host = np.zeros(6 * bs + n * w, dtype=np.int64)
+        # of one) | the n rows' tables | (LoRA) each row's adapter slot, bs long.
+        extra = bs if self.lora is not None else 0
+        host = np.zeros(6 * bs + n * w + extra, dtype=np.int64)
         host[:n] = input_ids
         host[bs:bs + n] = positions
         host[2 * bs:3 * bs] = -1
@@ -127,23 +138,30 @@ class DecodeGraphs:
         if runs is not None:
             host[4 * bs:4 * bs + n] = runs[0]
             host[5 * bs:5 * bs + n] = runs[1]
-        host[6 * bs:] = block_tables.ravel()
+        host[6 * bs:6 * bs + n * w] = block_tables.ravel()
+        if extra:
+            host[6 * bs + n * w:] = -1
+            if lora is not None:
+                host[6 * bs + n * w:6 * bs + n * w + n] = lora
         dev = to_device(host, self.device)
         self.input_ids[:bs].copy_(dev[:bs])
         self.positions[:bs].copy_(dev[bs:2 * bs])
         self.slot_mapping[:bs].copy_(dev[2 * bs:3 * bs])
         self.context_lens[:bs].copy_(dev[3 * bs:4 * bs])
         self.runs[:2 * bs].copy_(dev[4 * bs:6 * bs])
-        self.block_tables[:n, :w].copy_(dev[6 * bs:].view(n, w))
+        self.block_tables[:n, :w].copy_(dev[6 * bs:6 * bs + n * w].view(n, w))
+        if extra:
+            self.lora_slot[:bs].copy_(dev[6 * bs + n * w:])
         if fill is not None:
             self.input_ids[fill[0]] = fill[1]
         return bs
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
             block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-            runs: np.ndarray | None = None) -> torch.Tensor:
+            runs: np.ndarray | None = None, lora: np.ndarray | None = None) -> torch.Tensor:
         """One decode step (see load) -> logits [n, vocab]."""
-        g = self.graphs[self.load(input_ids, positions, slot_mapping, block_tables, fill, runs)]
+        g = self.graphs[self.load(input_ids, positions, slot_mapping, block_tables, fill, runs,
+                                  lora)]
         g.graph.replay()
         return g.logits[:len(input_ids)]
 
@@ -168,8 +186,9 @@ class PrefillGraphs:
     at once."""
 
     def __init__(self, model, max_tokens: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora=None, num_slots: int = 0) -> None:
         self.model = model
+        self.lora, self.num_slots = lora, num_slots   # models/lora.LoraContext, its slots
         self.buckets = token_buckets(max_tokens)
         if not self.buckets:
             raise ValueError(f"prefill graphs need max_tokens >= 64, got {max_tokens}")
@@ -186,6 +205,7 @@ class PrefillGraphs:
         self.cu_seqlens_q = torch.zeros(2, **i32)
         self.cu_seqlens_k = torch.zeros(2, **i32)
         self.block_tables = torch.zeros(1, mb, **i32)
+        self.lora_slot = torch.full((t,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
@@ -194,16 +214,17 @@ class PrefillGraphs:
                 and int(plan.num_tokens.max()) <= self.max_tokens
                 and plan.block_tables.shape[1] <= self.max_blocks)
 
-    def load(self, plan, row: int = 0) -> int:
+    def load(self, plan, row: int = 0, lora: np.ndarray | None = None) -> int:
         """Copy one row (sequence) of a fitting plan into the static inputs, padded;
-        returns its bucket."""
+        returns its bucket. lora: the plan's [T] adapter slots (None: the base model)."""
         n = int(plan.num_tokens[row])
         first = int(plan.num_tokens[:row].sum())   # the row's tokens in the plan's arrays
         rows = slice(first, first + n)
         t, bucket = self.max_tokens, next(b for b in self.buckets if b >= n)
         ctx = int(plan.start_pos[row]) + n
         # One H2D copy: ids | positions | slots | last, ctx, n, ctx | table.
-        host = np.zeros(3 * t + 4 + self.max_blocks, dtype=np.int64)
+        extra = t if self.lora is not None else 0
+        host = np.zeros(3 * t + 4 + self.max_blocks + extra, dtype=np.int64)
         host[:n] = plan.token_ids[rows]
         host[t:t + n] = plan.positions[rows]
         host[2 * t:3 * t] = -1
@@ -211,6 +232,11 @@ class PrefillGraphs:
         host[3 * t:3 * t + 4] = (n - 1, ctx, n, ctx)
         w = plan.block_tables.shape[1]
         host[3 * t + 4:3 * t + 4 + w] = plan.block_tables[row]
+        lo = 3 * t + 4 + self.max_blocks
+        if extra:
+            host[lo:] = -1
+            if lora is not None:
+                host[lo:lo + n] = lora[rows]
         dev = to_device(host, self.device)
         self.input_ids.copy_(dev[:t])
         self.positions.copy_(dev[t:2 * t])
@@ -219,7 +245,9 @@ class PrefillGraphs:
         self.context_lens.copy_(dev[3 * t + 1:3 * t + 2])
         self.cu_seqlens_q[1:].copy_(dev[3 * t + 2:3 * t + 3])
         self.cu_seqlens_k[1:].copy_(dev[3 * t + 3:3 * t + 4])
-        self.block_tables[0].copy_(dev[3 * t + 4:])
+        self.block_tables[0].copy_(dev[3 * t + 4:lo])
+        if extra:
+            self.lora_slot.copy_(dev[lo:])
         return bucket
 
     def forward(self, bucket: int) -> torch.Tensor:
@@ -229,6 +257,8 @@ class PrefillGraphs:
             context_lens=self.context_lens, cu_seqlens_q=self.cu_seqlens_q,
             cu_seqlens_k=self.cu_seqlens_k, max_seqlen_q=bucket,
             max_seqlen_k=self.max_model_len, is_decode=False)   # prefix_free unset: paged kernel
+        if self.lora is not None:
+            self.lora.rows = lora_rows(self.lora_slot[:bucket], self.num_slots)
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
         return self.model.compute_logits(hidden.index_select(0, self.last))
 
@@ -241,13 +271,13 @@ class PrefillGraphs:
                                                       self.device)
         torch.cuda.synchronize(self.device)
 
-    def run(self, plan) -> torch.Tensor | None:
+    def run(self, plan, lora: np.ndarray | None = None) -> torch.Tensor | None:
         """A fitting plan's prefill -> logits [sampling rows, vocab] of each sampling row's
         last token (None: none samples). Each replay's logits are copied out before the
         next load (stream order)."""
         out = []
         for row in range(len(plan.rows)):
-            g = self.graphs[self.load(plan, row)]
+            g = self.graphs[self.load(plan, row, lora)]
             g.graph.replay()
             if plan.sample[row]:
                 out.append(g.logits if len(plan.rows) == 1 else g.logits.clone())

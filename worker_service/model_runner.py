@@ -259,16 +259,16 @@ class ModelRunner:
             compile_fused_sampling(self.vocab_size, self.dtype, self.device)
         self.last_sampled = None
         self.graphs = self.prefill_graphs = None
-        if self.adapters is not None and self.device.type == "cuda":
-            log.info("LoRA: CUDA graphs off (their capture of the adapter path is not built yet)")
-        elif self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
+        if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
             self._capture_graphs(block_size)
 
     def _capture_graphs(self, block_size: int) -> None:
         from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
         t0 = time.perf_counter()
+        lora = self.adapters.ctx if self.adapters is not None else None
         self.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs,
-                                   self.max_model_len, block_size, self.num_kv_heads, self.device)
+                                   self.max_model_len, block_size, self.num_kv_heads, self.device,
+                                   lora, self.config.max_loras)
         self.graphs.capture()
         log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
                  time.perf_counter() - t0)
@@ -281,7 +281,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         self.prefill_graphs = PrefillGraphs(self.model, max_tokens, self.max_model_len,
-                                            block_size, self.device)
+                                            block_size, self.device, lora, self.config.max_loras)
         self.prefill_graphs.capture()
         log.info("captured %d prefill CUDA graphs (one sequence, up to %d tokens) in %.1fs",
                  len(self.prefill_graphs.buckets), self.prefill_graphs.max_tokens,
@@ -415,13 +415,13 @@ class ModelRunner:
             fill_dev = (to_device(plan.fill[0], dev),
                         self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
         sampling = plan.sample
-        if self.adapters is not None:
-            self.adapters.begin(self.table.adapter[plan.rows], plan.num_tokens)
+        lora = (self.adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
+                if self.adapters is not None else None)   # [T] slots, None: no adapter
         runs = decode_runs(plan.rows) if plan.is_decode else None   # fast-forward rows
         if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
                 and tables.shape[1] <= self.graphs.max_blocks:
             logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev,
-                                     runs)
+                                     runs, lora)
             if not plan.num_samples:
                 return None
             if sampling.all():
@@ -430,7 +430,9 @@ class ModelRunner:
             # from pageable memory: in stream order, after the forward)
             return logits.index_select(0, to_device(np.flatnonzero(sampling), dev))
         if self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
-            return self.prefill_graphs.run(plan)
+            return self.prefill_graphs.run(plan, lora)
+        if self.adapters is not None:
+            self.adapters.set_rows(lora)
         n_tok = plan.num_tokens
         ctx = plan.context_lens
         cu_q = np.zeros(len(n_tok) + 1, dtype=np.int32)
