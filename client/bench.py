@@ -90,6 +90,7 @@ class BenchRequest:
     json_schema: str | None = None   # the output format, if this request is constrained
     prediction: list[int] | None = None   # --prediction: the expected output, proposed ahead
     answer: list[int] | None = None       # --prediction: the greedy run's output (the check)
+    adapter: str = ""                     # --adapters: the LoRA adapter it names ("" = base)
 
 
 def _read_text(path: str | None) -> str | None:
@@ -146,6 +147,14 @@ def warmup_workload(n: int, cfg: WorkloadConfig, vocab_size: int) -> list[BenchR
     return [BenchRequest([rng.randrange(high)
                           for _ in range(rng.randint(cfg.min_input_len, cfg.max_input_len))],
                          rng.randint(1, min(16, cfg.max_output_len))) for _ in range(n)]
+
+
+def with_adapters(workload: list[BenchRequest], names: str | None) -> list[BenchRequest]:
+    """--adapters a,b,c: request i names adapter i mod 3 (its LoRA fine-tune)."""
+    adapters = [n for n in (names or "").split(",") if n]
+    for i, r in enumerate(workload if adapters else ()):
+        r.adapter = adapters[i % len(adapters)]
+    return workload
 
 
 def with_predictions(workload: list[BenchRequest], answers: list[list[int]], mode: str,
@@ -475,7 +484,7 @@ async def _grpc_request(client: Any, req: BenchRequest, temperature: float, trac
                             json_schema=req.json_schema, prediction=req.prediction)
     trace.submit = time.perf_counter()
     try:
-        async for chunk in client.generate(req.prompt_ids, params):
+        async for chunk in client.generate(req.prompt_ids, params, adapter=req.adapter):
             now = time.perf_counter()
             if chunk.token_ids:
                 trace.chunks.append((now, len(chunk.token_ids)))
@@ -504,9 +513,10 @@ async def _run_grpc_async(args: argparse.Namespace, wcfg: WorkloadConfig,
             for _ in range(args.connections)]
         client = channels[0]
         info = await client.model_info()
-        workload = run_0 = make_workload(wcfg, info.vocab_size, info.max_model_len)
+        workload = run_0 = with_adapters(make_workload(wcfg, info.vocab_size, info.max_model_len),
+                                         args.adapters)
         if args.warmup > 0:
-            warm = warmup_workload(args.warmup, wcfg, info.vocab_size)
+            warm = with_adapters(warmup_workload(args.warmup, wcfg, info.vocab_size), args.adapters)
             traces = [Trace() for _ in warm]
             await asyncio.gather(*(_grpc_request(client, r, wcfg.temperature, t, None)
                                    for r, t in zip(warm, traces)))
@@ -914,6 +924,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--request-rate", type=float, default=0.0, metavar="R",
                    help="online mode: Poisson arrivals at R requests/s (0 = offline: all at once)")
+    w.add_argument("--adapters", metavar="NAMES", default=None,
+                   help="comma-separated LoRA adapter names (the server's --lora-modules): "
+                        "requests name them in turn (gRPC modes)")
     w.add_argument("--json-schema", metavar="FILE",
                    help="constrain requests to this JSON Schema (structured output); with "
                         "ignore_eos, pick one that does not end early (client/bench_schema.json: "
@@ -1043,6 +1056,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be >= 1")
     if args.connections < 1 or args.client_procs < 0:
         parser.error("--connections must be >= 1 and --client-procs >= 0")
+    if args.adapters and (args.in_process or args.null_worker):
+        parser.error("--adapters needs a server (--target)")
     if args.client_procs > 1 and args.in_process:
         parser.error("--client-procs is for the gRPC modes (--target, --null-worker)")
     if args.client_procs == 0:

@@ -265,8 +265,9 @@ def _chat_proto(messages: Sequence[dict]) -> generate_pb2.Chat:
 
 
 def _generate_request(prompt: Prompt, params: SamplingParams | None, request_id: str,
-                      skip_special_tokens: bool) -> generate_pb2.GenerateRequest:
-    req = generate_pb2.GenerateRequest(request_id=request_id,
+                      skip_special_tokens: bool, adapter: str = "") -> generate_pb2.GenerateRequest:
+    """adapter: a LoRA adapter's name (GetModelInfo lists them), "" = the base model."""
+    req = generate_pb2.GenerateRequest(request_id=request_id, adapter=adapter,
                                        skip_special_tokens=skip_special_tokens)
     if params is not None:
         req.sampling.CopyFrom(params.to_proto())
@@ -386,12 +387,12 @@ class Client:
             raise NanoserveError.from_rpc_error(e) from None
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, stream: bool = True,
-                 *, request_id: str = "", skip_special_tokens: bool = False,
+                 *, request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
                  timeout: float | None = None) -> Iterator[GenerationChunk]:
         """Chunks as they are produced (stream=False: one chunk, from Complete). Leaving
         the loop early (break, close, garbage collection) cancels the request on the
         server, which frees its KV blocks. A bad prompt type raises here, not on next()."""
-        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
         if not stream:
             return iter([_chunk(self._unary(self._stub.Complete, req, timeout))])
         return self._stream(req, timeout)
@@ -408,9 +409,9 @@ class Client:
             call.cancel()  # no-op once the stream has ended
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                 request_id: str = "", skip_special_tokens: bool = False,
+                 request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
                  timeout: float | None = None) -> Completion:
-        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
         return _completion(self._unary(self._stub.Complete, req, timeout))
 
     def tokenize(self, prompt: str | Sequence[dict], timeout: float | None = None) -> list[int]:
@@ -469,10 +470,10 @@ class AsyncClient:
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                  stream: bool = True, *, request_id: str = "",
-                 skip_special_tokens: bool = False,
+                 skip_special_tokens: bool = False, adapter: str = "",
                  timeout: float | None = None) -> AsyncIterator[GenerationChunk]:
         """Async iterator of chunks; leaving the loop early cancels the request."""
-        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
         return self._stream(req, stream, timeout)
 
     async def _stream(self, req: generate_pb2.GenerateRequest, stream: bool,
@@ -490,9 +491,9 @@ class AsyncClient:
             call.cancel()
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       request_id: str = "", skip_special_tokens: bool = False,
+                       request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
                        timeout: float | None = None) -> Completion:
-        req = _generate_request(prompt, params, request_id, skip_special_tokens)
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
         return _completion(await self._unary(self._stub.Complete, req, timeout))
 
     async def tokenize(self, prompt: str | Sequence[dict],

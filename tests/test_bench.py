@@ -208,7 +208,7 @@ def test_connections_spread_requests_round_robin(monkeypatch):
         async def stats(self):
             return cc.Stats()
 
-        async def generate(self, prompt, params):
+        async def generate(self, prompt, params, **kw):
             self.prompts.append(list(prompt))
             for _ in range(params.max_tokens):
                 yield cc.GenerationChunk(request_id="r", token_ids=[1], text="", logprobs=[])

@@ -32,6 +32,9 @@
 #   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
 #            find-links, no index: these hosts have no internet); a client streams an answer
+#   lora     multi-LoRA through the launcher at Qwen3-8B shapes (LORA_MODEL): the base model vs
+#            LORA_N (16) random rank-16 adapters on all seven projections (tests/gpu/make_adapters.py),
+#            nano-vllm's workload x LORA_RUNS (2) and batch 1 (256-token prompt, 512 out) x 3
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   structured nano-vllm's workload with every request JSON-schema constrained (client/bench_schema.json)
@@ -240,6 +243,33 @@ for w in ${*:-kernels model bench}; do
         > "$OUT/spec_b1_ngram.txt" 2>&1 || rc=1
       kill "$SCHED_PID" %1 2>/dev/null; wait
       grep -H "output tok/s  \|prediction  \|speculation  \|mean batch\|^error" "$OUT"/spec_*.txt ;;
+    lora)   # multi-LoRA (issue 46): the launcher at Qwen3-8B shapes, base vs LORA_N (16)
+      # rank-16 adapters on all seven projections, requests spread over them
+      M8=${LORA_MODEL:-/dev/shm/qwen3-8b}; A=/dev/shm/adapters-$(basename "$M8"); N=${LORA_N:-16}
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
+      [ -d $A/a$((N - 1)) ] || python3 tests/gpu/make_adapters.py $M8 $A $N 16 >/dev/null || rc=1
+      MODS=$(for k in $(seq 0 $((N - 1))); do printf 'a%d=%s/a%d ' $k $A $k; done)
+      NAMES=$(seq -s, -f 'a%g' 0 $((N - 1)))
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051)
+      F1=(--num-seqs 1 --min-input-len 256 --max-input-len 256 --min-output-len 512
+          --max-output-len 512 --warmup 1 --runs 3 --client-procs 1)
+      for mode in base lora; do
+        W="--max-model-len 4096"; S=(--max-model-len 4096); X=()
+        if [ $mode = lora ]; then
+          W="$W --max-loras $N --max-lora-rank 16"; S+=(--lora-modules $MODS); X=(--adapters "$NAMES")
+        fi
+        python3 -m scheduler_service.launch --model $M8 --tp 1 --port 50051 --worker-base-port 50061 \
+          --worker-args "$W" -- "${S[@]}" > "$OUT/lora_launch_$mode.log" 2>&1 &
+        LP=$!
+        for i in $(seq 300); do grep -q "scheduler listening" "$OUT/lora_launch_$mode.log" && break; sleep 1; done
+        timeout 200 "${B[@]}" --client-procs 4 --runs "${LORA_RUNS:-2}" "${X[@]}" \
+          --json "$OUT/lora_big_$mode.json" > "$OUT/lora_big_$mode.txt" 2>&1 || rc=1
+        timeout 100 "${B[@]}" "${F1[@]}" "${X[@]}" --json "$OUT/lora_b1_$mode.json" \
+          > "$OUT/lora_b1_$mode.txt" 2>&1 || rc=1
+        kill -TERM $LP; wait $LP
+      done
+      grep -H "output tok/s  \|^ITL\|GPU idle\|^error" "$OUT"/lora_*.txt
+      grep -h "captured\|LoRA\|Error" "$OUT"/lora_launch_*.log | head -20 ;;
     peer)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       bash .peer/run_nano_vllm.sh "$NANOSERVE_QWEN06B" "${PEER_RUNS:-4}" 2>&1 | tee "$OUT/peer.txt" || rc=1 ;;
