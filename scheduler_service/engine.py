@@ -127,6 +127,13 @@ class Engine:
                 for i in range(1, sampling.n)]
         self.add(first)
 
+    def sequences(self) -> list[Sequence]:
+        """Every sequence the engine holds: adds not yet taken in, waiting, running, held
+        siblings."""
+        s = self.scheduler
+        return [*(c for add, c in self._commands if add), *s.waiting, *s.running,
+                *self.held_siblings()]
+
     def held_siblings(self) -> list[Sequence]:
         return [s for sibs in self._held.values() for s in sibs]
 

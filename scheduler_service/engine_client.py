@@ -93,7 +93,8 @@ class EngineClient:
         self.streams: dict[int, RequestStream] = {}
         self._seq_ids = itertools.count(1)
         self._stats_ids = itertools.count(1)
-        self._stats: dict[int, asyncio.Future] = {}
+        self._stats: dict[int, asyncio.Future] = {}   # STATS and ADAPTER answers
+        self.adapters: dict[str, int] = {}   # LoRA adapters served: name -> the core's id
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -159,6 +160,22 @@ class EngineClient:
         finally:
             self._stats.pop(req_id, None)
 
+    async def change_adapter(self, op: str, name: str, path: str = "",
+                             timeout: float = 600.0) -> list | None:
+        """Load ("load") or unload a LoRA adapter through the core: None, or the error
+        [status code name, message]. Loading reads the files on every worker: slow."""
+        if not self.connected:
+            raise EngineUnavailable("the engine core is not available")
+        req_id = next(self._stats_ids)
+        fut = self._stats[req_id] = asyncio.get_running_loop().create_future()
+        self.sock.send(ipc.pack([ipc.ADAPTER, req_id, op, name, path]))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine core did not answer in {timeout:g}s") from None
+        finally:
+            self._stats.pop(req_id, None)
+
     # ---- core -> us -------------------------------------------------------------------
 
     async def _read(self) -> None:
@@ -197,15 +214,18 @@ class EngineClient:
                     if (s := streams.get(seq_id)) is not None:
                         s.error = (code, message)
                         s._wake()
-            elif kind == ipc.STATS:
+            elif kind in (ipc.STATS, ipc.ADAPTER):
                 fut = self._stats.get(msg[1])
                 if fut is not None and not fut.done():
                     fut.set_result(msg[2])
+            elif kind == ipc.ADAPTERS:
+                self.adapters = {name: i for i, name in msg[1]}
             elif kind == ipc.HEALTH:
                 self.workers_healthy = msg[1]
                 self.on_state(self.serving)
             elif kind == ipc.INFO:
                 self.info, self.workers_healthy = msg[1], msg[2]
+                self.adapters = {name: i for i, name in self.info.get("adapters") or ()}
                 self.connected = True
                 self._ready.set()
                 log.info("engine core connected (workers %s)",

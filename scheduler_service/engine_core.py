@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+import grpc
 import zmq
 import zmq.asyncio
 
@@ -71,7 +73,7 @@ class EngineCore:
         cfg = self.config
         group = WorkerGroup(cfg.workers, credentials=channel_credentials(
             cfg.worker_tls_ca, cfg.worker_tls_cert, cfg.worker_tls_key), secret=cfg.worker_secret,
-            adapters=cfg.adapters)
+            adapters=self._saved_adapters())
         log.info("connecting to %d worker(s): %s", len(cfg.workers), ", ".join(cfg.workers))
         info = await wait_for_group(group, cfg.block_size, cfg.num_kv_blocks)
         max_model_len = min(cfg.max_model_len or info.max_model_len, info.max_model_len)
@@ -80,7 +82,13 @@ class EngineCore:
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id,
                                 max_loras=info.max_loras)
-        self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len}
+        self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
+                     "adapters": [[i, n] for i, n, _ in group.adapters]}
+        self.group = group
+        self._adapter_op = asyncio.Lock()   # one load / unload at a time
+        self._gone: set[int] = set()        # adapter ids unloaded (or being unloaded)
+        # never reused while this core lives: its prefix cache keys blocks by adapter id
+        self._next_adapter_id = max((i for i, _, _ in group.adapters), default=0) + 1
         ff = FastForward.for_model(cfg.model_dir, info) if cfg.fast_forward else None
         self.engine = Engine(group, info, sched, self._send_outputs, overlap=cfg.overlap,
                              on_health=self._send_health, fast_forward=ff,
@@ -144,6 +152,69 @@ class EngineCore:
                 engine.abort(msg[1])
             elif kind == ipc.STATS:
                 sock.send_multipart([ident, ipc.pack([ipc.STATS, msg[1], self._stats()])])
+            elif kind == ipc.ADAPTER:
+                asyncio.ensure_future(self._adapter(ident, *msg[1:]))
+
+    def _saved_adapters(self) -> tuple[tuple[int, str, str], ...]:
+        """The LoRA adapters to serve: --lora-modules, or the set a core before us (that
+        died) had after loads and unloads at run time, which it left in the IPC folder."""
+        try:
+            with open(os.path.join(self.config.ipc_dir, "adapters.json")) as f:
+                return tuple(tuple(a) for a in json.load(f))
+        except FileNotFoundError:
+            return tuple((i + 1, n, p) for i, (n, p) in enumerate(self.config.adapters))
+
+    def _save_adapters(self) -> None:
+        path = os.path.join(self.config.ipc_dir, "adapters.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.group.adapters, f)
+        os.replace(path + ".tmp", path)
+
+    async def _adapter(self, ident: bytes, req_id: int, op: str, name: str, path: str) -> None:
+        """Load or unload a LoRA adapter on every worker, then tell every frontend the
+        set; answers [ADAPTER, req_id, error] (error: None or [status code name, message])."""
+        async with self._adapter_op:
+            error = await self._change_adapters(op, name, path)
+        if error is None:
+            self._save_adapters()
+            self.info["adapters"] = [[i, n] for i, n, _ in self.group.adapters]
+            for f in self.frontends:
+                self.sock.send_multipart([f, ipc.pack([ipc.ADAPTERS, self.info["adapters"]])])
+        self.sock.send_multipart([ident, ipc.pack([ipc.ADAPTER, req_id, error])])
+
+    async def _change_adapters(self, op: str, name: str, path: str) -> list | None:
+        old = self.group.adapters
+        if not self.engine.info.max_loras:
+            return ["FAILED_PRECONDITION", "the workers were started without --max-loras"]
+        current = {n: i for i, n, _ in old}
+        if op == "load":
+            if name in current:
+                return ["ALREADY_EXISTS", f"a LoRA adapter named `{name}` is already loaded"]
+            new = (*old, (self._next_adapter_id, name, path))
+            self._next_adapter_id += 1
+        else:
+            if name not in current:
+                return ["NOT_FOUND", f"no LoRA adapter named `{name}` is loaded"]
+            busy = sum(s.sampling.adapter_id == current[name] for s in self.engine.sequences())
+            if busy:
+                return ["FAILED_PRECONDITION", f"LoRA adapter `{name}` has {busy} request(s) "
+                                               f"in flight: unload it once they finish"]
+            new = tuple(a for a in old if a[1] != name)
+            self._gone.add(current[name])   # _add refuses it from now on
+        try:
+            await self.group.set_adapters(new)
+        except WorkerGroupError as e:
+            cause = e.__cause__
+            detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else str(e)
+            try:   # a rank that took the new set before another refused it goes back
+                await self.group.set_adapters(old)
+            except WorkerGroupError:
+                pass   # a lost worker gets the group's set when it reconnects
+            if op == "unload":
+                self._gone.discard(current[name])
+            return ["UNAVAILABLE" if e.lost else "INVALID_ARGUMENT", detail]
+        log.info("LoRA adapter %s %sed (%s)", name, op, path or "-")
+        return None
 
     def _hello(self, ident: bytes) -> None:
         """A frontend (re)connected: abort what an earlier incarnation of it left behind."""
@@ -171,10 +242,16 @@ class EngineCore:
                 seq_id, "RESOURCE_EXHAUSTED",
                 f"too many requests in flight (limit {self.config.max_waiting})")]))
             return
+        opts = ipc.unpack_sampling(sampling)
+        a = opts.adapter_id
+        if a and (a in self._gone or all(a != i for i, _, _ in self.group.adapters)):
+            self._send_outputs(StepOutputs(errors=[(
+                seq_id, "NOT_FOUND", "the LoRA adapter this request names was unloaded")]))
+            return
         ids, out = array("i"), array("i")
         ids.frombytes(prompt)
         out.frombytes(output)
-        engine.add_request(seq_id, ids.tolist(), ipc.unpack_sampling(sampling),
+        engine.add_request(seq_id, ids.tolist(), opts,
                            time.monotonic(), out.tolist())
 
     def _stats(self) -> dict:

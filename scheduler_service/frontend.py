@@ -22,7 +22,7 @@ from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, adapter_id,
-                                          invalid, sampling_from_proto)
+                                          change_adapter_checked, invalid, sampling_from_proto)
 from scheduler_service.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
@@ -55,7 +55,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 ids = self._prompt(request)
                 sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits,
                                                self.gen.encode_output)
-                sampling.adapter_id = adapter_id(request.adapter, self.gen.limits)
+                sampling.adapter_id = adapter_id(request.adapter, self.gen.engine.adapters)
             except RequestError as e:   # never reached the stream: count it here
                 metrics.request_ended("error", e.code)
                 raise
@@ -120,7 +120,25 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             model=self.model_name, vocab_size=limits.vocab_size,
             max_model_len=limits.max_model_len, eos_token_id=info["eos_token_id"],
             tensor_parallel_size=info["world_size"], block_size=info["block_size"],
-            num_kv_blocks=info["num_kv_blocks"], adapters=limits.adapters)
+            num_kv_blocks=info["num_kv_blocks"], adapters=list(self.gen.engine.adapters))
+
+    async def LoadAdapter(self, request, context):
+        return await self._change_adapter(context, "load", request.name, request.path)
+
+    async def UnloadAdapter(self, request, context):
+        return await self._change_adapter(context, "unload", request.name)
+
+    async def _change_adapter(self, context, op: str, name: str, path: str = ""):
+        try:
+            change_adapter_checked(self.gen.engine, self.model_name, op, name, path)
+            error = await self.gen.engine.change_adapter(op, name, path)
+        except RequestError as e:
+            error = [e.code, e.message]
+        except EngineUnavailable as e:
+            error = ["UNAVAILABLE", str(e)]
+        if error:
+            await context.abort(getattr(grpc.StatusCode, error[0]), error[1])
+        return generate_pb2.AdaptersResponse(adapters=list(self.gen.engine.adapters))
 
     async def GetStats(self, request, context):
         try:
@@ -213,8 +231,7 @@ async def serve(cfg: FrontendConfig, ready) -> None:
     limits = Limits(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
                     default_max_tokens=cfg.default_max_tokens,
-                    structured_output=bool(info.get("structured_output")),
-                    adapters=tuple(info.get("adapters") or ()))
+                    structured_output=bool(info.get("structured_output")))
     gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
     service = GenerationService(gen, name)

@@ -54,7 +54,6 @@ class Limits:
     default_max_tokens: int = 256
     structured_output: bool = True   # the workers follow grammars
     max_stop_strings: int = 16
-    adapters: tuple[str, ...] = ()   # LoRA adapters served, id = position + 1
 
 
 @dataclass
@@ -156,15 +155,25 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, prompt_len: int, limits:
                           limits, list(p.stop))
 
 
-def adapter_id(name: str, limits: Limits) -> int:
+def adapter_id(name: str, adapters: dict[str, int]) -> int:
     """The engine core's id of a LoRA adapter by name ("": the base model), NOT_FOUND if
-    none is served by that name."""
+    none is served by that name (adapters: EngineClient.adapters)."""
     if not name:
         return 0
-    if name not in limits.adapters:
-        served = ", ".join(limits.adapters) or "none"
+    if name not in adapters:
+        served = ", ".join(adapters) or "none"
         raise RequestError("NOT_FOUND", f"unknown LoRA adapter `{name}` (served: {served})")
-    return limits.adapters.index(name) + 1
+    return adapters[name]
+
+
+def change_adapter_checked(engine, model_name: str, op: str, name: str, path: str) -> None:
+    """A load / unload request's own checks (INVALID_ARGUMENT) before the engine core's."""
+    if not name or len(name) > 256:
+        raise invalid("an adapter name of 1-256 characters is needed")
+    if op == "load" and not path:
+        raise invalid("a path to the adapter's directory (on the workers) is needed")
+    if name == model_name:
+        raise RequestError("ALREADY_EXISTS", f"`{name}` is the base model's name")
 
 
 def prediction_from_proto(p: generate_pb2.Prediction, limits: Limits,

@@ -19,6 +19,7 @@ frontend -> core
                                          comes on its own)
     [ABORT, seq_id]                      (one per sibling)
     [STATS, request_id]
+    [ADAPTER, request_id, "load" | "unload", name, path]   a LoRA adapter at run time
 supervisor -> core
     [GONE, frontend_index]               that frontend died: its clients are gone, so are
                                          its requests (before a new one says HELLO)
@@ -33,6 +34,9 @@ core -> frontend
         with each sequence's k alternatives in turn
     [HEALTH, healthy]                    the worker group went down or came back
     [STATS, request_id, stats]
+    [ADAPTER, request_id, error]         error: None (done) or [status code name, message]
+    [ADAPTERS, [[id, name], ...]]        the LoRA adapters served now (to every frontend;
+                                         INFO's group_info["adapters"] at HELLO)
 
 A sequence id carries its frontend's index in its top bits (`owner`), so the core routes
 a step's tokens without a lookup table.
@@ -46,7 +50,7 @@ import msgpack
 
 from scheduler_service.sequence import SamplingOptions
 
-HELLO, ADD, ABORT, STATS, INFO, OUT, HEALTH, GONE = range(8)
+HELLO, ADD, ABORT, STATS, INFO, OUT, HEALTH, GONE, ADAPTER, ADAPTERS = range(10)
 SUPERVISOR = b"sv"      # the supervisor's routing id
 
 OWNER_SHIFT = 40        # seq_id = frontend index << 40 | per-frontend counter

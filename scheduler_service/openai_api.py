@@ -27,8 +27,9 @@ from aiohttp import web
 from nanoserve.v1 import generate_pb2
 from scheduler_service.chat_output import (ChatOutputParser, Content, Reasoning, ToolCallArguments,
                                            ToolCallStart, parse_chat_output)
-from scheduler_service.generation import (Delta, Generation, RequestError, invalid,
-                                          sampling_from_proto)
+from scheduler_service.engine_client import EngineUnavailable
+from scheduler_service.generation import (Delta, Generation, RequestError, change_adapter_checked,
+                                          invalid, sampling_from_proto)
 from scheduler_service.openai_structured import structured_output, tool_setup
 
 log = logging.getLogger("nanoserve.http")
@@ -41,6 +42,7 @@ _STATUS = {
     "UNAUTHENTICATED": (401, "authentication_error"),
     "PERMISSION_DENIED": (403, "permission_error"),
     "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (400, "invalid_request_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "CANCELLED": (499, "cancelled"),
     "UNAVAILABLE": (503, "service_unavailable"),
@@ -226,6 +228,8 @@ class OpenAIApi:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     @web.middleware
@@ -257,12 +261,41 @@ class OpenAIApi:
         card = {"id": base, "object": "model", "created": self.created, "owned_by": "nanoserve",
                 "root": base, "parent": None, "max_model_len": self.gen.limits.max_model_len}
         if adapter:
-            card.update(id=self.gen.limits.adapters[adapter - 1], parent=base)
+            name = next(n for n, i in self.gen.engine.adapters.items() if i == adapter)
+            card.update(id=name, parent=base)
         return card
 
     async def models(self, request: web.Request) -> web.Response:
-        ids = range(len(self.gen.limits.adapters) + 1)
+        ids = [0, *self.gen.engine.adapters.values()]
         return web.json_response({"object": "list", "data": [self._model_card(i) for i in ids]})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's endpoint: {"lora_name": ..., "lora_path": ...} -> 200 and a line of text."""
+        return await self._change_adapter(request, "load")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._change_adapter(request, "unload")
+
+    async def _change_adapter(self, request: web.Request, op: str) -> web.Response:
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise invalid("the body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise invalid("the body must be a JSON object")
+            name = _field(body, "lora_name", (str,), "")
+            path = _field(body, "lora_path", (str,), "") if op == "load" else ""
+            change_adapter_checked(self.gen.engine, self.cfg.model_name, op, name, path)
+            error = await self.gen.engine.change_adapter(op, name, path)
+        except RequestError as e:
+            return error_response(e)
+        except EngineUnavailable as e:
+            return error_response(RequestError("UNAVAILABLE", str(e)))
+        if error:
+            return error_response(RequestError(*error))
+        done = "added" if op == "load" else "removed"
+        return web.Response(text=f"Success: LoRA adapter '{name}' {done} successfully.")
 
     async def model(self, request: web.Request) -> web.Response:
         try:
@@ -275,9 +308,10 @@ class OpenAIApi:
         """The LoRA adapter a request's `model` names (0: the base model; absent: the base)."""
         if name is None or name == self.cfg.model_name:
             return 0
-        if isinstance(name, str) and name in self.gen.limits.adapters:
-            return self.gen.limits.adapters.index(name) + 1
-        served = ", ".join((self.cfg.model_name, *self.gen.limits.adapters))
+        adapters = self.gen.engine.adapters
+        if isinstance(name, str) and name in adapters:
+            return adapters[name]
+        served = ", ".join((self.cfg.model_name, *adapters))
         raise RequestError("NOT_FOUND", f"The model `{name}` does not exist "
                                         f"(this server serves {served})")
 

@@ -76,10 +76,10 @@ class _StepStream:
 class WorkerGroup:
     def __init__(self, addresses: list[str], connect_timeout: float = 10.0,
                  credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
-                 adapters: tuple[tuple[str, str], ...] = ()):
+                 adapters: tuple[tuple[int, str, str], ...] = ()):
         """credentials: TLS to the workers (nanoserve.security.channel_credentials), None =
         plaintext; secret: the workers' shared secret, sent with every call; adapters:
-        (name, path) of each LoRA adapter to serve, id = position + 1."""
+        (id, name, path) of each LoRA adapter to serve."""
         self.adapters = tuple(adapters)
         if not addresses:
             raise ValueError("at least one worker address is needed")
@@ -138,8 +138,8 @@ class WorkerGroup:
         # Every rank's Init at once, never one after another: a TP rank's Init meets its
         # peers in collectives (a barrier, then CUDA graph capture runs the model's
         # all-reduces), so rank 0's Init cannot finish before rank 1's has begun.
-        init = worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size, adapters=[
-            worker_pb2.Adapter(id=i + 1, name=n, path=p) for i, (n, p) in enumerate(adapters)])
+        init = worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size,
+                                      adapters=_adapter_protos(adapters))
         await self._on_every_rank(
             lambda stub: self._call(stub.Init, init, wait, timeout=INIT_TIMEOUT_S))
         self._events = asyncio.Queue() if len(self.channels) > 1 else None
@@ -152,8 +152,18 @@ class WorkerGroup:
                               eos_token_id=first.eos_token_id,
                               kv_cache_dtype=first.kv_cache_dtype,
                               structured_output=first.structured_output,
-                              max_loras=max_loras, adapters=tuple(n for n, _ in adapters))
+                              max_loras=max_loras)
         return self.info
+
+    async def set_adapters(self, adapters: tuple[tuple[int, str, str], ...]) -> None:
+        """Every rank serves exactly these LoRA adapters from now on (and after any
+        reconnect). Raises WorkerGroupError: lost=False when a worker refused them (its
+        message says why; every rank keeps or drops the new set alike only once all have
+        answered, so the caller sets the old set again)."""
+        req = worker_pb2.AdapterSet(adapters=_adapter_protos(adapters))
+        await self._on_every_rank(lambda stub: self._call(stub.SetAdapters, req, False,
+                                                          timeout=INIT_TIMEOUT_S))
+        self.adapters = tuple(adapters)
 
     async def _on_every_rank(self, call) -> list:
         """call(stub) on every rank concurrently; results in rank order. The first failure
@@ -246,6 +256,10 @@ class WorkerGroup:
         for c in self.channels:
             await c.close()
         self.channels, self.stubs = [], []
+
+
+def _adapter_protos(adapters) -> list:
+    return [worker_pb2.Adapter(id=i, name=n, path=p) for i, n, p in adapters]
 
 
 async def wait_for_group(group: WorkerGroup, block_size: int, num_kv_blocks: int = 0,

@@ -10,7 +10,10 @@ its neighbour's adapter must fail the comparison.
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
 import json
+import os
+import signal
 
 import grpc
 import numpy as np
@@ -19,7 +22,7 @@ import torch
 import transformers
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import free_port, start_scheduler, start_worker
+from services import free_port, named_children, start_scheduler, start_worker, wait_until
 from tiny_checkpoint import tiny_qwen3_dir
 
 peft = pytest.importorskip("peft")
@@ -317,3 +320,119 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
         pg = PrefillGraphs(runner.model, 64, runner.max_model_len, 8, runner.device, store.ctx, 2)
         padded = pg.forward(pg.load(plan, 0, slots))
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_load_unload_at_run_time(model_dir, adapters, tmp_path):
+    """gRPC LoadAdapter / UnloadAdapter and OpenAI's /v1/load_lora_adapter /
+    /v1/unload_lora_adapter (behind the API key) while a request streams: the new adapter
+    serves PEFT's tokens at once, a bad one is refused with the reason and changes nothing,
+    an adapter with a request in flight cannot be unloaded, an unloaded one is NOT_FOUND,
+    and an engine-core restart keeps the set."""
+    worker = start_worker(model_dir, extra=["--max-loras", "2", "--max-lora-rank", str(MAX_RANK)])
+    sched = None
+    try:
+        http = free_port()
+        sched = start_scheduler(model_dir, [worker.port], extra=[
+            "--http-port", str(http), "--served-model-name", "tiny", "--api-key", "k",
+            "--lora-modules", f"all8={adapters['all8'][0]}"])
+        auth = [("authorization", "Bearer k")]
+        url = f"http://127.0.0.1:{http}/v1"
+        headers = {"Authorization": "Bearer k"}
+        prompt = list(range(100, 117))
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+
+            def greedy(name, n=8):
+                req = generate_pb2.GenerateRequest(
+                    token_ids=generate_pb2.TokenIds(ids=prompt), adapter=name,
+                    sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=n,
+                                                         ignore_eos=True))
+                return [t for c in stub.Generate(req, timeout=120, metadata=auth) for t in c.token_ids]
+
+            # a long stream on all8 keeps it busy while the set changes
+            long = stub.Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), adapter="all8",
+                sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=300,
+                                                     ignore_eos=True)), timeout=120, metadata=auth)
+            first = next(long)
+            r = stub.LoadAdapter(generate_pb2.LoadAdapterRequest(
+                name="qv4", path=str(adapters["qv4"][0])), metadata=auth)
+            assert list(r.adapters) == ["all8", "qv4"]
+            assert greedy("qv4") == peft_greedy(adapters["qv4"][1], prompt, 8)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.UnloadAdapter(generate_pb2.UnloadAdapterRequest(name="all8"), metadata=auth)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.RpcError) as e:   # the API key guards these too
+                stub.LoadAdapter(generate_pb2.LoadAdapterRequest(name="x", path="/nope"))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            rest = [t for c in long for t in c.token_ids]
+            assert len(first.token_ids) + len(rest) == 300
+
+            # HTTP: load mlp16, refuse a broken one, unload qv4
+            assert _http("POST", f"{url}/load_lora_adapter", json={"lora_name": "mlp16"},
+                                 headers=headers).status == 400   # no path
+            assert _http("POST", f"{url}/load_lora_adapter", json={
+                "lora_name": "m", "lora_path": str(adapters["mlp16"][0])}).status == 401
+            ok = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
+                "lora_name": "mlp16", "lora_path": str(adapters["mlp16"][0])})
+            assert ok.status == 200, ok.text
+            bad = tmp_path / "bad"
+            bad.mkdir()
+            (bad / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 8}')
+            refused = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
+                "lora_name": "bad", "lora_path": str(bad)})
+            assert refused.status == 400 and "max-lora-rank" in json.loads(refused.text)["error"]["message"]
+            again = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
+                "lora_name": "mlp16", "lora_path": str(adapters["mlp16"][0])})
+            assert again.status == 400 and "already" in again.text
+            assert _http("POST", f"{url}/unload_lora_adapter", headers=headers,
+                                 json={"lora_name": "qv4"}).status == 200
+            assert _http("POST", f"{url}/unload_lora_adapter", headers=headers,
+                                 json={"lora_name": "qv4"}).status == 404
+            models = json.loads(_http("GET", f"{url}/models", headers=headers).text)["data"]
+            assert [m["id"] for m in models] == ["tiny", "all8", "mlp16"]
+            with pytest.raises(grpc.RpcError) as e:
+                greedy("qv4")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert greedy("mlp16") == peft_greedy(adapters["mlp16"][1], prompt, 8)
+
+            # the engine core dies: the new one serves the same set
+            os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
+            assert wait_until(lambda: _served(stub, auth) == ["all8", "mlp16"], timeout=60)
+            assert greedy("mlp16") == peft_greedy(adapters["mlp16"][1], prompt, 8)
+            assert list(stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
+                                          metadata=auth).adapters) == ["all8", "mlp16"]
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+def _served(stub, auth) -> list[str] | None:
+    """The adapters a (re)started engine core serves, once it answers."""
+    try:
+        stub.GetStats(generate_pb2.StatsRequest(), metadata=auth, timeout=5)   # the core answers
+        return list(stub.GetModelInfo(generate_pb2.ModelInfoRequest(), metadata=auth,
+                                      timeout=5).adapters)
+    except grpc.RpcError:
+        return None
+
+
+@dataclass
+class _Reply:
+    status: int
+    text: str
+
+
+def _http(method: str, url: str, json: dict | None = None, headers: dict | None = None) -> _Reply:
+    import json as json_
+    import urllib.error
+    import urllib.request
+    data = None if json is None else json_.dumps(json).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return _Reply(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return _Reply(e.code, e.read().decode())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -107,18 +108,22 @@ class AdapterStore:
         self.layers: list[LoraSlots] = list({id(s): s for s, _ in self.targets.values()}.values())
         self.adapters: dict[int, HostAdapter] = {}
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
+        # set_adapters (a SetAdapters call's thread) vs slots (the step launcher's): the
+        # files are read outside it, the swap inside
+        self.lock = threading.Lock()
         self.device = self.layers[0].a.device if self.layers else torch.device("cpu")
 
     def set_adapters(self, adapters) -> None:
         """Serve exactly these (InitRequest.adapters): read the new ones, forget the rest.
         Raises AdapterError, leaving the previous set in place."""
-        fresh = {a.id: (self.adapters.get(a.id) if a.id in self.adapters
-                        and self.adapters[a.id].name == a.name else None) for a in adapters}
-        loaded = {a.id: fresh[a.id] or read_adapter(a.name, a.path, self.targets, self.max_rank)
+        current = self.adapters
+        loaded = {a.id: (current[a.id] if a.id in current and current[a.id].name == a.name
+                         else read_adapter(a.name, a.path, self.targets, self.max_rank))
                   for a in adapters}
-        for gone in set(self.slot_of) - set(loaded):
-            del self.slot_of[gone]
-        self.adapters = loaded
+        with self.lock:
+            for gone in set(self.slot_of) - set(loaded):
+                del self.slot_of[gone]   # its slot is free; a new adapter overwrites it
+            self.adapters = loaded
 
     def slots(self, adapter_ids: np.ndarray, num_tokens: np.ndarray) -> np.ndarray | None:
         """Before a forward: each row's adapter (0 = base) -> its tokens' slots [T] (-1:
@@ -126,6 +131,10 @@ class AdapterStore:
         room); None where no row uses one."""
         if not adapter_ids.any():
             return None
+        with self.lock:
+            return self._slots(adapter_ids, num_tokens)
+
+    def _slots(self, adapter_ids: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
         slot_of_row = np.full(len(adapter_ids), -1, dtype=np.int32)
         used = [int(a) for a in np.unique(adapter_ids) if a]
         if len(used) > self.max_loras:

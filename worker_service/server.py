@@ -75,6 +75,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  request.block_size, self.runner.kv_cache_dtype_name)
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
+    def SetAdapters(self, request, context):
+        """The LoRA adapters to serve from now on, while steps run (models/lora.py)."""
+        store = self.runner.adapters
+        if store is None:
+            if request.adapters:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              "this worker was started without --max-loras")
+            return worker_pb2.AdapterSet()
+        try:
+            store.set_adapters(request.adapters)
+        except AdapterError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("LoRA adapters: %s", ", ".join(a.name for a in request.adapters) or "none")
+        return worker_pb2.AdapterSet(adapters=request.adapters)
+
     def Step(self, request_iterator, context):
         """Launch each step on a thread of its own the moment it arrives, so the GPU goes
         from one step to the next without waiting for our answer's round trip, and answer

@@ -33,4 +33,3 @@ class GroupInfo:
     kv_cache_dtype: str = ""
     structured_output: bool = False   # rank 0 follows grammars (WorkerInfo.structured_output)
     max_loras: int = 0                # LoRA slots (WorkerInfo.max_loras: min over ranks)
-    adapters: tuple[str, ...] = ()    # the LoRA adapters' names, id = position + 1
