@@ -436,3 +436,50 @@ def _http(method: str, url: str, json: dict | None = None, headers: dict | None 
             return _Reply(r.status, r.read().decode())
     except urllib.error.HTTPError as e:
         return _Reply(e.code, e.read().decode())
+
+
+FAMILIES = {   # checkpoint kwargs, adapted modules
+    "qwen2": (dict(qwen2=True, vocab_size=389, seed=6), ALL),
+    "llama": (dict(llama=True, vocab_size=389, seed=7), ["q_proj", "v_proj", "down_proj"]),
+    # attention everywhere, and the MLP of its one dense layer (1); experts are not adapted
+    "qwen3-moe": (dict(vocab_size=389, num_layers=3, seed=10, moe=dict(
+        num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=32,
+        mlp_only_layers=[1])), ["q_proj", "k_proj", "v_proj", "o_proj"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_equal_peft(tmp_path_factory, family):
+    """Qwen2 (q/k/v biases), Llama and Qwen3-MoE (attention modules) with an adapter: a
+    prefill's logits equal PEFT's; the MoE model refuses an adapter on its experts."""
+    from nanoserve.v1 import worker_pb2
+    from worker_service.adapters import AdapterError
+    kw, modules = FAMILIES[family]
+    path = tiny_qwen3_dir(tmp_path_factory, **kw)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=modules,
+                                                    init_lora_weights=False)).eval()
+    out = tmp_path_factory.mktemp(f"lora_{family}")
+    ref.save_pretrained(out)
+    adapters = {"a": (out, ref)}
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    runner = ModelRunner(RunnerConfig(str(path), device="cpu", dtype="float32", kv_cache_gb=0.01,
+                                      max_loras=1, max_lora_rank=MAX_RANK))
+    runner.adapters.set_adapters([worker_pb2.Adapter(id=1, name="a", path=str(out))])
+    runner.init_kv(64, 8)
+    prompt = list(range(20, 37))
+    got = _prefill_logits(runner, [prompt], [1])[0]
+    with torch.no_grad():
+        want = adapters["a"][1](input_ids=torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if family == "qwen3-moe":
+        from safetensors.torch import load_file, save_file
+        bad = tmp_path_factory.mktemp("lora_moe_experts")
+        (bad / "adapter_config.json").write_text((out / "adapter_config.json").read_text())
+        w = load_file(out / "adapter_model.safetensors")
+        key = "base_model.model.model.layers.0.mlp.experts.0.up_proj"
+        w[f"{key}.lora_A.weight"], w[f"{key}.lora_B.weight"] = torch.ones(8, 64), torch.ones(32, 8)
+        save_file(w, bad / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match="can adapt"):
+            runner.adapters.set_adapters([worker_pb2.Adapter(id=2, name="b", path=str(bad))])
