@@ -11,6 +11,14 @@ Rules that keep reuse correct:
   * A block is registered only after its KV is computed (`commit`), so a chunked
     prefill's still-empty blocks are never served to someone else.
   * A hit is verified exactly, never trusted to the hash alone (see `_lookup`).
+
+Host tier (`num_host_blocks` > 0: the workers' --host-kv-cache-gb): a registered block
+about to be overwritten (handed out fresh) is first copied to a host slot, and the host
+index (hash -> slot, LRU) remembers what it held; a prefix that misses the GPU tier but
+hits the host tier gets fresh blocks whose KV is copied back before the step's forward.
+The copies are `transfers`, (kind, source, destination) in the order they were decided,
+which the engine sends with the next step and the workers run first, in that order: a
+block is saved before it is reused, and a host slot is read before it is reused.
 """
 from __future__ import annotations
 
@@ -69,10 +77,29 @@ class Block:
         self.parent_content_id = None
 
 
+OFFLOAD, RESTORE = 0, 1   # transfers: (OFFLOAD, GPU block, host slot), (RESTORE, slot, block)
+
+
+@dataclass
+class HostBlock:
+    """A host slot's contents: the registered block it was copied from."""
+    slot: int
+    hash: int
+    token_ids: tuple[int, ...]
+    content_id: int
+    parent_content_id: int | None
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_host_blocks = num_host_blocks
+        self.host: OrderedDict[int, HostBlock] = OrderedDict()   # hash -> contents, LRU first
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.transfers: list[tuple[int, int, int]] = []   # for the next step (see above)
+        self._reading: set[int] = set()   # host slots the pending transfers restore from
+        self.num_offloaded = self.num_restored = 0        # blocks copied, each way
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -114,6 +141,11 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             parent = block
             num_hits += 1
+        if self.host:   # the host tier takes over where the GPU tier missed
+            for held in self._host_chain(seq, num_hits, parent, root):
+                block = self._restore(held)
+                seq.block_table.append(block.block_id)
+                num_hits += 1
         for _ in range(num_hits, seq.num_blocks(bs)):
             seq.block_table.append(self._take_fresh_block())
         seq.num_cached_tokens = num_hits * bs
@@ -174,6 +206,67 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    # ---- host tier ----------------------------------------------------------------
+
+    def take_transfers(self) -> list[tuple[int, int, int]]:
+        """The copies the next step must run before its forward (and forget them)."""
+        out, self.transfers = self.transfers, []
+        self._reading.clear()
+        return out
+
+    def _offload(self, block: Block) -> None:
+        """Save a registered block's KV to a host slot (the least recently used one when
+        none is free), unless the host tier already holds the same contents."""
+        held = self.host.get(block.hash)
+        if held is not None and held.content_id == block.content_id:
+            self.host.move_to_end(block.hash)
+            return
+        if held is not None:   # same hash, other contents (a collision): replace it
+            del self.host[block.hash]
+            self.host_free.append(held.slot)
+        if self.host_free:
+            slot = self.host_free.pop()
+        else:   # the least recently used slot no pending restore reads
+            victim = next((h for h, b in self.host.items() if b.slot not in self._reading), None)
+            if victim is None:
+                return   # every slot is being read: this block's KV is dropped
+            slot = self.host.pop(victim).slot
+        self.host[block.hash] = HostBlock(slot, block.hash, block.token_ids, block.content_id,
+                                          block.parent_content_id)
+        self.transfers.append((OFFLOAD, block.block_id, slot))
+        self.num_offloaded += 1
+
+    def _host_chain(self, seq: Sequence, start: int, parent: Block | None,
+                    root: tuple[int | None, int | None]) -> list[HostBlock]:
+        """The host tier's blocks continuing seq's prefix from its block `start` (after
+        `parent`), verified like GPU hits (tokens + the parent's content). They are marked
+        read and most recent at once, so the offloads that taking fresh blocks for them
+        causes never evict one of them."""
+        h, content = (parent.hash, parent.content_id) if parent else root
+        chain = []
+        for i in range(start, (seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.block_tokens(i, self.block_size))
+            h = compute_hash(tokens, h)
+            held = self.host.get(h)
+            if held is None or held.token_ids != tokens or held.parent_content_id != content:
+                break
+            self.host.move_to_end(h)
+            self._reading.add(held.slot)
+            chain.append(held)
+            content = held.content_id
+        return chain
+
+    def _restore(self, held: HostBlock) -> Block:
+        """A fresh block that holds (once the step's transfers ran) a host slot's KV,
+        registered as a hit."""
+        block = self.blocks[self._take_fresh_block()]
+        block.hash, block.token_ids = held.hash, held.token_ids
+        block.content_id, block.parent_content_id = held.content_id, held.parent_content_id
+        self.hash_to_block[held.hash] = block.block_id
+        self.transfers.append((RESTORE, held.slot, block.block_id))
+        self.num_restored += 1
+        return block
+
     # ---- internals ----------------------------------------------------------------
 
     def _lookup(self, tokens: tuple[int, ...], parent: Block | None,
@@ -195,9 +288,12 @@ class BlockManager:
         return block
 
     def _take_fresh_block(self) -> int:
-        """Pop the oldest free block and forget what it held: it is about to be overwritten."""
+        """Pop the oldest free block and forget what it held: it is about to be overwritten
+        (with a host tier, its KV is saved there first)."""
         block_id, _ = self.free_block_ids.popitem(last=False)  # KeyError if none: caller checks
         block = self.blocks[block_id]
+        if block.hash is not None and self.num_host_blocks:
+            self._offload(block)
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
         block.reset()

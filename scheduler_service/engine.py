@@ -249,6 +249,9 @@ class Engine:
     def _build_step(self, batch: Batch) -> worker_pb2.StepRequest:
         self._step_id += 1
         req = worker_pb2.StepRequest(step_id=self._step_id)
+        bm = self.scheduler.block_manager
+        if bm.transfers:   # host-tier copies this step's blocks need first (block_manager.py)
+            req.kv_transfers_i32 = array("i", [v for t in bm.take_transfers() for v in t]).tobytes()
         known = self._known
         released = [s for s in self.scheduler.drain_released() if s in known]
         if released:

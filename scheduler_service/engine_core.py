@@ -81,7 +81,8 @@ class EngineCore:
                                 max_num_seqs=cfg.max_num_seqs,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id,
-                                max_loras=info.max_loras)
+                                max_loras=info.max_loras,
+                                num_host_kv_blocks=info.num_host_kv_blocks)
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
                      "adapters": [[i, n] for i, n, _ in group.adapters]}
         self.group = group
@@ -262,6 +263,9 @@ class EngineCore:
                 "num_free_kv_blocks": sched.block_manager.num_free_blocks,
                 "num_preemptions": sched.num_preemptions, "workers_healthy": e.healthy,
                 "num_fast_forward_mismatches": sched.num_fast_forward_mismatches,
+                "num_host_kv_blocks": sched.block_manager.num_host_blocks,
+                "num_host_kv_offloaded_blocks": sched.block_manager.num_offloaded,
+                "num_host_kv_restored_blocks": sched.block_manager.num_restored,
                 **dataclasses.asdict(e.stats)}
 
     # ---- core -> frontends ------------------------------------------------------------

@@ -39,6 +39,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     eos_token_id: int | None = None
     max_loras: int = 0       # distinct LoRA adapters one step may use (the workers' slots)
+    num_host_kv_blocks: int = 0   # the workers' host tier (block_manager.py), 0: none
 
     @property
     def max_decode_rows(self) -> int:
@@ -74,7 +75,8 @@ class Scheduler:
         # A verify batch's resolve: per token it gave out, the index of its sample.
         self.resolved_rows: list[int] | None = None
         self.num_kv_stale = 0   # running seqs whose workers hold rejected proposals' KV
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.num_host_kv_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -138,7 +140,8 @@ class Scheduler:
         live = list(self.running) + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
-        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size,
+                                          self.config.num_host_kv_blocks)
         for seq in live:
             if seq.num_pending_tokens:
                 del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]

@@ -138,8 +138,10 @@ class WorkerGroup:
         # Every rank's Init at once, never one after another: a TP rank's Init meets its
         # peers in collectives (a barrier, then CUDA graph capture runs the model's
         # all-reduces), so rank 0's Init cannot finish before rank 1's has begun.
+        host_blocks = min(i.num_host_kv_blocks for i in infos)
         init = worker_pb2.InitRequest(num_kv_blocks=blocks, block_size=block_size,
-                                      adapters=_adapter_protos(adapters))
+                                      adapters=_adapter_protos(adapters),
+                                      num_host_kv_blocks=host_blocks)
         await self._on_every_rank(
             lambda stub: self._call(stub.Init, init, wait, timeout=INIT_TIMEOUT_S))
         self._events = asyncio.Queue() if len(self.channels) > 1 else None
@@ -152,7 +154,7 @@ class WorkerGroup:
                               eos_token_id=first.eos_token_id,
                               kv_cache_dtype=first.kv_cache_dtype,
                               structured_output=first.structured_output,
-                              max_loras=max_loras)
+                              max_loras=max_loras, num_host_kv_blocks=host_blocks)
         return self.info
 
     async def set_adapters(self, adapters: tuple[tuple[int, str, str], ...]) -> None:

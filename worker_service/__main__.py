@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each kernel from Python; triton backend; 0 = all prefills eager")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (every step launches each kernel from Python)")
+    p.add_argument("--host-kv-cache-gb", type=float, default=0.0, metavar="GB",
+                   help="a host-memory tier for the prefix cache (pinned on CUDA): KV blocks "
+                        "evicted from the device are copied here, and a later request whose "
+                        "prefix is found here gets them copied back instead of recomputed "
+                        "(multi-turn chat past the device cache); 0 = off")
     p.add_argument("--max-loras", type=int, default=0, metavar="N",
                    help="LoRA adapters held on the device at once (the most one step may mix; "
                         "others wait in host memory and swap in least-recently-used first); "
@@ -122,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--model is required (or --null)")
     if args.null and args.world_size != 1:
         p.error("--null serves a single rank (--world-size 1)")
+    if args.host_kv_cache_gb < 0:
+        p.error("--host-kv-cache-gb must be >= 0")
     if args.max_loras < 0 or args.max_lora_rank < 1:
         p.error("--max-loras must be >= 0 and --max-lora-rank >= 1")
     return args
@@ -208,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager, max_loras=args.max_loras,
+        host_kv_cache_gb=args.host_kv_cache_gb,
         max_lora_rank=args.max_lora_rank), tp)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)

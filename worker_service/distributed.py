@@ -261,7 +261,7 @@ class TPModelRunner(ModelRunner):
     The server drives launch/finish (step is finish(launch())), so both are guarded, and
     Init (init_kv), whose CUDA graph capture runs the model's collectives."""
 
-    def init_kv(self, num_blocks: int, block_size: int) -> None:
+    def init_kv(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         """Meet every peer in an all-reduce on this rank's device before anything else.
 
         Init is a collective call: capturing CUDA graphs runs the model's all-reduces, so
@@ -272,7 +272,7 @@ class TPModelRunner(ModelRunner):
         with _group_guard("Init", self.tp.rank):
             self._bind_device()
             all_ranks_meet(self.device, self.tp.size, "Init barrier")
-            super().init_kv(num_blocks, block_size)
+            super().init_kv(num_blocks, block_size, num_host_blocks)
 
     def launch(self, req):
         with _group_guard(f"step {req.step_id}", self.tp.rank):

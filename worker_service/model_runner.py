@@ -56,6 +56,7 @@ class RunnerConfig:
     max_num_seqs: int = 256               # largest decode batch (CUDA graph buckets)
     max_prefill_graph_tokens: int = 2048  # one-sequence prefills up to this replay a graph; 0: none
     enforce_eager: bool = False           # True: no CUDA graphs
+    host_kv_cache_gb: float = 0.0         # host tier of the prefix cache (0: none)
     max_loras: int = 0                    # LoRA adapters resident at once (0: no LoRA)
     max_lora_rank: int = 16
 
@@ -157,6 +158,8 @@ class ModelRunner:
         self.num_kv_heads = self.attn_layers[0].num_kv_heads   # this rank's share
         self.head_dim = self.attn_layers[0].head_dim
         self.kv_cache: torch.Tensor | None = None
+        self.host_kv: torch.Tensor | None = None       # host tier: [2, layers, slots, ...]
+        self.host_scales: torch.Tensor | None = None   # fp8: its per-token scales
         self.kv_scales: torch.Tensor | None = None   # fp8: [2, layers, blocks, block_size] fp32
         self.block_size = 0
         self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
@@ -196,6 +199,10 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return total * self.config.gpu_memory_utilization - (total - free) - self.peak_activation_bytes
 
+    def host_capacity(self, block_size: int) -> int:
+        """Host-tier slots of `block_size` tokens that --host-kv-cache-gb holds."""
+        return int(self.config.host_kv_cache_gb * (1 << 30) // self.block_bytes(block_size))
+
     def kv_capacity(self, block_size: int) -> int:
         """How many KV blocks of `block_size` tokens fit in this rank's budget."""
         return max(int(self.kv_budget_bytes // self.block_bytes(block_size)), 0)
@@ -229,10 +236,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(peak)
 
-    def init_kv(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocate the KV cache; forgets every sequence."""
+    def init_kv(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        """(Re)allocate the KV cache (and its host tier); forgets every sequence."""
         self._bind_device()
-        self.kv_cache = self.kv_scales = None
+        self.kv_cache = self.kv_scales = self.host_kv = self.host_scales = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
             layer.k_scale = layer.v_scale = None
@@ -245,6 +252,15 @@ class ModelRunner:
         if self.kv_fp8:
             self.kv_scales = torch.ones(2, num_layers, num_blocks, block_size,
                                         dtype=torch.float32, device=self.device)
+        if num_host_blocks:   # pinned: copies to and from it run asynchronously
+            self.host_kv = new_kv_cache(num_layers, num_host_blocks, block_size, self.num_kv_heads,
+                                        self.head_dim, self.kv_cache.dtype, "cpu")
+            if self.device.type == "cuda":
+                self.host_kv = self.host_kv.pin_memory()
+            if self.kv_fp8:
+                self.host_scales = torch.ones(2, num_layers, num_host_blocks, block_size,
+                                              dtype=torch.float32,
+                                              pin_memory=self.device.type == "cuda")
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
@@ -311,6 +327,8 @@ class ModelRunner:
         self._bind_device()
         pending = PendingStep(req.step_id, time.perf_counter())
         plan = self.table.plan(req)
+        if req.kv_transfers_i32:
+            self._transfer(np.frombuffer(req.kv_transfers_i32, "<i4").reshape(-1, 3))
         if self.penalties is not None:
             self.penalties.update(req)
         if self.grammar is not None:
@@ -338,6 +356,26 @@ class ModelRunner:
         if samples is not None and samples.constrained:   # their matchers take these ids next
             self.grammar.sampled(samples.constrained, _host_ids(pending))
         return pending
+
+    def _transfer(self, ops: np.ndarray) -> None:
+        """The host tier's copies, in order, queued before the step's forward (stream
+        order: after the previous step's writes, before this one's). (0, block, slot):
+        block -> host slot; (1, slot, block): host slot -> block."""
+        if self.host_kv is None:
+            raise StepError("kv transfers sent, but this worker has no host tier")
+        nb, nh = self.kv_cache.shape[2], self.host_kv.shape[2]
+        for kind, a, b in ops.tolist():
+            block, slot = (a, b) if kind == 0 else (b, a)
+            if kind not in (0, 1) or not 0 <= block < nb or not 0 <= slot < nh:
+                raise StepError(f"bad kv transfer ({kind}, {a}, {b}): {nb} blocks, {nh} slots")
+            pairs = [(self.kv_cache, self.host_kv)]
+            if self.host_scales is not None:
+                pairs.append((self.kv_scales, self.host_scales))
+            for dev, host in pairs:
+                if kind == 0:
+                    host[:, :, slot].copy_(dev[:, :, block], non_blocking=True)
+                else:
+                    dev[:, :, block].copy_(host[:, :, slot], non_blocking=True)
 
     def finish(self, pending: PendingStep) -> worker_pb2.StepResponse:
         """Wait for a launched step and answer it."""

@@ -49,7 +49,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             eos_token_id=r.eos_token_id, device=str(r.device), dtype=str(r.dtype).removeprefix("torch."),
             attention_backend=r.backend.name, kv_cache_dtype=r.kv_cache_dtype_name,
             structured_output=r.grammar_tokenizer is not None,
-            max_loras=r.config.max_loras, max_lora_rank=r.config.max_lora_rank)
+            max_loras=r.config.max_loras, max_lora_rank=r.config.max_lora_rank,
+            num_host_kv_blocks=r.host_capacity(block_size))
 
     def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:
@@ -68,7 +69,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self.runner.adapters.set_adapters(request.adapters)
                 except AdapterError as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self.runner.init_kv(request.num_kv_blocks, request.block_size)
+            host = min(request.num_host_kv_blocks, self.runner.host_capacity(request.block_size))
+            self.runner.init_kv(request.num_kv_blocks, request.block_size, host)
             self.steps = self.steps_overlapped = 0
         self.metrics.initialized(request.num_kv_blocks, request.block_size)
         log.info("KV cache: %d blocks of %d tokens, %s", request.num_kv_blocks,

@@ -33,3 +33,4 @@ class GroupInfo:
     kv_cache_dtype: str = ""
     structured_output: bool = False   # rank 0 follows grammars (WorkerInfo.structured_output)
     max_loras: int = 0                # LoRA slots (WorkerInfo.max_loras: min over ranks)
+    num_host_kv_blocks: int = 0       # host-tier slots (min over ranks)

