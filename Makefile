@@ -18,7 +18,7 @@ EXTRAS_serve := worker,proto
 EXTRAS_test  := worker,proto,dev
 EXTRAS_demo  := worker,proto,demo
 
-.PHONY: help setup proto test test-gpu demo serve flash-attn clean torch-choice
+.PHONY: help setup proto test test-gpu demo serve flash-attn clean torch-choice compose-check
 
 help:
 	@echo "make demo                 serve an embedded default model on loopback and stream a generation"
@@ -28,6 +28,7 @@ help:
 	@echo "                          KV_DTYPE=fp8 for an fp8 KV cache (~2x the blocks)"
 	@echo "                          QUANTIZATION=fp8 for FP8 weights (linear layers)"
 	@echo "make proto                regenerate the gRPC stubs from protos/"
+	@echo "make compose-check        build the images, run the CPU compose stack for real (root; starts dockerd)"
 	@echo "make flash-attn           build + install a trimmed flash-attn wheel (GPU host with nvcc, ~6-13 min)"
 
 setup: $(VENV)/.installed-test
@@ -53,6 +54,12 @@ $(STUBS) &: $(PROTOS) | $(PINS)
 
 test: $(VENV)/.installed-test proto
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# Build the images and run docker-compose.yml + docker-compose.cpu.yml for real (tests/compose_check.py):
+# starts dockerd if none answers (../shared/CONTAINERS.md), streams through the published ports,
+# kills a worker mid-stream, compose down; prints image sizes and build / start times.
+compose-check: $(VENV)/.installed-test proto
+	$(BIN)/python tests/compose_check.py
 
 # Serve the embedded default model (or MODEL=dir) on loopback and stream one answer.
 demo: $(VENV)/.installed-demo proto

@@ -107,6 +107,9 @@ def test_services_and_tensor_parallel_layout_agree(rendered):
     assert sched["workers"].split(",") == expected, "scheduler --workers must list workers in rank order"
     assert sched["host"] == "0.0.0.0"
     published = [(p["target"], p["published"]) for p in services["scheduler"]["ports"]]
+    if is_cpu_layout(config):   # published on loopback only, at GRPC_PORT / HTTP_PORT
+        assert all(p["host_ip"] == "127.0.0.1" for p in services["scheduler"]["ports"])
+        published = [(t, sched[k]) for (t, _), k in zip(published, ("port", "http-port"))]
     assert published == [(int(sched["port"]), sched["port"]),
                          (int(sched["http-port"]), sched["http-port"])]   # gRPC, OpenAI HTTP
     # The scheduler starts only once every worker is up.
@@ -115,9 +118,19 @@ def test_services_and_tensor_parallel_layout_agree(rendered):
         name: "service_healthy" for name, _, _ in workers}
 
 
+def is_cpu_layout(config: dict) -> bool:
+    return any(svc.get("build", {}).get("args", {}).get("DEVICE") == "cpu"
+               for svc in config["services"].values())
+
+
 def test_each_worker_reserves_exactly_its_gpu(rendered):
     config, _ = rendered
     for name, svc, f in workers_by_rank(config["services"]):
+        if is_cpu_layout(config):   # docker-compose.cpu.yml: no GPU, gloo, loopback ports
+            assert "deploy" not in svc and "ipc" not in svc, name
+            assert f["device"] == "cpu" and svc["restart"] == "unless-stopped", name
+            assert svc["build"]["args"]["DEVICE"] == "cpu" and svc["image"].endswith(":cpu"), name
+            continue
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert len(devices) == 1 and "count" not in devices[0], name   # ids, not "any N GPUs"
         assert devices[0]["device_ids"] == [f.get("rank", "0")], f"{name}: GPU index == rank"
@@ -230,7 +243,7 @@ def test_compose_builds_point_at_the_dockerfiles(rendered):
 def test_dockerfile_copies_existing_paths_and_all_packages(kind):
     copied = set()
     for word, args in instructions(DOCKERFILES[kind]):
-        if word in ("COPY", "ADD"):
+        if word in ("COPY", "ADD") and "--from=" not in args:   # --from: another stage's files
             *sources, _dest = [a for a in shlex.split(args) if not a.startswith("--")]
             for src in sources:
                 if any(c in src for c in "*?["):
@@ -254,16 +267,23 @@ def test_dockerfile_generates_stubs_like_the_makefile(kind):
     assert installs and commands.index(protoc[0]) < installs[0]
 
 
+def pip_installs(dockerfile: Path) -> list[list[str]]:
+    """The non-option arguments of every `pip install` in the Dockerfile's RUNs."""
+    runs = " && ".join(a for w, a in instructions(dockerfile) if w == "RUN")
+    return [[a for a in c[2:] if not a.startswith("-")] for c in map(shlex.split, runs.split("&&"))
+            if c[:2] == ["pip", "install"]]
+
+
 def test_scheduler_image_is_cpu_only_and_worker_image_has_the_gpu_stack():
     sched = " ".join(a for w, a in instructions(DOCKERFILES["scheduler"]) if w == "RUN")
     worker_steps = instructions(DOCKERFILES["worker"])
     worker = " ".join(a for w, a in worker_steps if w == "RUN")
-    assert "pip install ." in sched and "[" not in sched.split("pip install .")[1][:1]
+    assert ["."] in pip_installs(DOCKERFILES["scheduler"])        # the package, no extras
     assert "torch" not in sched.replace("find_spec('torch') is None", "")
     assert next(a for w, a in worker_steps if w == "FROM").startswith("${BASE_IMAGE}")
     base = next(a for w, a in worker_steps if w == "ARG" and a.startswith("BASE_IMAGE="))
     assert "cuda" in base and "devel" in base, "flash-attn needs nvcc: a CUDA -devel base"
-    assert 'pip install ".[worker]"' in worker
+    assert [".[worker]"] in pip_installs(DOCKERFILES["worker"])
     # flash-attn: the trimmed build (`make flash-attn`), never pip's hours-long full sdist build.
     assert "make flash-attn" in worker and not re.search(r"pip install \S*flash-attn", worker)
     copied = {shlex.split(a)[0] for w, a in worker_steps if w == "COPY"}
@@ -271,3 +291,239 @@ def test_scheduler_image_is_cpu_only_and_worker_image_has_the_gpu_stack():
     make = (ROOT / "Makefile").read_text()
     recipe = re.search(r"^flash-attn:.*\n\t(.+)$", make, re.M)
     assert recipe and "kernels/build_flash_attn.py --install" in recipe.group(1)
+
+
+def test_worker_variants_share_every_step_but_torch():
+    """DEVICE=cuda (default) and DEVICE=cpu differ only in the stage that provides torch; the
+    CPU variant installs torch's CPU build and never builds flash-attn."""
+    steps = instructions(DOCKERFILES["worker"])
+    stages = [a.split() for w, a in steps if w == "FROM"]
+    assert [s[-1] for s in stages[:-1]] == ["base", "torch-cuda", "torch-cpu", "build"]
+    assert stages[1][0] == stages[2][0] == "base" and stages[3][0] == "torch-${DEVICE}"
+    assert ("ARG", "DEVICE=cuda") in steps
+    cpu_stage = steps[[i for i, (w, _) in enumerate(steps) if w == "FROM"][2]:
+                      [i for i, (w, _) in enumerate(steps) if w == "FROM"][3]]
+    cpu_runs = " ".join(a for w, a in cpu_stage if w == "RUN")
+    assert "flash" not in cpu_runs and "'+cpu' in v" in cpu_runs
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_final_image_is_the_venv_on_the_base_as_non_root(kind):
+    """Multi-stage: the last stage is the base plus the built venv; it runs as a non-root
+    user; pip's CA bundle only ever comes in as a build secret (no layer holds it)."""
+    steps = instructions(DOCKERFILES[kind])
+    text = DOCKERFILES[kind].read_text()
+    assert steps[0][0] == "ARG" and steps[0][1].startswith("BASE_IMAGE=")   # before any FROM
+    last = max(i for i, (w, _) in enumerate(steps) if w == "FROM")
+    final = steps[last:]
+    assert final[0] == ("FROM", "base")
+    assert [a for w, a in final if w == "COPY"] == ["--from=build /opt/nanoserve /opt/nanoserve"]
+    user = [a for w, a in final if w == "USER"]
+    assert user and user[-1] not in ("root", "0")
+    assert "ca-certificates.crt" not in " ".join(a for w, a in steps if w in ("COPY", "ADD"))
+    assert "--mount=type=secret,id=pip_ca" in text and "PIP_CERT=/run/secrets/pip_ca" in text
+
+
+def test_compose_build_args_default_to_the_dockerfiles_defaults(rendered, tmp_path):
+    """Without BASE_IMAGE / CUDA_BASE_IMAGE set, compose builds from the public bases the
+    Dockerfiles name (what users pull)."""
+    config, _ = rendered
+    for name, svc in config["services"].items():
+        kind = "scheduler" if name == "scheduler" else "worker"
+        defaults = dict(a.split("=", 1) for w, a in instructions(DOCKERFILES[kind])
+                        if w == "ARG" and "=" in a)
+        args = svc["build"].get("args", {})
+        if args.get("DEVICE") == "cpu":   # the CPU worker builds on the scheduler's base
+            defaults = dict(a.split("=", 1) for w, a in instructions(DOCKERFILES["scheduler"])
+                            if w == "ARG" and "=" in a)
+        assert args["BASE_IMAGE"] == defaults["BASE_IMAGE"], name
+
+
+def test_dockerignore_keeps_the_context_to_what_the_dockerfiles_copy():
+    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
+             if l.strip() and not l.startswith("#")]
+    assert lines[0] == "*", "ignore everything, then list what the builds need"
+    allowed = {l[1:] for l in lines if l.startswith("!")}
+    assert package_dirs() | {"pyproject.toml", "constraints.txt", "Makefile"} <= allowed
+    assert not {".venv", ".git", "tests", ".whl"} & allowed
+    assert "protos/nanoserve/v1/*_pb2.py" in lines, "stubs are generated in the build"
+
+
+# --- profile `replicas` on CPU: two stacks behind nginx ------------------------------------
+
+CPU_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
+BALANCER_DOCKERFILE = ROOT / "scheduler_service" / "balancer.Dockerfile"
+NGINX_CONF = ROOT / "scheduler_service" / "nginx.conf"
+
+
+@pytest.fixture(scope="module")
+def cpu_replicas(tmp_path_factory):
+    proc = compose_config(CPU_FILES, str(tmp_path_factory.mktemp("model")), profiles=["replicas"])
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["services"]
+
+
+def test_cpu_replicas_profile_is_two_cpu_stacks_behind_the_balancer(cpu_replicas):
+    services = cpu_replicas
+    assert "envoy" not in services, "Envoy's image needs a registry: nginx balances on CPU"
+    scheds = {n: flags(s["command"]) for n, s in services.items()
+              if "scheduler_service" in (s.get("command") or [])}
+    assert set(scheds) == {"scheduler", "scheduler-b"}
+    workers = {n: s for n, s in services.items() if "worker_service" in (s.get("command") or [])}
+    owned = []
+    for name, f in scheds.items():
+        mine = [w.rsplit(":", 1)[0] for w in f["workers"].split(",")]
+        owned += mine
+        ranks = [flags(workers[w]["command"]) for w in mine]
+        assert [int(r["rank"]) for r in ranks] == list(range(len(mine))), name
+        assert {r["world-size"] for r in ranks} == {str(len(mine))}, name
+        assert {r["dist-init"] for r in ranks} == {f"tcp://{mine[0]}:29500"}, "one rendezvous per stack"
+        assert {k: v["condition"] for k, v in services[name]["depends_on"].items()} == {
+            w: "service_healthy" for w in mine}
+        assert services[name]["init"] and services[name]["healthcheck"]["interval"] == "2s", name
+    assert sorted(owned) == sorted(workers), "every worker belongs to exactly one stack"
+    for name, svc in workers.items():
+        assert "deploy" not in svc and "ipc" not in svc, name
+        assert flags(svc["command"])["device"] == "cpu" and svc["build"]["args"]["DEVICE"] == "cpu", name
+    assert not services["scheduler-b"].get("ports"), "replica b is reached through the balancer only"
+
+    lb = services["balancer"]
+    assert Path(lb["build"]["context"]) / lb["build"]["dockerfile"] == BALANCER_DOCKERFILE
+    assert lb["build"]["args"]["BASE_IMAGE"] == services["scheduler"]["build"]["args"]["BASE_IMAGE"]
+    assert lb["image"] == "nanoserve-balancer" and lb["restart"] == "unless-stopped"
+    assert {k: v["condition"] for k, v in lb["depends_on"].items()} == {
+        s: "service_healthy" for s in scheds}
+    assert all(p["host_ip"] == "127.0.0.1" for p in lb["ports"]), "loopback only"
+    check = lb["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python3", "-c"] and lb["healthcheck"]["retries"] >= 1
+    listens = nginx_listeners()
+    assert {int(p["target"]) for p in lb["ports"]} == set(listens)
+    for port in listens:   # the check tries both listeners
+        assert f"'127.0.0.1', {port})" in check[3] or f"127.0.0.1:{port}/" in check[3], port
+
+
+def nginx_blocks(text: str, keyword: str) -> list[tuple[str, str]]:
+    """(argument, body) of every `keyword arg { body }` block (bodies hold no nested braces
+    at the levels used here: upstream, server, location)."""
+    text = re.sub(r"#[^\n]*", "", text)
+    out = []
+    for m in re.finditer(rf"\b{keyword}\s*([^{{;]*)\{{", text):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        out.append((m.group(1).strip(), text[m.end():i - 1]))
+    return out
+
+
+def directives(body: str, name: str) -> list[list[str]]:
+    return [shlex.split(m.group(1) or "")
+            for m in re.finditer(rf"(?m)^\s*{name}(?:\s+([^;]*))?;", body)]
+
+
+def nginx_listeners() -> dict[int, str]:
+    """{listen port: server body} of the nginx config."""
+    out = {}
+    for _, body in nginx_blocks(NGINX_CONF.read_text(), "server"):
+        (listen,) = directives(body, "listen")
+        out[int(listen[0].rsplit(":", 1)[-1])] = body
+    return out
+
+
+def test_nginx_balances_grpc_per_call_and_http_over_both_schedulers(cpu_replicas):
+    text = NGINX_CONF.read_text()
+    upstreams = {name: body for name, body in nginx_blocks(text, "upstream")}
+    scheds = {n: flags(s["command"]) for n, s in cpu_replicas.items()
+              if "scheduler_service" in (s.get("command") or [])}
+
+    def servers(upstream: str) -> set[tuple[str, str]]:
+        return {tuple(d[0].rsplit(":", 1)) for d in directives(upstreams[upstream], "server")}
+
+    for body in upstreams.values():
+        assert directives(body, "zone"), "balancing state shared by nginx's workers"
+        assert directives(body, "least_conn"), "fewest calls in flight first (like Envoy's)"
+    kinds = {}
+    for port, body in nginx_listeners().items():
+        ((location, loc),) = nginx_blocks(body, "location")
+        assert location == "/"
+        if directives(loc, "grpc_pass"):
+            # HTTP/2 on the listener: each gRPC call is balanced by itself, not per connection.
+            assert "http2" in directives(body, "listen")[0], "gRPC needs an HTTP/2 listener"
+            (target,) = directives(loc, "grpc_pass")
+            assert target[0].startswith("grpc://")
+            assert servers(target[0][len("grpc://"):]) == {(n, f["port"]) for n, f in scheds.items()}
+            kinds["grpc"] = prefix = "grpc"
+        else:
+            (target,) = directives(loc, "proxy_pass")
+            assert target[0].startswith("http://")
+            assert servers(target[0][len("http://"):]) == {(n, f["http-port"]) for n, f in scheds.items()}
+            assert directives(loc, "proxy_buffering") == [["off"]], "SSE streams token by token"
+            assert ["1.1"] in directives(loc, "proxy_http_version")
+            kinds["http"] = prefix = "proxy"
+        (read,) = directives(loc, f"{prefix}_read_timeout")
+        assert read[0].endswith("h"), "long generations must not be cut at nginx's 60 s default"
+        (retry,) = directives(loc, f"{prefix}_next_upstream")
+        assert "non_idempotent" in retry, "gRPC / completions are POSTs"
+    assert set(kinds) == {"grpc", "http"}
+    # Non-root: no `user` directive, pid and temp files under /tmp.
+    top = re.sub(r"#[^\n]*", "", text)
+    assert not re.search(r"(?m)^\s*user\s", top)
+    assert directives(top, "pid") == [["/tmp/nginx.pid"]]
+    for path in re.findall(r"(?m)^\s*\w+_temp_path\s+(\S+);", top):
+        assert path.startswith("/tmp/"), path
+
+
+def test_balancer_image_is_debian_nginx_on_the_base_as_non_root():
+    steps = instructions(BALANCER_DOCKERFILE)
+    assert steps[0][0] == "ARG"
+    sched_default = next(a for w, a in instructions(DOCKERFILES["scheduler"])
+                         if w == "ARG" and a.startswith("BASE_IMAGE="))
+    assert steps[0][1] == sched_default, "same public base as the scheduler"
+    assert [a for w, a in steps if w == "FROM"] == ["${BASE_IMAGE}"]
+    runs = " && ".join(a for w, a in steps if w == "RUN")
+    installs = [c for c in map(shlex.split, runs.split("&&")) if "install" in c and "apt-get" in c]
+    assert installs and "nginx" in installs[0] and "--no-install-recommends" in installs[0]
+    assert "://" not in runs, "apt uses the base image's own sources: no mirror in the repo"
+    assert "--mount=type=secret,id=pip_ca" in runs, "a CA bundle only ever as a build secret"
+    context = BALANCER_DOCKERFILE.parent   # docker-compose.cpu.yml builds it from this folder
+    copies = [shlex.split(a) for w, a in steps if w in ("COPY", "ADD")]
+    assert copies == [["nginx.conf", "/etc/nginx/nginx.conf"]] and (context / "nginx.conf").is_file()
+    user = [a for w, a in steps if w == "USER"]
+    assert user and user[-1] not in ("root", "0")
+    (cmd,) = [json.loads(a) for w, a in steps if w == "CMD"]
+    assert cmd[0] == "nginx" and "daemon off;" in cmd and cmd[cmd.index("-e") + 1] == "stderr"
+    exposed = {int(p) for w, a in steps if w == "EXPOSE" for p in a.split()}
+    assert exposed == set(nginx_listeners())
+
+
+# --- the real thing ----------------------------------------------------------------------
+
+def engine_missing() -> str | None:
+    """Why the real compose test cannot run here, or None."""
+    import shutil
+    docker = "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else shutil.which("docker")
+    if not docker:
+        return "no `docker` CLI here (CI has none); `make compose-check` installs and starts one"
+    host = os.environ.get("DOCKER_HOST") or f"unix://{os.environ.get('NANOSERVE_DOCKER_DIR', '/tmp/d')}/docker.sock"
+    try:
+        ok = subprocess.run([docker, "version", "--format", "{{.Server.Version}}"], timeout=20,
+                            env=dict(os.environ, DOCKER_HOST=host), capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    return None if ok else (f"no Docker engine answers at {host}; `make compose-check` "
+                            "starts dockerd, builds the images and runs this")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_compose_stack_for_real():
+    """Build both images and run docker-compose.yml + docker-compose.cpu.yml on a running
+    engine: streams equal plain processes, a killed worker comes back, down leaves nothing
+    (tests/compose_check.py; `make compose-check` also starts and stops the engine)."""
+    reason = engine_missing()
+    if reason:
+        pytest.skip(reason)
+    import compose_check
+    summary = compose_check.main(start_engine=False)
+    assert summary["recover_s"] > 0 and "down_s" in summary
+    assert all(all(tokens.values()) for tokens in summary["served"].values()), "both replicas served"
