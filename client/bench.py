@@ -924,6 +924,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--request-rate", type=float, default=0.0, metavar="R",
                    help="online mode: Poisson arrivals at R requests/s (0 = offline: all at once)")
+    w.add_argument("--multi-turn", type=int, default=0, metavar="T",
+                   help="chat-like traffic instead (client/multi_turn.py): --num-seqs "
+                        "conversations of T turns, each prompt resending the conversation; "
+                        "prints TTFT per turn and the prefix cache's hit rate (gRPC only)")
+    w.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
+                   help="--multi-turn: a system prompt of N tokens shared by every conversation")
     w.add_argument("--adapters", metavar="NAMES", default=None,
                    help="comma-separated LoRA adapter names (the server's --lora-modules): "
                         "requests name them in turn (gRPC modes)")
@@ -1056,6 +1062,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be >= 1")
     if args.connections < 1 or args.client_procs < 0:
         parser.error("--connections must be >= 1 and --client-procs >= 0")
+    if args.multi_turn:
+        if args.in_process or args.null_worker:
+            parser.error("--multi-turn needs a server (--target)")
+        from client import multi_turn
+        return multi_turn.run(args)
     if args.adapters and (args.in_process or args.null_worker):
         parser.error("--adapters needs a server (--target)")
     if args.client_procs > 1 and args.in_process:

@@ -244,6 +244,9 @@ class Stats:
     num_spec_accepted_tokens: int = 0
     num_verify_steps: int = 0
     num_spec_runs: int = 0
+    num_host_kv_blocks: int = 0             # the prefix cache's host tier, in blocks
+    num_host_kv_offloaded_blocks: int = 0
+    num_host_kv_restored_blocks: int = 0
 
 
 # ---------------------------------------------------------------------------- conversions

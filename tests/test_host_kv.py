@@ -11,6 +11,9 @@ Hugging Face's, and TP=2 (gloo) equals TP=1.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -21,7 +24,7 @@ import transformers
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from scheduler_service.block_manager import OFFLOAD, RESTORE, BlockManager
 from scheduler_service.sequence import Sequence
-from services import start_scheduler, start_tp_workers, start_worker
+from services import ROOT, start_scheduler, start_tp_workers, start_worker
 from tiny_checkpoint import tiny_qwen3_dir
 
 BS = 8
@@ -160,7 +163,7 @@ def _conversations(stub, hf):
     return stats, cached
 
 
-def test_services_second_turns_hit_the_host_tier(model_dir):
+def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
     hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     worker = start_worker(model_dir, extra=["--host-kv-cache-gb", "0.01"])
     sched = None
@@ -172,6 +175,18 @@ def test_services_second_turns_hit_the_host_tier(model_dir):
         assert stats.num_host_kv_blocks > 12
         assert stats.num_host_kv_offloaded_blocks > 0 and stats.num_host_kv_restored_blocks >= 4
         assert cached >= 4 * 48 // BS * BS * 3 // 4   # most of each history came back
+        # client.bench --multi-turn against the same server: later turns hit the cache
+        out = tmp_path / "mt.json"
+        r = subprocess.run([sys.executable, "-m", "client.bench", "--target",
+                            f"127.0.0.1:{sched.port}", "--multi-turn", "3", "--num-seqs", "3",
+                            "--system-prompt-len", "16", "--min-input-len", "8",
+                            "--max-input-len", "16", "--min-output-len", "4",
+                            "--max-output-len", "8", "--json", str(out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(out.read_text())
+        assert [t["requests"] for t in report["per_turn"]] == [3, 3, 3]
+        assert report["per_turn"][2]["cached"] > 0.3 and "TTFT p90 ms" in r.stdout
     finally:
         if sched:
             sched.stop()

@@ -1,0 +1,123 @@
+"""`client.bench --multi-turn T`: chat-like traffic whose prompts resend the conversation.
+
+N conversations (--num-seqs) run at once, each T turns in a row: turn t's prompt is a
+system prompt shared by all (--system-prompt-len tokens), the conversation so far (every
+earlier prompt and answer), and a new user message (--min/max-input-len tokens); the
+answer is --min/max-output-len tokens (ignore_eos). A turn's history is exactly what the
+server computed at the previous turn, so it can come from the prefix cache, on the device
+or in its host tier (workers' --host-kv-cache-gb), or is recomputed when evicted. Printed:
+per turn, TTFT p50 / p90 and the share of prompt tokens served from the cache; overall
+output tok/s and the host tier's blocks moved (GetStats).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class Turn:
+    conversation: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def _conversation(client: Any, i: int, args: Any, system: list[int], vocab: int,
+                        max_model_len: int, turns: list[Turn]) -> None:
+    from client.client import SamplingParams
+    rng = random.Random(args.seed * 1_000_003 + i)
+    history = list(system)
+    for t in range(args.multi_turn):
+        user = [rng.randrange(vocab) for _ in range(rng.randint(args.min_input_len,
+                                                               args.max_input_len))]
+        n_out = rng.randint(args.min_output_len, args.max_output_len)
+        prompt = history + user
+        if len(prompt) + n_out > max_model_len:
+            return   # the conversation outgrew the context
+        params = SamplingParams(temperature=args.temperature, max_tokens=n_out, ignore_eos=True,
+                                seed=rng.randrange(1 << 31))
+        out: list[int] = []
+        cached, first = 0, None
+        t0 = time.perf_counter()
+        async for chunk in client.generate(prompt, params):
+            if chunk.token_ids and first is None:
+                first = time.perf_counter()
+            out.extend(chunk.token_ids)
+            if chunk.usage is not None:
+                cached = chunk.usage.cached_tokens
+        end = time.perf_counter()
+        turns.append(Turn(i, t, len(prompt), cached, len(out), (first or end) - t0, end - t0))
+        history = prompt + out
+
+
+async def _run(args: Any) -> dict:
+    from client.client import AsyncClient
+    async with AsyncClient(args.target, timeout=args.timeout, api_key=args.api_key,
+                           tls_ca=args.tls_ca) as client:
+        info = await client.model_info()
+        vocab = min(info.vocab_size, 10_000)
+        rng = random.Random(args.seed)
+        system = [rng.randrange(vocab) for _ in range(args.system_prompt_len)]
+        before = await client.stats()
+        turns: list[Turn] = []
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_conversation(client, i, args, system, vocab, info.max_model_len,
+                                             turns) for i in range(args.num_seqs)))
+        wall = time.perf_counter() - t0
+        after = await client.stats()
+    per_turn = []
+    for t in range(args.multi_turn):
+        rows = [x for x in turns if x.turn == t]
+        if rows:
+            per_turn.append({
+                "turn": t + 1, "requests": len(rows),
+                "prompt_tokens": statistics.mean(x.prompt_tokens for x in rows),
+                "ttft_p50_ms": _p([x.ttft_s for x in rows], 0.5) * 1e3,
+                "ttft_p90_ms": _p([x.ttft_s for x in rows], 0.9) * 1e3,
+                "cached": sum(x.cached_tokens for x in rows) / sum(x.prompt_tokens for x in rows)})
+    return {"model": info.model, "wall_s": wall,
+            "output_tok_per_s": sum(x.output_tokens for x in turns) / wall,
+            "ttft_p50_ms": _p([x.ttft_s for x in turns], 0.5) * 1e3,
+            "cached": sum(x.cached_tokens for x in turns) / max(1, sum(x.prompt_tokens for x in turns)),
+            "host_kv_blocks": after.num_host_kv_blocks,
+            "host_offloaded_blocks": after.num_host_kv_offloaded_blocks - before.num_host_kv_offloaded_blocks,
+            "host_restored_blocks": after.num_host_kv_restored_blocks - before.num_host_kv_restored_blocks,
+            "per_turn": per_turn, "turns": [asdict(x) for x in turns]}
+
+
+def run(args: Any) -> int:
+    report = asyncio.run(_run(args))
+    print(f"model          {report['model']}   {args.num_seqs} conversations x {args.multi_turn} "
+          f"turns, system prompt {args.system_prompt_len} tokens")
+    print(f"output tok/s   {report['output_tok_per_s']:,.1f}   wall {report['wall_s']:.2f} s")
+    print(f"TTFT p50 ms    {report['ttft_p50_ms']:.1f}   prompt tokens from the cache "
+          f"{report['cached']:.1%}")
+    print(f"host tier      {report['host_kv_blocks']} blocks; moved out "
+          f"{report['host_offloaded_blocks']}, back {report['host_restored_blocks']}")
+    print("turn  requests  prompt tokens  TTFT p50 ms  TTFT p90 ms  cached")
+    for r in report["per_turn"]:
+        print(f"{r['turn']:4d}  {r['requests']:8d}  {r['prompt_tokens']:13.0f}  "
+              f"{r['ttft_p50_ms']:11.1f}  {r['ttft_p90_ms']:11.1f}  {r['cached']:6.1%}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), **report}, f, indent=2)
+    expected = args.num_seqs * args.multi_turn
+    if len(report["turns"]) < expected:
+        print(f"note: {expected - len(report['turns'])} turns did not fit the context")
+    return 0
