@@ -59,6 +59,13 @@ KV_USED = Gauge("nanoserve_kv_blocks_used", "KV cache blocks held by sequences",
                 multiprocess_mode="livesum")
 WORKERS_HEALTHY = Gauge("nanoserve_workers_healthy", "1 while the worker group serves",
                         multiprocess_mode="livesum")
+HOST_KV_TOTAL = Gauge("nanoserve_host_kv_blocks_total",
+                      "Blocks of the prefix cache's host tier (workers' --host-kv-cache-gb)",
+                      multiprocess_mode="livesum")
+HOST_KV_OFFLOADED = Counter("nanoserve_host_kv_offloaded_blocks",
+                            "KV blocks copied to the host tier as they left the device")
+HOST_KV_RESTORED = Counter("nanoserve_host_kv_restored_blocks",
+                           "KV blocks copied back from the host tier for a prefix hit")
 PREEMPTIONS = Counter("nanoserve_preemptions", "Sequences preempted (KV released, recomputed later)")
 STEPS = Counter("nanoserve_steps", "Steps run on the workers (prefill and decode)")
 DECODE_STEPS = Counter("nanoserve_decode_steps", "Decode steps run on the workers")
@@ -112,6 +119,9 @@ class EngineCoreMetrics:
         KV_TOTAL.set(bm.num_blocks)
         KV_USED.set(bm.num_used_blocks)
         WORKERS_HEALTHY.set(int(engine.healthy))
+        HOST_KV_TOTAL.set(bm.num_host_blocks)
+        HOST_KV_OFFLOADED.inc(self._delta("host_offloaded", bm.num_offloaded))
+        HOST_KV_RESTORED.inc(self._delta("host_restored", bm.num_restored))
         PREEMPTIONS.inc(self._delta("preemptions", sched.num_preemptions))
         STEPS.inc(self._delta("steps", stats.num_steps))
         DECODE_STEPS.inc(self._delta("decode_steps", stats.num_decode_steps))
