@@ -3,8 +3,11 @@ use a different adapter, held in one of `num_slots` slots of stacked weights
 (a [num_slots, R, K], b [num_slots, N, R], scale [num_slots]). A LoRA linear layer adds
     y[t] += scale[s] * b[s] @ (a[s] @ x[t]),   s = slot[t]  (slot -1: no adapter)
 in two launches: `lora_shrink` (x [T, K] -> h [T, R] float32) and `lora_expand`
-(h -> y[:, offset:offset+N], added in place; `offset` lets one h feed a slice of a fused
-qkv / gate_up output).
+(h -> y[:, offset:offset+N], added in place; `offset` lets h feed a slice of a wider
+output). A merged layer (q/k/v of qkv_proj, gate/up of gate_up_proj: up to 3 parts) runs
+one shrink over its parts' stacked A (h [T, P*R]) and ONE expand over all its parts:
+b [num_slots, N_0 + .. + N_{P-1}, R] holds the parts' B stacked along N at their output
+columns, and output columns of part p take h's columns p*R..(p+1)*R (`part_sizes`).
 
 Rows are grouped by slot once per step (`lora_rows`, shared by every layer), so that a
 program works on up to BLOCK_M rows of one slot and reads each adapter tile once per row
@@ -17,14 +20,23 @@ at most one partial tile), and programs past the real tile count exit at once. T
 vLLM's grid (row tiles x column tiles x slot, with early exit) flattened: vLLM launches
 cdiv(T, BLOCK_M) row tiles for every slot, num_slots times more programs than needed
 (64 slots x 8192 rows of prefill: ~0.8M mostly-empty programs for one expand).
+Expand's N tiles are numbered part by part (part p owns cdiv(N_p, BLOCK_N) consecutive
+tile ids), so no tile straddles a part boundary whatever the part sizes; a program finds
+its part from its tile id with <= 2 scalar compares against the parts' first tile ids.
 
-Shrink: the whole rank (R <= 64, padded to a power of two >= 16 by masks) is one tile;
-with few row tiles (decode) K is split across programs that atomically add float32
-partial sums into h (zeroed first, which also leaves rows with slot -1 at zero).
+Shrink: the whole rank (R <= 64 per part, padded to a power of two >= 16 by masks) is one
+tile; with few row tiles (decode) K is split across programs that atomically add float32
+partial sums into h, which must then start at zero in the rows of adapters. Without a K
+split the programs store h, and nothing zeroes it: rows of slot -1 keep whatever h held
+(the expand never reads them: its row tiles cover slot rows only). So that a K-split
+shrink needs no memset launch of its own, it can zero another buffer's slot rows on the
+way (`clear`): models/lora.py alternates two zeroed h buffers per step, each shrink
+clearing the one the next layer's shrink accumulates into (one memset per step, not per
+layer).
 Expand: each program owns distinct (row, column) elements of y, so it loads y, adds
 scale * (h @ b^T) in float32 and rounds once, no atomics.
 
-No host synchronisation anywhere (grids come from shapes), so the three functions can be
+No host synchronisation anywhere (grids come from shapes), so these functions can be
 captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -91,20 +103,30 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, rows: LoraRows) -> torch.T
 
 
 def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: LoraRows,
-                    y: torch.Tensor, offset: int = 0) -> None:
-    """h [T, R] float32, b [num_slots, N, R], scale [num_slots] float32, y [T, Ny]:
-    y[t, offset:offset+N] = (y.float() + scale[s] * (b[s] @ h[t])).to(y.dtype), s = slot[t],
-    in place (y may be a strided view); rows with slot -1 untouched."""
-    T, R = h.shape
-    S, N, Rb = b.shape
-    assert Rb == R and rows.num_rows == T and y.shape[0] == T and offset + N <= y.shape[1]
-    yv = y[:, offset:offset + N]
+                    y: torch.Tensor, offset: int = 0,
+                    part_sizes: tuple[int, ...] | None = None) -> None:
+    """h [T, P*R] float32, b [num_slots, N, R], scale [num_slots] float32, y [T, Ny],
+    part_sizes (N_0, .., N_{P-1}) summing to N (default (N,)): for the columns n of part p,
+    y[t, offset+n] = (y.float() + scale[s] * (b[s, n] @ h[t, p*R:(p+1)*R])).to(y.dtype),
+    s = slot[t], in place (y may be a strided view); rows with slot -1 untouched (h's are
+    not read)."""
+    T = h.shape[0]
+    S, N, R = b.shape
+    parts = (N,) if part_sizes is None else tuple(int(n) for n in part_sizes)
+    assert sum(parts) == N and h.shape == (T, len(parts) * R), (h.shape, b.shape, parts)
+    assert rows.num_rows == T and y.shape[0] == T and offset + N <= y.shape[1]
     slot = rows.slot.long()
-    for s in range(S):
-        m = slot == s
-        if bool(m.any()):
-            delta = scale[s].float() * (h[m].float() @ b[s].float().T)
-            yv[m] = (yv[m].float() + delta).to(y.dtype)
+    col = offset
+    for p, n in enumerate(parts):
+        hp = h[:, p * R:(p + 1) * R]
+        bp = b[:, col - offset:col - offset + n]
+        yv = y[:, col:col + n]
+        for s in range(S):
+            m = slot == s
+            if bool(m.any()):
+                delta = scale[s].float() * (hp[m].float() @ bp[s].float().T)
+                yv[m] = (yv[m].float() + delta).to(y.dtype)
+        col += n
 
 
 # --- Triton kernels -----------------------------------------------------------------------
@@ -124,12 +146,15 @@ def _slot_tile(pid_m, Count, num_slots, BLOCK_M: tl.constexpr, SLOTS_P2: tl.cons
 
 
 @triton.jit
-def _shrink_kernel(X, A, H, Order, Count, Start, num_slots, R, K, k_per_split,
+def _shrink_kernel(X, A, H, C, Order, Count, Start, num_slots, R, K, k_per_split, WC,
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ht, stride_hr,
+                   stride_ct, stride_cc,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SLOTS_P2: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_C: tl.constexpr, SLOTS_P2: tl.constexpr, SPLIT_K: tl.constexpr,
+                   CLEAR: tl.constexpr, PRECISION: tl.constexpr):
     """h[rows, :R] (+)= x[rows, k-range] @ a[slot, :R, k-range]^T for one row tile of one
-    slot and one K split (axis 0). SPLIT_K > 1: float32 atomic adds into the zeroed h."""
+    slot and one K split (axis 0). SPLIT_K > 1: float32 atomic adds into h (zero there on
+    entry). CLEAR: the K split 0 programs also zero c[rows, :WC] (another buffer)."""
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     total, slot, tile = _slot_tile(pid_m, Count, num_slots, BLOCK_M, SLOTS_P2)
@@ -140,6 +165,12 @@ def _shrink_kernel(X, A, H, Order, Count, Start, num_slots, R, K, k_per_split,
     offs_m = m_begin + tl.arange(0, BLOCK_M)
     m_mask = offs_m < m_end
     rows = tl.load(Order + offs_m, mask=m_mask, other=0).to(tl.int64)
+    if CLEAR:
+        if pid_k == 0:
+            offs_c = tl.arange(0, BLOCK_C)
+            tl.store(C + rows[:, None] * stride_ct + offs_c[None, :] * stride_cc,
+                     tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32),
+                     mask=m_mask[:, None] & (offs_c < WC)[None, :])
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     offs_k = tl.arange(0, BLOCK_K)
@@ -166,18 +197,34 @@ def _shrink_kernel(X, A, H, Order, Count, Start, num_slots, R, K, k_per_split,
 
 
 @triton.jit
-def _expand_kernel(H, B, Scale, Y, Order, Count, Start, num_slots, R, N,
+def _expand_kernel(H, B, Scale, Y, Order, Count, Start, num_slots, R, E0, T1, O1, E1, T2, O2, E2,
                    stride_ht, stride_hr, stride_bs, stride_bn, stride_br, stride_yt, stride_yn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   SLOTS_P2: tl.constexpr, SPLIT_H: tl.constexpr, PRECISION: tl.constexpr,
-                   RNE_BF16: tl.constexpr):
-    """y[rows, n-tile] = round(y + scale[slot] * h[rows, :R] @ b[slot, n-tile, :R]^T) for one
-    row tile of one slot (axis 1) and one N tile (axis 0); the product in float32."""
+                   SLOTS_P2: tl.constexpr, NUM_PARTS: tl.constexpr, SPLIT_H: tl.constexpr,
+                   PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
+    """y[rows, n-tile] = round(y + scale[slot] * h[rows, p*R:(p+1)*R] @ b[slot, n-tile, :R]^T)
+    for one row tile of one slot (axis 1) and one N tile (axis 0) of part p; the product
+    in float32. Part p (p = 1, 2) owns tile ids from Tp on and columns [Op, Ep); part 0
+    columns [0, E0)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     total, slot, tile = _slot_tile(pid_m, Count, num_slots, BLOCK_M, SLOTS_P2)
     if pid_m >= total:
         return
+    # The tile's part: its first column, the part's end column and its h columns.
+    n0 = pid_n * BLOCK_N
+    n_end = E0
+    h0 = pid_n * 0
+    if NUM_PARTS > 1:
+        in1 = pid_n >= T1
+        n0 = tl.where(in1, O1 + (pid_n - T1) * BLOCK_N, n0)
+        n_end = tl.where(in1, E1, n_end)
+        h0 = tl.where(in1, R, h0)
+    if NUM_PARTS > 2:
+        in2 = pid_n >= T2
+        n0 = tl.where(in2, O2 + (pid_n - T2) * BLOCK_N, n0)
+        n_end = tl.where(in2, E2, n_end)
+        h0 = tl.where(in2, 2 * R, h0)
     m_begin = tl.load(Start + slot) + tile * BLOCK_M
     m_end = tl.load(Start + slot) + tl.load(Count + slot)
     offs_m = m_begin + tl.arange(0, BLOCK_M)
@@ -185,9 +232,9 @@ def _expand_kernel(H, B, Scale, Y, Order, Count, Start, num_slots, R, N,
     rows = tl.load(Order + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    h = tl.load(H + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr,
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_end
+    h = tl.load(H + rows[:, None] * stride_ht + (h0 + offs_r)[None, :] * stride_hr,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     w = tl.load(B + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
                 + offs_r[:, None] * stride_br,
@@ -236,6 +283,15 @@ def _row_tiles(T: int, num_slots: int, block_m: int) -> int:
     return triton.cdiv(T, block_m) + min(T, num_slots)
 
 
+def lora_max_split_k(num_rows: int, num_slots: int, device: torch.device,
+                     block_m: int | None = None) -> int:
+    """The K split lora_shrink picks by default at most (less where K has fewer BLOCK_K
+    chunks): enough programs for two per SM over the row tiles' bound. > 1: the shrink
+    accumulates with atomics (h must start at zero in the rows of adapters); 1: it stores."""
+    tiles = _row_tiles(num_rows, num_slots, block_m or lora_block_m(num_rows))
+    return max(1, (2 * _num_sms(device)) // max(1, tiles))
+
+
 def _block_r(R: int) -> int:
     return max(16, triton.next_power_of_2(R))
 
@@ -246,68 +302,115 @@ def _check_rows(rows: LoraRows, T: int, num_slots: int) -> None:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, rows: LoraRows, *,
+                out: torch.Tensor | None = None, clear: torch.Tensor | None = None,
                 block_m: int | None = None, block_k: int | None = None,
                 split_k: int | None = None, num_warps: int = 4,
                 num_stages: int = 3) -> torch.Tensor:
-    """lora_shrink_ref's values in one Triton launch: x [T, K] (bf16/fp16/fp32, any
-    strides), a [num_slots, R, K] in x's dtype -> h [T, R] float32 (zeros for slot -1).
-    split_k (default: enough programs for two per SM) > 1 accumulates with atomics, so
-    the float32 sums' order (not their precision) varies run to run. The keyword
-    arguments are tuning overrides."""
+    """lora_shrink_ref's values in the rows of adapters, in one Triton launch: x [T, K]
+    (bf16/fp16/fp32, any strides), a [num_slots, R, K] in x's dtype -> h [T, R] float32.
+    split_k (default: min(K's BLOCK_K chunks, lora_max_split_k)) > 1 accumulates with
+    atomics into h, so the float32 sums' order (not their precision) varies run to run,
+    and h must hold zeros in the rows of adapters first; split_k == 1 stores them. Rows of
+    slot -1 are not written: without `out` they are 0 where K is split (h from
+    torch.zeros) and undefined otherwise (torch.empty: no memset launch); lora_expand never
+    reads them.
+    out: h to write (float32 [T, R], any strides), zero in the rows of adapters wherever
+    the call splits K (pass split_k=1 for a buffer that is not).
+    clear: float32 [T, W] (any strides, disjoint from out): zeroed in the rows of adapters
+    by the same launch (the next call's `out`: see models/lora.py).
+    The remaining keyword arguments are tuning overrides."""
     T, K = x.shape
     S, R, Ka = a.shape
     assert Ka == K, (a.shape, x.shape)
     assert a.dtype == x.dtype, (a.dtype, x.dtype)
     _check_rows(rows, T, S)
-    h = torch.zeros(T, R, dtype=torch.float32, device=x.device)
-    if T == 0 or R == 0 or K == 0 or S == 0:
-        return h
     bm = block_m or lora_block_m(T)
     bk = block_k or (64 if bm >= 64 else 128)
-    tiles = _row_tiles(T, S, bm)
     k_chunks = triton.cdiv(K, bk)
     if split_k is None:
-        split_k = max(1, min(k_chunks, (2 * _num_sms(x.device)) // tiles))
+        split_k = lora_max_split_k(T, S, x.device, bm)
     split_k = max(1, min(split_k, k_chunks))
     k_per_split = triton.cdiv(k_chunks, split_k) * bk
-    split_k = triton.cdiv(K, k_per_split)          # no empty splits
-    _shrink_kernel[(split_k, tiles)](
-        x, a, h, rows.order, rows.count, rows.start, S, R, K, k_per_split,
+    split_k = max(1, triton.cdiv(K, k_per_split))      # no empty splits
+    if out is None:
+        h = (torch.zeros if split_k > 1 else torch.empty)(T, R, dtype=torch.float32,
+                                                          device=x.device)
+    else:
+        assert out.shape == (T, R) and out.dtype == torch.float32, (out.shape, out.dtype)
+        h = out
+    if clear is not None:
+        assert clear.dim() == 2 and clear.shape[0] == T and clear.dtype == torch.float32
+    if T == 0 or S == 0:
+        return h
+    if R == 0 or K == 0:        # degenerate: nothing to launch for
+        if K == 0:
+            h.zero_()
+        if clear is not None:
+            clear.zero_()
+        return h
+    c = h if clear is None else clear
+    _shrink_kernel[(split_k, _row_tiles(T, S, bm))](
+        x, a, h, c, rows.order, rows.count, rows.start, S, R, K, k_per_split, c.shape[1],
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-        h.stride(0), h.stride(1),
+        h.stride(0), h.stride(1), c.stride(0), c.stride(1),
         BLOCK_M=bm, BLOCK_R=_block_r(R), BLOCK_K=bk,
+        BLOCK_C=_block_r(c.shape[1]) if clear is not None else 16,
         SLOTS_P2=triton.next_power_of_2(S), SPLIT_K=split_k,
+        CLEAR=clear is not None and clear.shape[1] > 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     return h
 
 
+@functools.lru_cache(maxsize=1024)
+def _part_layout(parts: tuple[int, ...], block_n: int) -> tuple[int, tuple[int, ...]]:
+    """Part sizes -> (N tiles in all, (E0, T1, O1, E1, T2, O2, E2)): part p's first tile id
+    Tp, first column Op and end column Ep (unused parts: past the last tile)."""
+    tiles = [triton.cdiv(n, block_n) for n in parts]
+    total = sum(tiles)
+    first_tile = [sum(tiles[:p]) for p in range(len(parts))]
+    first_col = [sum(parts[:p]) for p in range(len(parts))]
+    args = [parts[0]]
+    for p in (1, 2):
+        if p < len(parts):
+            args += [first_tile[p], first_col[p], first_col[p] + parts[p]]
+        else:
+            args += [total, 0, 0]
+    return total, tuple(args)
+
+
 def lora_expand(h: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: LoraRows,
-                y: torch.Tensor, offset: int = 0, *, block_m: int | None = None,
-                block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                precision: str | None = None) -> None:
-    """lora_expand_ref in one Triton launch: h [T, R] float32, b [num_slots, N, R] (any
-    float dtype), scale [num_slots] float32, y [T, Ny] (bf16/fp16/fp32, any strides, e.g. a
-    column slice of a wider output): y[:, offset:offset+N] += scale * (b @ h), in place,
-    rounded once; rows with slot -1 untouched. The product keeps float32 accuracy: IEEE
-    for fp32 y; for 16-bit y h is split into three bf16 parts multiplied by a bf16 b on the
-    tensor cores ("bf16x3", exact products, float32 sums), or tf32x3 for an fp16 b. Plain
-    tf32 (h rounded to 2^-11) is not enough where y + delta cancels: the rounded sum then
-    misses the reference by more than y's ulp. The keyword arguments are tuning overrides
-    (precision: "bf16x3", "tf32x3", "tf32" or "ieee")."""
-    T, R = h.shape
-    S, N, Rb = b.shape
-    assert Rb == R, (b.shape, h.shape)
+                y: torch.Tensor, offset: int = 0, part_sizes: tuple[int, ...] | None = None,
+                *, block_m: int | None = None, block_n: int | None = None,
+                num_warps: int = 4, num_stages: int = 2, precision: str | None = None) -> None:
+    """lora_expand_ref in one Triton launch: h [T, P*R] float32 (any strides, e.g. a
+    column slice of a wider buffer), b [num_slots, N, R] (any float dtype) holding P <= 3
+    parts' B stacked along N (part_sizes, summing to N; default (N,)), scale [num_slots]
+    float32, y [T, Ny] (bf16/fp16/fp32, any strides, e.g. a column slice of a wider
+    output): y[:, offset+n] += scale * (b[:, n] @ h[:, p*R:(p+1)*R]) for the columns n of
+    part p, in place, rounded once; rows with slot -1 untouched, and their h not read. The
+    product keeps float32 accuracy: IEEE for fp32 y; for 16-bit y h is split into three
+    bf16 parts multiplied by a bf16 b on the tensor cores ("bf16x3", exact products,
+    float32 sums), or tf32x3 for an fp16 b. Plain tf32 (h rounded to 2^-11) is not enough
+    where y + delta cancels: the rounded sum then misses the reference by more than y's
+    ulp. The keyword arguments are tuning overrides (precision: "bf16x3", "tf32x3", "tf32"
+    or "ieee")."""
+    T = h.shape[0]
+    S, N, R = b.shape
+    parts = (N,) if part_sizes is None else tuple(int(n) for n in part_sizes)
+    assert 1 <= len(parts) <= 3 and min(parts) >= 0 and sum(parts) == N, (parts, b.shape)
+    assert h.dim() == 2 and h.shape[1] == len(parts) * R, (h.shape, b.shape, parts)
     assert h.dtype == torch.float32 and scale.dtype == torch.float32 and scale.numel() == S
     assert y.dim() == 2 and y.shape[0] == T and 0 <= offset and offset + N <= y.shape[1], \
         (y.shape, offset, N)
     _check_rows(rows, T, S)
     if T == 0 or N == 0 or S == 0:
         return
-    yv = y[:, offset:offset + N]
+    yv = y[:, offset:offset + N] if offset or N != y.shape[1] else y
     bm = block_m or lora_block_m(T)
     bn = block_n or 128                 # H100 sweep: best or within 5% at T = 1..8192
-    grid = (triton.cdiv(N, bn), _row_tiles(T, S, bm))
+    n_tiles, part_args = _part_layout(parts, bn)
+    grid = (n_tiles, _row_tiles(T, S, bm))
     if precision is None:
         split_h = b.dtype == torch.bfloat16 and y.dtype != torch.float32
         precision = "ieee" if y.dtype == torch.float32 else "tf32x3"
@@ -315,10 +418,10 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: Lor
         split_h = precision == "bf16x3"
         precision = "tf32" if split_h else precision
     _expand_kernel[grid](
-        h, b, scale.reshape(-1), yv, rows.order, rows.count, rows.start, S, R, N,
+        h, b, scale.reshape(-1), yv, rows.order, rows.count, rows.start, S, R, *part_args,
         h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2),
         yv.stride(0), yv.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=_block_r(R), SLOTS_P2=triton.next_power_of_2(S),
-        SPLIT_H=split_h, PRECISION=precision,
+        NUM_PARTS=len(parts), SPLIT_H=split_h, PRECISION=precision,
         RNE_BF16=INTERPRET_ENV and y.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages)

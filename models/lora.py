@@ -1,11 +1,20 @@
 """LoRA adapters on the tensor-parallel linear layers, many at once (multi-LoRA serving).
 
 A targeted layer holds, for each of `max_loras` slots, an adapter's A (stacked over the
-layer's parts: q/k/v of qkv_proj, gate/up of gate_up_proj) and B (one per part), zero
-where an adapter leaves a module out or has a smaller rank than the maximum. One step
-mixes adapters: `LoraContext.rows` maps each token row to its slot (-1: the base model)
-and is shared by every layer, so a forward is y = x W^T + scale[slot] * (x A^T) B^T per
-row, the shrink (x A^T) once per layer for all its parts (kernels/lora.py).
+layer's parts: q/k/v of qkv_proj, gate/up of gate_up_proj) and B (stacked along the
+output at each part's columns), zero where an adapter leaves a module out or has a
+smaller rank than the maximum. One step mixes adapters: `LoraContext.rows` maps each
+token row to its slot (-1: the base model) and is shared by every layer, so a forward is
+y = x W^T + scale[slot] * (x A^T) B^T per row, in two launches per layer whatever its
+parts: one shrink (x A^T) and one expand (kernels/lora.py).
+
+The shrink's h lives in a per-step workspace of the context, not one allocation per layer.
+Where the step's shrinks split K (atomics into h, decode sizes) it is two buffers zeroed
+once per step (one memset) and used in turn: each layer's shrink accumulates into one and
+zeroes the other's rows of adapters, which the next layer's shrink accumulates into (the
+expand that read it ran before, in stream order). Otherwise (no K split) one unzeroed
+buffer serves every layer: the shrink stores h, and the rows of slot -1 it leaves alone
+are never read.
 
 Tensor parallelism needs no collective of its own: column-parallel layers (qkv, gate_up)
 keep A whole and shard B like their output rows; row-parallel layers (o, down) shard A
@@ -14,12 +23,13 @@ the layer's all-reduce adds up with the base GEMM's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from kernels.lora import LoraRows, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from kernels.lora import (LoraRows, lora_expand, lora_expand_ref, lora_max_split_k, lora_shrink,
+                          lora_shrink_ref)
 
 # Hugging Face module name -> (our layer's attribute, its part): q/k/v and gate/up are
 # merged layers here (models/qwen3.py packed_modules_mapping).
@@ -29,14 +39,59 @@ MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
 
 
 @dataclass
+class _Workspace:
+    """One step's h buffers (see the module docstring)."""
+    rows: LoraRows                  # the step they belong to
+    bufs: torch.Tensor              # [2, T, width] zeroed (K split) or [1, T, width] not
+    split: bool                     # the shrinks may split K: ping-pong, each clearing the other
+    turn: int = 0                   # buffer of the next shrink
+    dirty: list[int] = field(default_factory=lambda: [0, 0])   # columns written, per buffer
+
+
+@dataclass
 class LoraContext:
-    """The step's row -> slot grouping (None: no row uses an adapter), set by the runner."""
+    """The step's row -> slot grouping (None: no row uses an adapter), set by the runner,
+    and the step's h workspace (kept here; a new `rows` starts a new one)."""
     rows: LoraRows | None = None
+    width: int = 0                  # the widest layer's h columns (parts x max_rank)
+    _ws: _Workspace | None = field(default=None, repr=False)
+
+    def h_buffers(self, width: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """For the next layer's shrink of this step: (its h [T, width], the buffer to zero
+        on the way or None, whether K may be split). Call once per layer, in launch order.
+        A new `rows` object starts a new workspace (zeroed where K splits): every forward
+        builds its own (the runner's set_rows; cuda_graphs.py inside the captured
+        computation, so a graph's replay runs the memset and the layers' fixed turns)."""
+        rows = self.rows
+        ws = self._ws
+        if ws is None or ws.rows is not rows or ws.bufs.device != device:
+            T = rows.num_rows
+            split = lora_max_split_k(T, rows.num_slots, device) > 1
+            alloc = torch.zeros if split else torch.empty
+            ws = self._ws = _Workspace(rows, alloc(2 if split else 1, T, max(self.width, width),
+                                                   dtype=torch.float32, device=device), split)
+        if ws.bufs.shape[2] < width:        # a layer wider than announced: a fresh step
+            self._ws = None
+            self.width = width
+            return self.h_buffers(width, device)
+        if not ws.split:
+            return ws.bufs[0, :, :width], None, False
+        cur, other = ws.turn, 1 - ws.turn
+        clear = ws.bufs[other, :, :ws.dirty[other]] if ws.dirty[other] else None
+        ws.dirty[other] = 0
+        ws.dirty[cur] = width
+        ws.turn = other
+        return ws.bufs[cur, :, :width], clear, True
 
 
 class LoraSlots:
     """One linear layer's adapter weights for every slot (not module state: no checkpoint
-    holds them)."""
+    holds them): a [S, P*max_rank, in_local] (part p's A at rows p*max_rank..), b
+    [S, sum(parts), max_rank] (part p's B at rows offsets[p]..offsets[p]+parts[p])."""
+
+    use_kernels: bool | None = None     # None: the Triton kernels on CUDA, the references
+                                        # elsewhere (the tests force the kernels on CPU)
 
     def __init__(self, layer: nn.Module, parts: list[int], row_parallel: bool, num_slots: int,
                  max_rank: int, ctx: LoraContext) -> None:
@@ -46,13 +101,15 @@ class LoraSlots:
         self.tp = layer.tp
         self.row_parallel = row_parallel
         self.parts = parts                       # this rank's output rows of each part
+        self.part_sizes = tuple(parts)
         self.offsets = [sum(parts[:i]) for i in range(len(parts))]
         self.in_local = w.shape[1]
         self.max_rank = max_rank
         self.a = torch.zeros(num_slots, len(parts) * max_rank, self.in_local, dtype=dtype,
                              device=w.device)
-        self.b = [torch.zeros(num_slots, n, max_rank, dtype=dtype, device=w.device) for n in parts]
+        self.b = torch.zeros(num_slots, sum(parts), max_rank, dtype=dtype, device=w.device)
         self.scale = torch.zeros(num_slots, dtype=torch.float32, device=w.device)
+        ctx.width = max(ctx.width, len(parts) * max_rank)
 
     def full_shapes(self, part: int) -> tuple[int, int]:
         """(in, out) of one part over all ranks: what a checkpoint's A and B must match."""
@@ -74,12 +131,12 @@ class LoraSlots:
         """Write one adapter's (already sharded) parts into a slot, zeros elsewhere."""
         r_max = self.max_rank
         self.a[slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
+        self.b[slot].zero_()
         for p, (a, b) in parts.items():
-            r = a.shape[0]
+            r, off = a.shape[0], self.offsets[p]
+            assert b.shape == (self.parts[p], r), (b.shape, self.parts[p], r)
             self.a[slot, p * r_max:p * r_max + r].copy_(a, non_blocking=True)
-            self.b[p][slot, :, :r].copy_(b, non_blocking=True)
+            self.b[slot, off:off + self.parts[p], :r].copy_(b, non_blocking=True)
         self.scale[slot] = scale if parts else 0.0
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -88,13 +145,14 @@ class LoraSlots:
         rows = self.ctx.rows
         if rows is None:
             return
-        cuda = x.is_cuda
-        h = (lora_shrink if cuda else lora_shrink_ref)(x, self.a, rows)
-        expand = lora_expand if cuda else lora_expand_ref
-        r = self.max_rank
-        for p, (b, off) in enumerate(zip(self.b, self.offsets)):
-            hp = h if len(self.parts) == 1 else h[:, p * r:(p + 1) * r].contiguous()
-            expand(hp, b, self.scale, rows, y, off)
+        kernels = x.is_cuda if self.use_kernels is None else self.use_kernels
+        if not kernels:
+            h = lora_shrink_ref(x, self.a, rows)
+            lora_expand_ref(h, self.b, self.scale, rows, y, 0, self.part_sizes)
+            return
+        h, clear, split = self.ctx.h_buffers(self.a.shape[1], x.device)
+        lora_shrink(x, self.a, rows, out=h, clear=clear, split_k=None if split else 1)
+        lora_expand(h, self.b, self.scale, rows, y, 0, self.part_sizes)
 
 
 def attach(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoraContext, dict[str, tuple]]:

@@ -6,6 +6,11 @@ Slots are mixed per row, with rows of slot -1 (no adapter) and a slot that has n
 T in {0, 1, 7, 33}, R in {8, 16, 24} (24: rank padded to 32 by masks), K and N not
 multiples of the tiles, so every tile kind is partial somewhere. Each slot's scale and
 weights differ, so a row computed with a neighbour's slot shows (the mutation tests).
+The shrink's h is compared in the rows of adapters only (rows of slot -1 are left
+unwritten without a K split); NaN there shows that the expand never reads them.
+Merged layers: one expand over parts of unequal sizes, h's per-part columns read in
+place, and models/lora.py's LoraSlots on the kernels (its per-step h workspace) against
+its reference path.
 """
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 import pytest
 import torch
 
-from kernels.lora import (LoraRows, lora_expand, lora_expand_ref, lora_rows, lora_shrink,
-                          lora_shrink_ref)
+from kernels.lora import (LoraRows, lora_expand, lora_expand_ref, lora_max_split_k, lora_rows,
+                          lora_shrink, lora_shrink_ref)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -52,10 +57,13 @@ def make_weights(r: int, dtype: torch.dtype, k: int = K, n: int = N, num_slots: 
     return a.to(DEVICE), b.to(DEVICE), scale.to(DEVICE)
 
 
-def assert_h_close(h: torch.Tensor, ref: torch.Tensor) -> None:
+def assert_h_close(h: torch.Tensor, ref: torch.Tensor, slot: torch.Tensor | None = None) -> None:
     """h is float32 either way; only the summation order differs (tensor-core bf16
-    products are exact in float32)."""
+    products are exact in float32). slot: compare the rows of adapters only (the shrink
+    leaves rows of slot -1 unwritten unless it splits K)."""
     assert h.shape == ref.shape and h.dtype == torch.float32
+    if slot is not None:
+        h, ref = h[slot >= 0], ref[slot >= 0]
     torch.testing.assert_close(h, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -152,8 +160,9 @@ def test_shrink_matches_ref(t: int, r: int, dtype: torch.dtype) -> None:
     ref = lora_shrink_ref(x, a, rows)
     for split_k in (None, 1):                 # the default splits K (atomics) on few rows
         h = lora_shrink(x, a, rows, split_k=split_k)
-        assert_h_close(h, ref)
-        assert (h[slot < 0] == 0).all()
+        assert_h_close(h, ref, slot)
+        if split_k is None and t and lora_max_split_k(t, S, x.device) > 1:
+            assert (h[slot < 0] == 0).all()   # split: h came from torch.zeros
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,7 +198,7 @@ def test_shrink_expand_fp16_end_to_end() -> None:
     y = torch.randn(t, N, generator=g).half().to(DEVICE)
     y_ref = y.clone()
     h = lora_shrink(x, a, rows)
-    assert_h_close(h, lora_shrink_ref(x, a, rows))
+    assert_h_close(h, lora_shrink_ref(x, a, rows), slot)
     lora_expand(h, b, scale, rows, y)
     lora_expand_ref(lora_shrink_ref(x, a, rows), b, scale, rows, y_ref)
     assert_y_close(y, y_ref)
@@ -210,7 +219,8 @@ def test_several_tiles_per_slot_and_many_slots(dtype: torch.dtype) -> None:
     x = torch.randn(K, t, generator=g).to(dtype).to(DEVICE).T       # strides (1, t)
     ref = lora_shrink_ref(x, a, rows)
     for split_k in (1, 3):
-        assert_h_close(lora_shrink(x, a, rows, block_m=16, block_k=32, split_k=split_k), ref)
+        assert_h_close(lora_shrink(x, a, rows, block_m=16, block_k=32, split_k=split_k), ref,
+                       slot)
     y = torch.randn(t, N, generator=g).to(dtype).to(DEVICE)
     y_ref = y.clone()
     lora_expand(ref, b, scale, rows, y, block_m=16, block_n=32)
@@ -237,9 +247,9 @@ def test_neighbour_slot_is_detected(dtype: torch.dtype) -> None:
     y_ref = y0.clone()
     lora_expand_ref(h_ref, b, scale, rows, y_ref)
 
-    assert_h_close(lora_shrink(x, a, rows), h_ref)
+    assert_h_close(lora_shrink(x, a, rows), h_ref, slot)
     with pytest.raises(AssertionError):
-        assert_h_close(lora_shrink(x, a, shifted), h_ref)
+        assert_h_close(lora_shrink(x, a, shifted), h_ref, slot)
 
     y = y0.clone()
     lora_expand(h_ref, b, scale, rows, y)
@@ -262,3 +272,178 @@ def test_shape_checks() -> None:
     with pytest.raises(AssertionError):
         lora_expand(torch.zeros(7, 8, device=DEVICE), b, scale, rows,
                     torch.zeros(7, N, device=DEVICE), offset=1)     # N columns past y's end
+
+
+# --- shrink into a given buffer, clearing another ------------------------------------------
+
+@pytest.mark.parametrize("t", [1, 7, 33])
+def test_shrink_out_and_clear(t: int) -> None:
+    """out: split_k 1 stores the rows of adapters and leaves the others (NaN) alone; a K
+    split adds into a zeroed out. clear (a wider, strided buffer) is zeroed in the rows of
+    adapters by the same launch, its other rows and columns untouched."""
+    r = 16
+    slot = make_slots(t, seed=20 + t)
+    rows = lora_rows(slot, S)
+    a, _, _ = make_weights(r, torch.float32, seed=20)
+    x = torch.randn(t, K, generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    ref = lora_shrink_ref(x, a, rows)
+    none = slot < 0
+    for split_k in (1, 2):
+        wide = torch.full((t, r + 8), float("nan"), device=DEVICE)
+        out = wide[:, 4:4 + r]                                     # strided
+        if split_k > 1:
+            out[slot >= 0] = 0
+        cbuf = torch.full((t, 40), 7.0, device=DEVICE)
+        clear = cbuf[:, 2:2 + 35]
+        h = lora_shrink(x, a, rows, out=out, clear=clear, block_k=64, split_k=split_k)
+        assert h.data_ptr() == out.data_ptr()
+        assert_h_close(h, ref, slot)
+        assert torch.isnan(wide[none]).all() and torch.isnan(wide[:, :4]).all()
+        assert (cbuf[slot >= 0][:, 2:37] == 0).all()
+        assert (cbuf[none] == 7).all() and (cbuf[:, :2] == 7).all() and (cbuf[:, 37:] == 7).all()
+
+
+# --- one expand over a merged layer's parts -------------------------------------------------
+
+PARTS = [(64, 32, 32), (96, 96), (40, 24, 72), (48, 0, 40)]
+
+
+def expand_per_part(h, b, scale, rows, y, offset, parts):
+    """The former way: one single-part reference expand per part, on a contiguous copy of
+    the part's h columns."""
+    r, col = b.shape[2], 0
+    for p, n in enumerate(parts):
+        lora_expand_ref(h[:, p * r:(p + 1) * r].contiguous(), b[:, col:col + n].contiguous(),
+                        scale, rows, y, offset + col)
+        col += n
+
+
+@pytest.mark.parametrize("block_n", [None, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, r", [(1, 8), (7, 24), (33, 16)])
+@pytest.mark.parametrize("parts", PARTS)
+def test_expand_parts_matches_ref(parts, t: int, r: int, dtype: torch.dtype, block_n) -> None:
+    """b [S, sum(parts), R], h [T, P*R] a strided column slice with NaN in the rows of
+    slot -1 (never read), y a non-contiguous slice with the layer at an offset. Part
+    boundaries fall inside a 128 (and a 32) column tile: (96, 96), (40, ..)."""
+    n, p = sum(parts), len(parts)
+    slot = make_slots(t, seed=30 + t)
+    rows = lora_rows(slot, S)
+    _, b, scale = make_weights(r, dtype, n=n, seed=30 + r)
+    g = torch.Generator().manual_seed(31 + t)
+    hbuf = torch.randn(t, p * r + 8, generator=g).to(DEVICE)
+    hbuf[slot < 0] = float("nan")
+    h = hbuf[:, 3:3 + p * r]
+    base = torch.randn(t, n + 64, generator=g).to(dtype).to(DEVICE)
+    base_ref, base_old = base.clone(), base.clone()
+    sl = slice(16, 16 + n + 40)
+    y, y_ref, y_old = base[:, sl], base_ref[:, sl], base_old[:, sl]
+    assert t <= 1 or not y.is_contiguous()
+    lora_expand(h, b, scale, rows, y, 24, parts, block_n=block_n)
+    lora_expand_ref(h, b, scale, rows, y_ref, 24, parts)
+    expand_per_part(h, b, scale, rows, y_old, 24, parts)
+    assert_y_close(base_ref, base_old)
+    assert_y_close(base, base_ref)
+    assert not torch.isnan(base.float()).any()
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[:, 40:40 + n] = slot[:, None] < 0
+    assert torch.equal(base[untouched], base_ref[untouched])
+
+
+def test_expand_parts_use_their_own_h_columns() -> None:
+    """Two parts' h columns swapped: the result must differ (each part reads its own)."""
+    t, r, parts = 33, 16, (96, 96)
+    slot = make_slots(t, seed=40)
+    rows = lora_rows(slot, S)
+    _, b, scale = make_weights(r, torch.float32, n=192, seed=40)
+    h = torch.randn(t, 2 * r, generator=torch.Generator().manual_seed(40)).to(DEVICE)
+    y0 = torch.randn(t, 192, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    y_ref, y, y_bad = y0.clone(), y0.clone(), y0.clone()
+    lora_expand_ref(h, b, scale, rows, y_ref, 0, parts)
+    lora_expand(h, b, scale, rows, y, 0, parts)
+    assert_y_close(y, y_ref)
+    lora_expand(torch.cat([h[:, r:], h[:, :r]], 1), b, scale, rows, y_bad, 0, parts)
+    with pytest.raises(AssertionError):
+        assert_y_close(y_bad, y_ref)
+
+
+def test_expand_parts_shape_checks() -> None:
+    rows = lora_rows(make_slots(7), S)
+    _, b, scale = make_weights(8, torch.float32, n=96)
+    y = torch.zeros(7, 96, device=DEVICE)
+    with pytest.raises(AssertionError):
+        lora_expand(torch.zeros(7, 16, device=DEVICE), b, scale, rows, y, 0, (64, 16))  # sum
+    with pytest.raises(AssertionError):
+        lora_expand(torch.zeros(7, 16, device=DEVICE), b, scale, rows, y, 0, (64, 16, 16))
+    with pytest.raises(AssertionError):
+        lora_expand(torch.zeros(7, 32, device=DEVICE), b, scale, rows, y, 0, (24,) * 4)
+
+
+# --- models/lora.py on the kernels ------------------------------------------------------------
+
+def _fake_layer(n_out: int, n_in: int, dtype: torch.dtype):
+    from types import SimpleNamespace
+    return SimpleNamespace(weight=torch.empty(n_out, n_in, dtype=dtype, device=DEVICE),
+                           tp=SimpleNamespace(size=1, rank=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_slots_kernels_match_reference(dtype: torch.dtype, monkeypatch) -> None:
+    """A decoder layer's four LoRA layers (qkv: 3 parts, o, gate_up: 2 parts, down) in
+    launch order on the kernels, against LoraSlots' reference path: one shrink and one
+    expand per layer; steps whose shrinks split K (the two zeroed h buffers in turn, each
+    shrink clearing the next one's: four layers reuse each buffer twice, at different
+    widths) and steps that do not (one unzeroed buffer), each run twice over the same rows
+    (the ping-pong carries on) before a new step's rows."""
+    import models.lora as ml
+    r, num_slots = 16, 3
+    ctx = ml.LoraContext()
+    shapes = [([64, 32, 32], 200, False), ([80], 136, True), ([96, 96], 144, False),
+              ([144], 272, True)]                         # (parts, in, row-parallel)
+    layers = [ml.LoraSlots(_fake_layer(sum(p), k, dtype), p, rp, num_slots, r, ctx)
+              for p, k, rp in shapes]
+    assert ctx.width == 3 * r and all(ls.b.shape == (num_slots, sum(ls.parts), r)
+                                      for ls in layers)
+    g = torch.Generator().manual_seed(50)
+    for s, rank in enumerate((8, 16)):                    # slot 2 stays empty
+        for i, ls in enumerate(layers):
+            k = ls.in_local
+            parts = {p: (torch.randn(rank, k, generator=g) / k ** 0.5,
+                         torch.randn(n, rank, generator=g) / rank ** 0.5)
+                     for p, n in enumerate(ls.parts)
+                     if len(ls.parts) == 1 or (p + s + i) % 3 != 2}   # some left out
+            ls.load(s, {p: (a.to(dtype).to(DEVICE), b.to(dtype).to(DEVICE))
+                        for p, (a, b) in parts.items()}, 0.5 + s)
+    calls = {"shrink": 0, "expand": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ml, "lora_shrink", counted("shrink", ml.lora_shrink))
+    monkeypatch.setattr(ml, "lora_expand", counted("expand", ml.lora_expand))
+    seen = set()
+    for step, t in enumerate([1, 2, 7, 33, 1]):
+        slot = torch.tensor([(i % num_slots) - 1 for i in range(t)], dtype=torch.int32)
+        if t <= 2:
+            slot[0] = step % 2                            # a row of an adapter
+        ctx.rows = lora_rows(slot.to(DEVICE), num_slots)
+        split = lora_max_split_k(t, num_slots, torch.device(DEVICE)) > 1
+        seen.add(split)
+        for rep in range(2):
+            for ls in layers:
+                x = torch.randn(t, ls.in_local, generator=g).to(dtype).to(DEVICE)
+                y0 = torch.randn(t, sum(ls.parts), generator=g).to(dtype).to(DEVICE)
+                y, y_ref = y0.clone(), y0.clone()
+                before = dict(calls)
+                monkeypatch.setattr(ml.LoraSlots, "use_kernels", True)
+                ls.apply(x, y)
+                monkeypatch.setattr(ml.LoraSlots, "use_kernels", False)
+                ls.apply(x, y_ref)
+                assert calls == {"shrink": before["shrink"] + 1, "expand": before["expand"] + 1}
+                assert_y_close(y, y_ref)
+                assert not torch.equal(y[slot >= 0], y0[slot >= 0])
+            assert ctx._ws.split == split and ctx._ws.bufs.shape[0] == (2 if split else 1)
+    assert seen == ({True, False} if INTERPRET else seen)   # a GPU's SMs split K at all t

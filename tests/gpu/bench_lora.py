@@ -1,10 +1,11 @@
-"""The multi-LoRA kernels (kernels/lora.py) at Qwen3-8B shapes on a GPU: time of one layer's
-shrink + expand per module against its base GEMM, and the bytes the kernels must read
-(adapters used by the step + activations) over that time.
+"""The multi-LoRA path (models/lora.py LoraSlots.apply: kernels/lora.py's shrink + expand)
+at Qwen3-8B shapes on a GPU: time per module against its base GEMM, and the bytes the
+kernels must read (adapters used by the step + activations) over that time.
 
     python tests/gpu/bench_lora.py [--rank 16] [--slots 16] [--adapters 16]
 
-Rows are spread evenly over `--adapters` slots. CUDA-event timing of 50 CUDA-graph replays
+Rows are spread evenly over `--adapters` slots. Each module's time includes the step's row
+grouping (lora_rows) and h workspace memset, which a real step pays once, not per module. CUDA-event timing of 50 CUDA-graph replays
 after 10 warm-ups, median of 5 such runs.
 """
 from __future__ import annotations
@@ -14,7 +15,11 @@ import statistics
 
 import torch
 
-from kernels.lora import lora_expand, lora_rows, lora_shrink
+import types
+
+from kernels.lora import lora_rows
+from models.lora import LoraContext, LoraSlots
+from models.parallel import TPGroup
 
 # (name, K, output parts) per module group, Qwen3-8B, TP=1
 MODULES = [("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]),
@@ -58,27 +63,25 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for T in map(int, args.tokens.split(",")):
         slot = (torch.arange(T, device=dev) % args.adapters).to(torch.int32)
-        rows = lora_rows(slot, S)
+        ctx = LoraContext()
         used = min(T, args.adapters)
         for name, K, parts in MODULES:
             N = sum(parts)
             x = torch.randn(T, K, device=dev, dtype=dt)
             w = torch.randn(N, K, device=dev, dtype=dt) * 0.01
-            a = torch.randn(S, len(parts) * r, K, device=dev, dtype=dt) * 0.01
-            bs = [torch.randn(S, n, r, device=dev, dtype=dt) * 0.01 for n in parts]
-            scale = torch.ones(S, device=dev)
+            lora = LoraSlots(types.SimpleNamespace(weight=w, tp=TPGroup()), parts, False, S, r, ctx)
+            lora.a.normal_(std=0.01)
+            lora.b.normal_(std=0.01)
+            lora.scale.fill_(1.0)
             y = torch.empty(T, N, device=dev, dtype=dt)
-            offs = [sum(parts[:i]) for i in range(len(parts))]
 
-            def lora():
-                h = lora_shrink(x, a, rows)
-                for i, (b, off) in enumerate(zip(bs, offs)):
-                    hp = h if len(parts) == 1 else h[:, i * r:(i + 1) * r].contiguous()
-                    lora_expand(hp, b, scale, rows, y, off)
+            def apply():
+                ctx.rows = lora_rows(slot, S)   # per step, as the runner and graphs do
+                lora.apply(x, y)
 
             base_us = timed(lambda: torch.matmul(x, w.t(), out=y)) * 1e3
-            lora_us = timed(lora) * 1e3
-            nbytes = used * (a[0].numel() + sum(b[0].numel() for b in bs)) * 2 + 2 * T * (K + 2 * N) * 2
+            lora_us = timed(apply) * 1e3
+            nbytes = used * (lora.a[0].numel() + lora.b[0].numel()) * 2 + 2 * T * (K + 2 * N) * 2
             print(f"| {name} | {T} | {base_us:.1f} | {lora_us:.1f} | {lora_us / base_us:.2f} | "
                   f"{nbytes / lora_us / 1e3:.0f} |")
 
