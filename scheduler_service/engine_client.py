@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import logging
 from array import array
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
@@ -148,27 +148,21 @@ class EngineClient:
             self.sock.send(ipc.pack([ipc.ABORT, stream.seq_id]))
 
     async def stats(self, timeout: float = 5.0) -> dict:
-        if not self.connected:
-            raise EngineUnavailable("the engine core is not available")
-        req_id = next(self._stats_ids)
-        fut = self._stats[req_id] = asyncio.get_running_loop().create_future()
-        self.sock.send(ipc.pack([ipc.STATS, req_id]))
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable(f"the engine core did not answer in {timeout:g}s") from None
-        finally:
-            self._stats.pop(req_id, None)
+        return await self._ask(timeout, ipc.STATS)
 
     async def change_adapter(self, op: str, name: str, path: str = "",
                              timeout: float = 600.0) -> list | None:
         """Load ("load") or unload a LoRA adapter through the core: None, or the error
         [status code name, message]. Loading reads the files on every worker: slow."""
+        return await self._ask(timeout, ipc.ADAPTER, op, name, path)
+
+    async def _ask(self, timeout: float, kind: int, *args) -> Any:
+        """Send [kind, request id, *args] to the core; its answer's payload."""
         if not self.connected:
             raise EngineUnavailable("the engine core is not available")
         req_id = next(self._stats_ids)
         fut = self._stats[req_id] = asyncio.get_running_loop().create_future()
-        self.sock.send(ipc.pack([ipc.ADAPTER, req_id, op, name, path]))
+        self.sock.send(ipc.pack([kind, req_id, *args]))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

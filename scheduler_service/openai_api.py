@@ -86,6 +86,16 @@ class Request:
     adapter: int = 0             # the LoRA adapter `model` named (0: the base model)
 
 
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise invalid("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    return body
+
+
 def _field(body: dict, name: str, types: tuple, default: Any = None) -> Any:
     value = body.get(name)
     if value is None:
@@ -278,12 +288,7 @@ class OpenAIApi:
 
     async def _change_adapter(self, request: web.Request, op: str) -> web.Response:
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise invalid("the body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise invalid("the body must be a JSON object")
+            body = await _json_body(request)
             name = _field(body, "lora_name", (str,), "")
             path = _field(body, "lora_path", (str,), "") if op == "load" else ""
             change_adapter_checked(self.gen.engine, self.cfg.model_name, op, name, path)
@@ -316,12 +321,7 @@ class OpenAIApi:
                                         f"(this server serves {served})")
 
     async def _parse(self, request: web.Request, chat: bool) -> Request:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise invalid("the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise invalid("the body must be a JSON object")
+        body = await _json_body(request)
         adapter = self._check_model(body.get("model"))
         for name in ("functions", "suffix"):   # refused, not ignored
             if body.get(name):
