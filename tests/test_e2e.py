@@ -80,6 +80,14 @@ def generate(stub, prompt_ids, max_tokens, **sampling):
     return ids, chunks
 
 
+def test_worker_says_where_start_up_went(services):
+    """One line per worker with each start-up phase's seconds (issue 49: find where a cold
+    start goes before cutting it)."""
+    line = next(x for x in services[0].log if "start-up:" in x)
+    for name in ("imports", "attention backend", "weights", "profile run", "total"):
+        assert f"{name} " in line, line
+
+
 def test_concurrent_greedy_streams_match_hf(stub, hf_model):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 389) for _ in range(n)] for n in (1, 7, 8, 9, 23, 40, 70)]

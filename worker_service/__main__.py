@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from nanoserve import cli
 
@@ -183,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.world_size})")
     if args.null:
         return serve_null(args)
+    t0 = time.perf_counter()
     import torch  # after --help, which should not pay for importing torch
 
     from models.parallel import TPGroup
     from worker_service import distributed
-    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.model_runner import ModelRunner, RunnerConfig, phase, phases_line
     from worker_service.server import serve
+    phases = {"imports": time.perf_counter() - t0}
 
     device = args.device or (f"cuda:{args.rank % max(torch.cuda.device_count(), 1)}"
                              if torch.cuda.is_available() else "cpu")
@@ -199,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with open(os.path.join(args.model, "config.json")) as f:
                 distributed.check_tp_config(json.load(f), args.world_size)
-            group = distributed.DistGroup(distributed.DistConfig(
-                rank=args.rank, world_size=args.world_size, init_method=args.dist_init,
-                timeout_s=args.dist_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-                all_reduce=args.all_reduce,
-                backend=distributed.backend_for(torch.device(device))),
-                torch.device(device), distributed.model_fingerprint(args.model))
+            with phase(phases, "rendezvous"):
+                group = distributed.DistGroup(distributed.DistConfig(
+                    rank=args.rank, world_size=args.world_size, init_method=args.dist_init,
+                    timeout_s=args.dist_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                    all_reduce=args.all_reduce,
+                    backend=distributed.backend_for(torch.device(device))),
+                    torch.device(device), distributed.model_fingerprint(args.model))
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"nanoserve worker rank {args.rank}: {e}") from e
         tp, runner_class = group.tp, distributed.TPModelRunner
@@ -220,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)
     serve_metrics(args)
+    # where start-up went (Init adds the KV cache and CUDA graphs: the server logs it)
+    print(f"nanoserve worker rank {args.rank} start-up: "
+          f"{phases_line({**phases, **runner.phases})}", flush=True)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port} ({runner.device}, "
           f"{str(runner.dtype).removeprefix('torch.')}, attention {runner.backend.name}, "
           f"KV cache {runner.kv_cache_dtype_name})", flush=True)

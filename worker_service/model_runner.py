@@ -15,6 +15,7 @@ send step N+1 before it has read step N's ids.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -79,6 +80,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
+@contextlib.contextmanager
+def phase(phases: dict[str, float], name: str):
+    """Time a start-up phase into `phases` (seconds; the worker logs them in one line)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def phases_line(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + \
+        f"; total {sum(phases.values()):.1f} s"
+
+
 def _i32(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<i4")
 
@@ -120,6 +136,7 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup = TPGroup()):
         self.config = config
         self.tp = tp
+        self.phases: dict[str, float] = {}   # start-up (and each Init's) time by phase
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -137,12 +154,14 @@ class ModelRunner:
         shapes = AttentionShapes(num_heads=hf.num_attention_heads // tp.size,
                                  num_kv_heads=max(1, kv_heads // tp.size),
                                  head_dim=_head_dim(hf), dtype=dtype or config_dtype(hf))
-        self.backend = select_backend(config.attention_backend, self.device, shapes=shapes,
-                                      kv_fp8=self.kv_fp8)
+        with phase(self.phases, "attention backend"):
+            self.backend = select_backend(config.attention_backend, self.device, shapes=shapes,
+                                          kv_fp8=self.kv_fp8)
         log.info("attention backend: %s", self.backend.name)
-        self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
-                                                device=self.device, attn_backend=self.backend,
-                                                quantization=config.quantization)
+        with phase(self.phases, "weights"):
+            self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
+                                                    device=self.device, attn_backend=self.backend,
+                                                    quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
         # LoRA slots before the profile run, so the KV budget leaves them their room
         self.adapters = (AdapterStore(self.model, config.max_loras, config.max_lora_rank)
@@ -166,14 +185,16 @@ class ModelRunner:
         self.penalties: PenaltyState | None = None   # rank 0 (it samples): penalized seqs
         self.grammar: GrammarState | None = None     # rank 0: constrained seqs' matchers
         # llguidance's tokenizer (~0.5 s to build for a 150k vocabulary): once, at start.
-        self.grammar_tokenizer = (load_tokenizer(config.model_dir, self.vocab_size, self.eos_token_id)
-                                  if tp.rank == 0 else None)
+        with phase(self.phases, "grammar tokenizer"):
+            self.grammar_tokenizer = (load_tokenizer(config.model_dir, self.vocab_size,
+                                                     self.eos_token_id) if tp.rank == 0 else None)
         self.graphs = None                  # DecodeGraphs, captured at init_kv on CUDA
         self.prefill_graphs = None          # PrefillGraphs, likewise (triton backend)
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
         self._profiling = True
-        self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
+        with phase(self.phases, "profile run"):
+            self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
         self._profiling = False
         self.kv_budget_bytes = self._kv_budget_bytes()
 
