@@ -123,6 +123,53 @@ def test_block_manager_offloads_then_restores():
     assert not bm.take_transfers()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_block_manager_random_traffic_never_serves_wrong_kv(seed):
+    """Random conversations over a tiny device cache and host tier, with a simulated KV
+    store: each computed block holds its prefix's tokens (what real KV depends on), the
+    transfers move those values in the order given, and every block a sequence is handed
+    as cached (GPU or host hit) must hold exactly its prefix. Slots and blocks never leak."""
+    import random
+    rng = random.Random(seed)
+    bs, nb, nh = 4, 10, 6
+    bm = BlockManager(nb, bs, num_host_blocks=nh)
+    gpu: dict[int, tuple] = {}
+    host: dict[int, tuple] = {}
+    histories: list[list[int]] = [[rng.randrange(5) for _ in range(rng.randint(1, 9))]
+                                  for _ in range(4)]
+    live: list[Sequence] = []
+    for _ in range(300):
+        if live and (len(live) > 2 or rng.random() < 0.4):
+            seq = live.pop(rng.randrange(len(live)))
+            bm.deallocate(seq)
+            continue
+        c = rng.randrange(len(histories))
+        tokens = histories[c] + [rng.randrange(5) for _ in range(rng.randint(1, 6))]
+        seq = _seq(rng.randrange(1 << 30), tokens)
+        if not bm.can_allocate(seq):
+            continue
+        bm.allocate(seq)
+        for kind, src, dst in bm.take_transfers():
+            if kind == OFFLOAD:
+                host[dst] = gpu.get(src)
+            else:
+                gpu[dst] = host.get(src)
+        for i in range(seq.num_cached_tokens // bs):
+            assert gpu.get(seq.block_table[i]) == tuple(tokens[:(i + 1) * bs]), \
+                f"block {i} of a hit holds other KV"
+        for i in range(seq.num_cached_tokens // bs, seq.num_blocks(bs)):   # the step computes
+            gpu[seq.block_table[i]] = tuple(tokens[:min((i + 1) * bs, len(tokens))])
+        _commit_all(bm, seq)
+        histories[c] = tokens
+        live.append(seq)
+        assert len(bm.host) + len(bm.host_free) == nh
+        assert len({b.slot for b in bm.host.values()}) == len(bm.host)
+    for seq in live:
+        bm.deallocate(seq)
+    assert bm.num_free_blocks == nb
+    assert bm.num_restored > 0 and bm.num_offloaded > 0
+
+
 # ---- through the services ------------------------------------------------------------------
 
 def _greedy(stub, prompt, n):
