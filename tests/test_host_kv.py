@@ -24,7 +24,7 @@ import transformers
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from scheduler_service.block_manager import OFFLOAD, RESTORE, BlockManager
 from scheduler_service.sequence import Sequence
-from services import ROOT, start_scheduler, start_tp_workers, start_worker
+from services import ROOT, kill, start_scheduler, start_tp_workers, start_worker
 from tiny_checkpoint import tiny_qwen3_dir
 
 BS = 8
@@ -255,3 +255,32 @@ def test_services_tp2_host_tier(model_dir):
             sched.stop()
         for w in workers:
             w.stop()
+
+
+def test_worker_restart_empties_the_host_tier_safely(model_dir):
+    """First turns fill the host tier; the worker is SIGKILLed and a new one (empty host
+    memory) takes its port: the scheduler's index starts empty with it, so the second turns
+    (recomputed, or restored only from what the new worker saved) still equal HF."""
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    extra = ["--host-kv-cache-gb", "0.01"]
+    worker = start_worker(model_dir, extra=extra)
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=BS,
+                                extra=["--num-kv-blocks", "12", "--max-num-seqs", "2"])
+        gen = torch.Generator().manual_seed(2)
+        firsts = [torch.randint(0, 389, (40,), generator=gen).tolist() for _ in range(4)]
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stub = generate_pb2_grpc.GenerationStub(ch)
+            answers = [_greedy(stub, p, 6)[0] for p in firsts]
+            assert stub.GetStats(generate_pb2.StatsRequest()).num_host_kv_offloaded_blocks > 0
+            port = worker.port
+            worker.stop(sig=9)
+            worker = start_worker(model_dir, port=port, extra=extra)
+            for p, a in zip(firsts, answers):
+                second = p + a + [3, 1, 4]
+                assert _greedy(stub, second, 6)[0] == _hf_greedy(hf, second, 6)
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
