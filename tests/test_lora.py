@@ -126,18 +126,42 @@ def test_logits_equal_peft_mixed_batch(model_dir, adapters):
         assert (shifted[i] - want[i]).abs().max() > 1e-3
 
 
-def test_lru_swap_keeps_results(model_dir, adapters):
-    """Two slots, three adapters used in turn: every step loads what it lacks (evicting
-    the least recently used) and still equals PEFT."""
+def test_lru_swap_keeps_results(model_dir, adapters, tmp_path_factory):
+    """Two slots, five adapters used in turn, two at a time: every step loads what it
+    lacks, evicting the least recently used adapter the step does not use, and each row
+    still equals PEFT."""
+    from nanoserve.v1 import worker_pb2
+    extra = {}
+    for i, (name, r, modules) in enumerate([("o4", 4, ["o_proj"]),
+                                           ("ud8", 8, ["up_proj", "down_proj"])]):
+        torch.manual_seed(200 + i)
+        model = peft.get_peft_model(_base(model_dir), peft.LoraConfig(
+            r=r, lora_alpha=r, target_modules=modules, init_lora_weights=False)).eval()
+        path = tmp_path_factory.mktemp(f"lora_{name}")
+        model.save_pretrained(path)
+        extra[name] = (path, model)
+    every = {**adapters, **extra}
     runner = _runner(model_dir, adapters, max_loras=2)
-    prompt = list(range(5, 20))
+    runner.adapters.set_adapters([worker_pb2.Adapter(id=i + 1, name=n, path=str(every[n][0]))
+                                  for i, n in enumerate(every)])
+    prompts = [list(range(5, 20)), list(range(40, 51))]
+    refs = list(every.values())
     with torch.no_grad():
-        want = {i + 1: adapters[n][1](input_ids=torch.tensor([prompt])).logits[0, -1]
-                for i, n in enumerate(ADAPTERS)}
-    for step, a in enumerate([1, 2, 3, 1, 3, 2, 2, 1], start=1):
-        got = _prefill_logits(runner, [prompt], [a], step_id=step)
-        torch.testing.assert_close(got[0], want[a], rtol=1e-4, atol=1e-4)
-        assert a in runner.adapters.slot_of and len(runner.adapters.slot_of) <= 2
+        want = {(a, j): refs[a - 1][1](input_ids=torch.tensor([prompts[j]])).logits[0, -1]
+                for a in range(1, 6) for j in range(2)}
+    pairs = [(1, 2), (3, 4), (5, 1), (2, 3), (4, 4), (5, 2), (1, 5)]
+    lru: list[int] = []   # the expected residents, least recently used first
+    for step, (a, b) in enumerate(pairs, start=1):
+        got = _prefill_logits(runner, prompts, [a, b], step_id=step)
+        torch.testing.assert_close(got[0], want[(a, 0)], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want[(b, 1)], rtol=1e-4, atol=1e-4)
+        used = sorted({a, b})
+        lru = [x for x in lru if x not in used] + [x for x in used if x in lru]
+        for x in (x for x in used if x not in lru):
+            if len(lru) == 2:
+                lru.pop(next(i for i, y in enumerate(lru) if y not in used))
+            lru.append(x)
+        assert list(runner.adapters.slot_of) == lru
 
 
 def test_bad_adapters_refused(model_dir, adapters, tmp_path):
