@@ -13,12 +13,20 @@ Rules that keep reuse correct:
   * A hit is verified exactly, never trusted to the hash alone (see `_lookup`).
 
 Host tier (`num_host_blocks` > 0: the workers' --host-kv-cache-gb): a registered block
-about to be overwritten (handed out fresh) is first copied to a host slot, and the host
-index (hash -> slot, LRU) remembers what it held; a prefix that misses the GPU tier but
-hits the host tier gets fresh blocks whose KV is copied back before the step's forward.
-The copies are `transfers`, (kind, source, destination) in the order they were decided,
-which the engine sends with the next step and the workers run first, in that order: a
-block is saved before it is reused, and a host slot is read before it is reused.
+is copied to a host slot when its last user frees it, and the host index (hash -> slot,
+LRU) remembers what it held; a prefix that misses the GPU tier but hits the host tier gets
+fresh blocks whose KV is copied back. The copies are `transfers`, (kind, source,
+destination) in the order they were decided, which the engine sends with the next step.
+Workers run a step's copies on a copy stream, in order, after the steps before it and
+beside its own forward (off the critical path); the next step's forward waits for them.
+So the rules here:
+  * a block being saved is not handed out until the step carrying its copy was built
+    (`take_transfers`): its own step never writes it. Where no other block is free, it is
+    handed out anyway and the step is marked synchronous (its forward waits for the copies);
+  * a sequence whose blocks come back from the host tier waits a step (`restoring`): the
+    scheduler runs it in a later step, or in the same one marked synchronous when there is
+    nothing else to run;
+  * a host slot is read before it is reused (the copy stream keeps the order).
 """
 from __future__ import annotations
 
@@ -99,6 +107,9 @@ class BlockManager:
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.transfers: list[tuple[int, int, int]] = []   # for the next step (see above)
         self._reading: set[int] = set()   # host slots the pending transfers restore from
+        self._saving: dict[int, int] = {}   # freed blocks being saved -> their host slot
+        self._sync = False   # a saving block was handed out: the step waits for its copies
+        self.restoring: set[int] = set()    # seq ids whose restores are in `transfers`
         self.num_offloaded = self.num_restored = 0        # blocks copied, each way
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -112,17 +123,17 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self._saving)   # saving ones: see _take_saving
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     # ---- allocation ---------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Conservative: ignores prefix hits (a hit on a free block still takes one)."""
-        return seq.num_blocks(self.block_size) <= len(self.free_block_ids)
+        return seq.num_blocks(self.block_size) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> None:
         """Build seq's block table over all its tokens, reusing cached leading blocks."""
@@ -135,7 +146,9 @@ class BlockManager:
             block = self._lookup(tuple(seq.block_tokens(i, bs)), parent, root)
             if block is None:
                 break  # chained: after one miss nothing further can match
-            if block.ref_count == 0:
+            if block.ref_count == 0 and block.block_id in self._saving:
+                self._saving_hit(block.block_id)   # being saved, and reused as it is
+            elif block.ref_count == 0:
                 del self.free_block_ids[block.block_id]  # freed but still holding its KV
             block.ref_count += 1
             seq.block_table.append(block.block_id)
@@ -146,6 +159,7 @@ class BlockManager:
                 block = self._restore(held)
                 seq.block_table.append(block.block_id)
                 num_hits += 1
+                self.restoring.add(seq.seq_id)
         for _ in range(num_hits, seq.num_blocks(bs)):
             seq.block_table.append(self._take_fresh_block())
         seq.num_cached_tokens = num_hits * bs
@@ -153,7 +167,7 @@ class BlockManager:
         seq.num_hashed_blocks = num_hits
 
     def can_append(self, seq: Sequence) -> bool:
-        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or bool(self.free_block_ids)
+        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or bool(self.num_free_blocks)
 
     def may_append(self, seq: Sequence) -> int | None:
         """Give the last token (about to be computed by a decode step) a block if it has
@@ -200,27 +214,48 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} released twice"
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+                if not (self.num_host_blocks and block.hash is not None and self._offload(block)):
+                    self.free_block_ids[block_id] = None   # else: free once its copy is sent
         seq.block_table.clear()
+        self.restoring.discard(seq.seq_id)
         seq.num_cached_tokens = 0
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
     # ---- host tier ----------------------------------------------------------------
 
-    def take_transfers(self) -> list[tuple[int, int, int]]:
-        """The copies the next step must run before its forward (and forget them)."""
-        out, self.transfers = self.transfers, []
+    def take_transfers(self) -> tuple[list[tuple[int, int, int]], bool]:
+        """The copies the step being built carries, and whether its forward must wait for
+        them (a block being saved was handed out to it); forgets them: the blocks they save
+        are free from now on, the sequences they restore may run from the next step."""
+        out, sync, self.transfers, self._sync = self.transfers, self._sync, [], False
         self._reading.clear()
-        return out
+        for block_id in self._saving:
+            self.free_block_ids[block_id] = None
+        self._saving.clear()
+        self.restoring.clear()
+        return out, sync
 
-    def _offload(self, block: Block) -> None:
-        """Save a registered block's KV to a host slot (the least recently used one when
-        none is free), unless the host tier already holds the same contents."""
+    def _saving_hit(self, block_id: int) -> None:
+        """A block being saved is hit as it is (its KV stays put; the copy goes on)."""
+        del self._saving[block_id]
+
+    def _take_saving(self) -> int:
+        """No free block is left but blocks being saved: the oldest, its copy kept, and the
+        step synchronous (its forward overwrites the block only after the copy)."""
+        block_id = next(iter(self._saving))
+        del self._saving[block_id]
+        self._sync = True
+        return block_id
+
+    def _offload(self, block: Block) -> bool:
+        """Save a freed registered block's KV to a host slot (the least recently used one
+        when none is free), unless the host tier already holds the same contents. True
+        when a copy was queued (the block waits for its step, see take_transfers)."""
         held = self.host.get(block.hash)
         if held is not None and held.content_id == block.content_id:
             self.host.move_to_end(block.hash)
-            return
+            return False
         if held is not None:   # same hash, other contents (a collision): replace it
             del self.host[block.hash]
             self.host_free.append(held.slot)
@@ -229,12 +264,14 @@ class BlockManager:
         else:   # the least recently used slot no pending restore reads
             victim = next((h for h, b in self.host.items() if b.slot not in self._reading), None)
             if victim is None:
-                return   # every slot is being read: this block's KV is dropped
+                return False   # every slot is being read: this block's KV is dropped
             slot = self.host.pop(victim).slot
         self.host[block.hash] = HostBlock(slot, block.hash, block.token_ids, block.content_id,
                                           block.parent_content_id)
         self.transfers.append((OFFLOAD, block.block_id, slot))
+        self._saving[block.block_id] = slot
         self.num_offloaded += 1
+        return True
 
     def _host_chain(self, seq: Sequence, start: int, parent: Block | None,
                     root: tuple[int | None, int | None]) -> list[HostBlock]:
@@ -289,11 +326,12 @@ class BlockManager:
 
     def _take_fresh_block(self) -> int:
         """Pop the oldest free block and forget what it held: it is about to be overwritten
-        (with a host tier, its KV is saved there first)."""
-        block_id, _ = self.free_block_ids.popitem(last=False)  # KeyError if none: caller checks
+        (with a host tier, its KV was saved when it was freed)."""
+        if not self.free_block_ids and self._saving:
+            block_id = self._take_saving()
+        else:
+            block_id, _ = self.free_block_ids.popitem(last=False)  # KeyError if none: caller checks
         block = self.blocks[block_id]
-        if block.hash is not None and self.num_host_blocks:
-            self._offload(block)
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
         block.reset()

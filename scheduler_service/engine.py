@@ -250,8 +250,10 @@ class Engine:
         self._step_id += 1
         req = worker_pb2.StepRequest(step_id=self._step_id)
         bm = self.scheduler.block_manager
-        if bm.transfers:   # host-tier copies this step's blocks need first (block_manager.py)
-            req.kv_transfers_i32 = array("i", [v for t in bm.take_transfers() for v in t]).tobytes()
+        if bm.transfers:   # host-tier copies (block_manager.py), beside this step's forward
+            ops, sync = bm.take_transfers()
+            req.kv_transfers_i32 = array("i", [v for t in ops for v in t]).tobytes()
+            req.kv_transfers_sync = sync or batch.sync_transfers
         known = self._known
         released = [s for s in self.scheduler.drain_released() if s in known]
         if released:

@@ -59,6 +59,9 @@ class Batch:
     # workers learn only those (a prefill sends whole tables of new sequences).
     new_blocks: list[tuple[int, int]] = field(default_factory=list)
     seq_ids: list[int] | None = None   # decode: the seqs' ids, once the engine built the step
+    # The step's host-tier copies must finish before its forward (block_manager.py: a
+    # sequence restored with nothing else to run)
+    sync_transfers: bool = False
     # Decode: the tokens proposed for each seq (a verify step), None when none were.
     proposals: list[list[int]] | None = None
     num_rows: int = 0   # decode: rows of the step (a sequence each, more for run-ahead tokens)
@@ -198,6 +201,8 @@ class Scheduler:
                 bm.allocate(seq)
                 if seq.usage_cached_tokens is None:
                     seq.usage_cached_tokens = seq.num_cached_tokens
+                if seq.seq_id in bm.restoring and (seqs or self.running):
+                    break   # its KV comes back from the host tier beside this step: next one
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seq.num_scheduled_tokens = chunk
             budget -= chunk
@@ -209,7 +214,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return Batch(seqs, is_prefill=True, sample=sample) if seqs else None
+        if not seqs:
+            return None
+        return Batch(seqs, is_prefill=True, sample=sample,   # nothing else to run: wait for it
+                     sync_transfers=any(s.seq_id in bm.restoring for s in seqs))
 
     def _schedule_decode(self) -> Batch | None:
         cfg, bm = self.config, self.block_manager

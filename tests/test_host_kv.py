@@ -93,81 +93,125 @@ def _commit_all(bm, seq):
     bm.commit(seq)
 
 
-def test_block_manager_offloads_then_restores():
-    """a's three full blocks go to host slots when b takes them; a's prefix then comes
-    back from those slots into fresh blocks, registered as cached; b's blocks, evicted by
-    that, are saved to other slots than the ones being read."""
-    bm = BlockManager(4, 4, num_host_blocks=3)
-    a = _seq(1, range(100, 113))        # 3 full blocks + 1 token
+def test_block_manager_saves_on_free_and_restores_a_step_ahead():
+    """a's full blocks are saved to host slots as a frees them and stay out of the free
+    list until that step is built; once another prompt evicted them from the device, a's
+    prefix comes back from those slots into fresh blocks, registered as cached, and waits
+    a step (`restoring`)."""
+    bm = BlockManager(4, 4, num_host_blocks=5)   # a's two blocks and c's three
+    a = _seq(1, range(100, 109))        # 2 full blocks + 1 token
     bm.allocate(a)
     _commit_all(bm, a)
-    a_full = a.block_table[:3]
+    a_full = a.block_table[:2]
     bm.deallocate(a)
-    b = _seq(2, range(200, 213))        # takes every block
-    bm.allocate(b)
-    moved = bm.take_transfers()
-    assert sorted(k for k, _, _ in moved) == [OFFLOAD] * 3
-    assert sorted(blk for _, blk, _ in moved) == sorted(a_full)
-    slot_of = {blk: slot for _, blk, slot in moved}
-    _commit_all(bm, b)
-    bm.deallocate(b)
-    again = _seq(3, list(range(100, 113)) + [7])   # a's prefix: host hits, not GPU hits
+    assert bm.num_free_blocks == 4 and len(bm.free_block_ids) == 2   # two being saved
+    saved, sync = bm.take_transfers()
+    assert not sync and sorted((k, blk) for k, blk, _ in saved) == [(OFFLOAD, b) for b in sorted(a_full)]
+    slot_of = {blk: slot for _, blk, slot in saved}
+    assert len(bm.free_block_ids) == 4
+    c = _seq(4, range(300, 313))        # takes every block: a's leave the device
+    bm.allocate(c)
+    assert bm.take_transfers() == ([], False)
+    _commit_all(bm, c)
+    bm.deallocate(c)
+    bm.take_transfers()
+    again = _seq(3, list(range(100, 109)) + [7])
     bm.allocate(again)
-    assert again.num_cached_tokens == 12 and bm.num_restored == 3
-    ops = bm.take_transfers()
+    assert again.num_cached_tokens == 8 and again.seq_id in bm.restoring
+    ops, sync = bm.take_transfers()
     restores = [(src, dst) for k, src, dst in ops if k == RESTORE]
-    assert [src for src, _ in restores] == [slot_of[blk] for blk in a_full]
-    assert [dst for _, dst in restores] == again.block_table[:3]
-    written = {dst for k, _, dst in ops if k == OFFLOAD}
-    assert not written & {src for src, _ in restores}   # no slot written and read in one step
-    assert not bm.take_transfers()
+    assert [src for src, _ in restores] == [slot_of[b] for b in a_full]
+    assert [dst for _, dst in restores] == again.block_table[:2]
+    assert not sync and not bm.restoring      # it may run from the next step on
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_block_manager_random_traffic_never_serves_wrong_kv(seed):
-    """Random conversations over a tiny device cache and host tier, with a simulated KV
-    store: each computed block holds its prefix's tokens (what real KV depends on), the
-    transfers move those values in the order given, and every block a sequence is handed
-    as cached (GPU or host hit) must hold exactly its prefix. Slots and blocks never leak."""
+def test_block_manager_cornered_step_waits_for_its_copies():
+    """Every free block is being saved and a new prompt needs them now: it gets them, and
+    its step is marked synchronous (the forward overwrites them after the copies)."""
+    bm = BlockManager(4, 4, num_host_blocks=4)
+    d = _seq(5, range(400, 413))        # 3 full blocks + 1
+    bm.allocate(d)
+    _commit_all(bm, d)
+    bm.deallocate(d)                    # 3 being saved, 1 free
+    e = _seq(6, range(500, 510))        # needs 3 blocks now
+    assert bm.can_allocate(e)
+    bm.allocate(e)
+    ops, sync = bm.take_transfers()
+    assert sync and sorted(k for k, _, _ in ops) == [OFFLOAD] * 3
+
+
+def test_block_manager_random_traffic_never_serves_wrong_kv():
+    restored = sum(_random_traffic(seed) for seed in range(8))
+    assert restored > 10   # the host tier was exercised, not only the device
+
+
+def _random_traffic(seed: int) -> int:
+    """Random conversations over a tiny device cache and host tier, step by step, with a
+    simulated KV store: each computed block holds its prefix's tokens, and a step's copies
+    run beside its forward, so they are applied before or after it at random (both must
+    give the same answers) unless the step is synchronous. Sequences restored in a step run
+    in the next. Every block a sequence reads as cached holds exactly its prefix; no block
+    or slot leaks."""
     import random
     rng = random.Random(seed)
-    bs, nb, nh = 4, 10, 6
+    bs, nb, nh = 4, 10, 8
     bm = BlockManager(nb, bs, num_host_blocks=nh)
     gpu: dict[int, tuple] = {}
     host: dict[int, tuple] = {}
     histories: list[list[int]] = [[rng.randrange(5) for _ in range(rng.randint(1, 9))]
-                                  for _ in range(4)]
+                                  for _ in range(8)]
     live: list[Sequence] = []
-    for _ in range(300):
-        if live and (len(live) > 2 or rng.random() < 0.4):
-            seq = live.pop(rng.randrange(len(live)))
-            bm.deallocate(seq)
-            continue
-        c = rng.randrange(len(histories))
-        tokens = histories[c] + [rng.randrange(5) for _ in range(rng.randint(1, 6))]
-        seq = _seq(rng.randrange(1 << 30), tokens)
-        if not bm.can_allocate(seq):
-            continue
-        bm.allocate(seq)
-        for kind, src, dst in bm.take_transfers():
+    deferred: list[tuple[Sequence, int]] = []
+
+    def copy(ops):
+        for kind, src, dst in ops:
             if kind == OFFLOAD:
                 host[dst] = gpu.get(src)
             else:
                 gpu[dst] = host.get(src)
+
+    def compute(seq):
+        tokens = seq.token_ids
         for i in range(seq.num_cached_tokens // bs):
             assert gpu.get(seq.block_table[i]) == tuple(tokens[:(i + 1) * bs]), \
                 f"block {i} of a hit holds other KV"
-        for i in range(seq.num_cached_tokens // bs, seq.num_blocks(bs)):   # the step computes
+        for i in range(seq.num_cached_tokens // bs, seq.num_blocks(bs)):
             gpu[seq.block_table[i]] = tuple(tokens[:min((i + 1) * bs, len(tokens))])
         _commit_all(bm, seq)
-        histories[c] = tokens
-        live.append(seq)
+
+    for _ in range(400):
+        for _ in range(rng.randint(0, 2)):    # some finish
+            if live:
+                bm.deallocate(live.pop(rng.randrange(len(live))))
+        now, deferred = deferred, []
+        for _ in range(rng.randint(0, 2)):    # some arrive
+            c = rng.randrange(len(histories))
+            seq = _seq(rng.randrange(1 << 30), histories[c] + [rng.randrange(5)
+                                                               for _ in range(rng.randint(1, 6))])
+            if len(live) + len(now) > 3 or not bm.can_allocate(seq):
+                continue
+            bm.allocate(seq)
+            (deferred if seq.seq_id in bm.restoring else now).append((seq, c))
+        ops, sync = bm.take_transfers()
+        if sync or rng.random() < 0.5:
+            copy(ops)
+            for seq, _ in now:
+                compute(seq)
+        else:
+            for seq, _ in now:
+                compute(seq)
+            copy(ops)
+        for seq, c in now:
+            histories[c] = seq.token_ids
+            live.append(seq)
         assert len(bm.host) + len(bm.host_free) == nh
         assert len({b.slot for b in bm.host.values()}) == len(bm.host)
-    for seq in live:
+    for seq in live + [s for s, _ in deferred]:
         bm.deallocate(seq)
-    assert bm.num_free_blocks == nb
-    assert bm.num_restored > 0 and bm.num_offloaded > 0
+    bm.take_transfers()
+    assert bm.num_free_blocks == nb == len(bm.free_block_ids)
+    assert bm.num_offloaded > 0
+    return bm.num_restored
 
 
 # ---- through the services ------------------------------------------------------------------
@@ -284,3 +328,46 @@ def test_worker_restart_empties_the_host_tier_safely(model_dir):
         if sched:
             sched.stop()
         worker.stop()
+
+
+def test_scheduler_runs_a_restored_prompt_a_step_later_or_synchronously():
+    """A prompt whose prefix comes back from the host tier is left out of the step that
+    carries its copies while others run (it goes in the next one); alone, it runs at once
+    in a step marked synchronous."""
+    from scheduler_service.scheduler import Scheduler, SchedulerConfig
+    from scheduler_service.sequence import SamplingOptions
+
+    def run(sched, batch, token=3):
+        sched.block_manager.take_transfers()   # what the engine does building the step
+        sched.postprocess(batch, [token] * sum(batch.sample))
+
+    s = Scheduler(SchedulerConfig(num_kv_blocks=6, block_size=4, num_host_kv_blocks=8,
+                                  max_model_len=64))
+    opts = dict(max_tokens=1, ignore_eos=True)
+    s.add(Sequence(1, list(range(100, 109)), SamplingOptions(**opts)))   # 2 full blocks
+    run(s, s.schedule())                                                   # prefill, done
+    s.add(Sequence(2, list(range(200, 221)), SamplingOptions(**opts)))   # evicts 1's blocks
+    run(s, s.schedule())
+    # a long-running sequence keeps a step going every time
+    s.add(Sequence(3, [9, 9], SamplingOptions(max_tokens=50, ignore_eos=True)))
+    run(s, s.schedule())
+    s.add(Sequence(4, list(range(100, 109)) + [5], SamplingOptions(**opts)))
+    batch = s.schedule()
+    assert [q.seq_id for q in batch.seqs] == [3] and not batch.sync_transfers
+    ops, sync = s.block_manager.take_transfers()
+    assert any(k == RESTORE for k, _, _ in ops) and not sync
+    s.postprocess(batch, [3] * sum(batch.sample))
+    nxt = s.schedule()
+    four = next(q for q in nxt.seqs if q.seq_id == 4)
+    assert four.num_cached_tokens == 8 and four.num_scheduled_tokens == 2
+    # alone: runs at once, synchronously
+    s2 = Scheduler(SchedulerConfig(num_kv_blocks=6, block_size=4, num_host_kv_blocks=8,
+                                   max_model_len=64))
+    s2.add(Sequence(1, list(range(100, 109)), SamplingOptions(**opts)))
+    run(s2, s2.schedule())
+    s2.add(Sequence(2, list(range(200, 221)), SamplingOptions(**opts)))
+    run(s2, s2.schedule())
+    s2.add(Sequence(4, list(range(100, 109)) + [5], SamplingOptions(**opts)))
+    batch = s2.schedule()
+    assert [q.seq_id for q in batch.seqs] == [4] and batch.sync_transfers
+    assert batch.seqs[0].num_cached_tokens == 8

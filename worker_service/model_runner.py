@@ -179,6 +179,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.host_kv: torch.Tensor | None = None       # host tier: [2, layers, slots, ...]
         self.host_scales: torch.Tensor | None = None   # fp8: its per-token scales
+        self.copy_stream = None      # CUDA: the host tier's copies run here, beside forwards
+        self._copies_done = None     # CUDA event: the last step's copies (the next waits)
         self.kv_scales: torch.Tensor | None = None   # fp8: [2, layers, blocks, block_size] fp32
         self.block_size = 0
         self.table: SeqTable | None = None  # per-sequence state, reset by init_kv
@@ -261,6 +263,9 @@ class ModelRunner:
         """(Re)allocate the KV cache (and its host tier); forgets every sequence."""
         self._bind_device()
         self.kv_cache = self.kv_scales = self.host_kv = self.host_scales = None
+        if self.copy_stream is not None:   # copies in flight must not outlive their buffers
+            self.copy_stream.synchronize()
+        self._copies_done = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
             layer.k_scale = layer.v_scale = None
@@ -348,8 +353,12 @@ class ModelRunner:
         self._bind_device()
         pending = PendingStep(req.step_id, time.perf_counter())
         plan = self.table.plan(req)
+        if self._copies_done is not None:   # the previous step's host-tier copies
+            torch.cuda.current_stream(self.device).wait_event(self._copies_done)
+            self._copies_done = None
         if req.kv_transfers_i32:
-            self._transfer(np.frombuffer(req.kv_transfers_i32, "<i4").reshape(-1, 3))
+            self._transfer(np.frombuffer(req.kv_transfers_i32, "<i4").reshape(-1, 3),
+                           req.kv_transfers_sync)
         if self.penalties is not None:
             self.penalties.update(req)
         if self.grammar is not None:
@@ -378,25 +387,48 @@ class ModelRunner:
             self.grammar.sampled(samples.constrained, _host_ids(pending))
         return pending
 
-    def _transfer(self, ops: np.ndarray) -> None:
-        """The host tier's copies, in order, queued before the step's forward (stream
-        order: after the previous step's writes, before this one's). (0, block, slot):
-        block -> host slot; (1, slot, block): host slot -> block."""
+    def _transfer(self, ops: np.ndarray, sync: bool = False) -> None:
+        """The host tier's copies, in order: (0, block, slot) block -> host slot; (1, slot,
+        block) host slot -> block. On CUDA they run on a copy stream after everything queued
+        so far (the steps before) and beside this step's forward, which the scheduler keeps
+        off those blocks; the next step waits for them (sync: this one does). On a CPU they
+        run at once."""
         if self.host_kv is None:
             raise StepError("kv transfers sent, but this worker has no host tier")
         nb, nh = self.kv_cache.shape[2], self.host_kv.shape[2]
+        checked = []
         for kind, a, b in ops.tolist():
             block, slot = (a, b) if kind == 0 else (b, a)
             if kind not in (0, 1) or not 0 <= block < nb or not 0 <= slot < nh:
                 raise StepError(f"bad kv transfer ({kind}, {a}, {b}): {nb} blocks, {nh} slots")
-            pairs = [(self.kv_cache, self.host_kv)]
-            if self.host_scales is not None:
-                pairs.append((self.kv_scales, self.host_scales))
-            for dev, host in pairs:
-                if kind == 0:
-                    host[:, :, slot].copy_(dev[:, :, block], non_blocking=True)
-                else:
-                    dev[:, :, block].copy_(host[:, :, slot], non_blocking=True)
+            checked.append((kind, block, slot))
+        pairs = [(self.kv_cache, self.host_kv)]
+        if self.host_scales is not None:
+            pairs.append((self.kv_scales, self.host_scales))
+
+        def copies() -> None:
+            for kind, block, slot in checked:
+                for dev, host in pairs:
+                    if kind == 0:
+                        host[:, :, slot].copy_(dev[:, :, block], non_blocking=True)
+                    else:
+                        dev[:, :, block].copy_(host[:, :, slot], non_blocking=True)
+
+        if self.device.type != "cuda":
+            copies()
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            copies()
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        if sync:
+            compute.wait_event(done)
+        else:
+            self._copies_done = done
 
     def finish(self, pending: PendingStep) -> worker_pb2.StepResponse:
         """Wait for a launched step and answer it."""
