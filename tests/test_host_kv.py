@@ -24,7 +24,7 @@ import transformers
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from scheduler_service.block_manager import OFFLOAD, RESTORE, BlockManager
 from scheduler_service.sequence import Sequence
-from services import ROOT, kill, start_scheduler, start_tp_workers, start_worker
+from services import ROOT, free_port, start_scheduler, start_tp_workers, start_worker
 from tiny_checkpoint import tiny_qwen3_dir
 
 BS = 8
@@ -256,13 +256,21 @@ def _conversations(stub, hf):
 
 def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
     hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    worker = start_worker(model_dir, extra=["--host-kv-cache-gb", "0.01"])
+    metrics = free_port()
+    worker = start_worker(model_dir, extra=["--host-kv-cache-gb", "0.01",
+                                            "--metrics-port", str(metrics)])
     sched = None
     try:
         sched = start_scheduler(model_dir, [worker.port], block_size=BS,
                                 extra=["--num-kv-blocks", "12", "--max-num-seqs", "2"])
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
             stats, cached = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+        import urllib.request
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+        moved = {d: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(
+            f'nanoserve_worker_host_kv_bytes_total{{direction="{d}",rank="0"}}')))
+            for d in ("to_host", "to_device")}
+        assert moved["to_device"] > 0 and moved["to_host"] > 0
         assert stats.num_host_kv_blocks > 12
         assert stats.num_host_kv_offloaded_blocks > 0 and stats.num_host_kv_restored_blocks >= 4
         assert cached >= 4 * 48 // BS * BS * 3 // 4   # most of each history came back

@@ -21,6 +21,10 @@ STEP_FAILURES = Counter("nanoserve_worker_step_failures", "Steps answered with a
                         ["rank"])
 KV_BLOCKS = Gauge("nanoserve_worker_kv_blocks", "KV cache blocks allocated by the last Init",
                   ["rank"])
+HOST_KV_BYTES = Counter("nanoserve_worker_host_kv_bytes",
+                        "KV bytes copied between the device and the host tier, by direction "
+                        "(to_host: saved; to_device: restored for a prefix hit)",
+                        ["rank", "direction"])
 KV_CAPACITY_TOKENS = Gauge("nanoserve_worker_kv_capacity_tokens",
                            "Tokens the allocated KV cache holds (blocks x block size)", ["rank"])
 
@@ -33,6 +37,14 @@ class WorkerMetrics:
         self.step, self.gpu = STEP_SECONDS.labels(r), GPU_SECONDS.labels(r)
         self.failures = STEP_FAILURES.labels(r)
         self.kv_blocks, self.kv_tokens = KV_BLOCKS.labels(r), KV_CAPACITY_TOKENS.labels(r)
+        self.to_host, self.to_device = (HOST_KV_BYTES.labels(r, d) for d in ("to_host", "to_device"))
+
+    def transferred(self, ops: bytes, block_bytes: int) -> None:
+        """A step's host-tier copies (StepRequest.kv_transfers_i32: (kind, a, b) triples)."""
+        kinds = ops[::12]   # each triple's first int32, little-endian: 0 or 1
+        saved = kinds.count(0)
+        self.to_host.inc(saved * block_bytes)
+        self.to_device.inc((len(kinds) - saved) * block_bytes)
 
     def stepped(self, step_ms: float, gpu_ms: float) -> None:
         self.step.observe(step_ms / 1e3)

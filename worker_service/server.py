@@ -130,7 +130,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """(pending step, None) or (None, (status code, message))."""
         try:
             with self.lock:
-                return self.runner.launch(req), None
+                pending = self.runner.launch(req)
+            if req.kv_transfers_i32:
+                self.metrics.transferred(req.kv_transfers_i32,
+                                         self.runner.block_bytes(self.runner.block_size))
+            return pending, None
         except StepError as e:
             self.metrics.failures.inc()
             return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {req.step_id}: {e}")
