@@ -507,3 +507,23 @@ def test_other_families_equal_peft(tmp_path_factory, family):
         save_file(w, bad / "adapter_model.safetensors")
         with pytest.raises(AdapterError, match="can adapt"):
             runner.adapters.set_adapters([worker_pb2.Adapter(id=2, name="b", path=str(bad))])
+
+
+def test_prediction_verified_through_adapter_rows(served, model_dir, adapters):
+    """A predicted output verified in multi-row decode steps: every row uses the request's
+    adapter (the row -> slot map covers verify rows), so the tokens stay PEFT's and the
+    right prediction is accepted."""
+    _, sched, _ = served
+    prompt = list(range(120, 140))
+    want = peft_greedy(adapters["all8"][1], prompt, 16)
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        req = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt), adapter="all8",
+            sampling=generate_pb2.SamplingParams(
+                temperature=0.0, max_tokens=16, ignore_eos=True,
+                prediction=generate_pb2.Prediction(token_ids=generate_pb2.TokenIds(ids=want))))
+        chunks = list(stub.Generate(req, timeout=120))
+    assert [t for c in chunks for t in c.token_ids] == want
+    usage = next(c.usage for c in chunks if c.HasField("usage"))
+    assert usage.accepted_prediction_tokens >= 8
