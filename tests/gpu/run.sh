@@ -32,6 +32,10 @@
 #   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
 #            find-links, no index: these hosts have no internet); a client streams an answer
+#   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
+#            (tests/gpu/bench_host_kv.py), then client.bench --multi-turn (HOSTKV_CONVS 32 x
+#            HOSTKV_TURNS 6) with a device cache cut to HOSTKV_BLOCKS (128; ~20% of the live
+#            histories) and nano-vllm's workload (whole cache), the tier off and at HOSTKV_GB (48)
 #   lora     multi-LoRA through the launcher at Qwen3-8B shapes (LORA_MODEL): the base model vs
 #            LORA_N (16) random rank-16 adapters on all seven projections (tests/gpu/make_adapters.py),
 #            nano-vllm's workload x LORA_RUNS (2) and batch 1 (256-token prompt, 512 out) x 3
@@ -243,6 +247,39 @@ for w in ${*:-kernels model bench}; do
         > "$OUT/spec_b1_ngram.txt" 2>&1 || rc=1
       kill "$SCHED_PID" %1 2>/dev/null; wait
       grep -H "output tok/s  \|prediction  \|speculation  \|mean batch\|^error" "$OUT"/spec_*.txt ;;
+    hostkv)   # the prefix cache's host tier (issue 48) at Qwen3-8B shapes: copy bandwidth, then
+      # multi-turn chat with the device cache cut to HOSTKV_BLOCKS, the tier on / off, and
+      # nano-vllm's workload (no reuse) on / off; a worker per setting, a scheduler per part
+      python3 tests/gpu/bench_host_kv.py > "$OUT/hostkv_copies.md" 2>&1 || rc=1
+      M8=${HOSTKV_MODEL:-/dev/shm/qwen3-8b}
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051)
+      MT=(--multi-turn "${HOSTKV_TURNS:-6}" --num-seqs "${HOSTKV_CONVS:-32}" --system-prompt-len 512
+          --min-input-len 500 --max-input-len 700 --min-output-len 100 --max-output-len 150)
+      for tier in 0 ${HOSTKV_GB:-48}; do
+        python3 -m worker_service --model $M8 --port 50061 --max-model-len 8192 --log-level WARNING \
+          --host-kv-cache-gb $tier > "$OUT/hostkv_worker_$tier.log" 2>&1 &
+        WP=$!
+        for part in chat big; do   # chat: the device cache cut to HOSTKV_BLOCKS; big: all of it
+          L=()
+          [ $part = chat ] && L=(--num-kv-blocks "${HOSTKV_BLOCKS:-128}")
+          python3 -m scheduler_service --model $M8 --workers 127.0.0.1:50061 --port 50051 \
+            --max-model-len 8192 --log-level WARNING "${L[@]}" > "$OUT/hostkv_sched_${part}_$tier.log" 2>&1 &
+          SP=$!
+          for i in $(seq 400); do grep -q listening "$OUT/hostkv_sched_${part}_$tier.log" && break; sleep 1; done
+          if [ $part = chat ]; then
+            timeout 240 "${B[@]}" "${MT[@]}" --json "$OUT/hostkv_chat_$tier.json" \
+              > "$OUT/hostkv_chat_$tier.txt" 2>&1 || rc=1
+          else
+            timeout 200 "${B[@]}" --client-procs 4 --runs 1 --json "$OUT/hostkv_big_$tier.json" \
+              > "$OUT/hostkv_big_$tier.txt" 2>&1 || rc=1
+          fi
+          kill $SP 2>/dev/null; wait $SP 2>/dev/null
+        done
+        kill $WP 2>/dev/null; wait $WP 2>/dev/null
+      done
+      cat "$OUT/hostkv_copies.md"; cat "$OUT"/hostkv_chat_*.txt
+      grep -H "output tok/s  " "$OUT"/hostkv_big_*.txt ;;
     lora)   # multi-LoRA (issue 46): the launcher at Qwen3-8B shapes, base vs LORA_N (16)
       # rank-16 adapters on all seven projections, requests spread over them
       M8=${LORA_MODEL:-/dev/shm/qwen3-8b}; A=/dev/shm/adapters-$(basename "$M8"); N=${LORA_N:-16}
