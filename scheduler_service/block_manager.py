@@ -26,7 +26,9 @@ So the rules here:
   * a sequence whose blocks come back from the host tier waits a step (`restoring`): the
     scheduler runs it in a later step, or in the same one marked synchronous when there is
     nothing else to run;
-  * a host slot is read before it is reused (the copy stream keeps the order).
+  * a host slot is read before it is reused: restores are decided in `allocate`, saves in
+    `deallocate`, each appended in order, and the copy stream keeps that order (a save that
+    evicts a slot's entry comes before any restore could look it up).
 """
 from __future__ import annotations
 
@@ -106,7 +108,6 @@ class BlockManager:
         self.host: OrderedDict[int, HostBlock] = OrderedDict()   # hash -> contents, LRU first
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self.transfers: list[tuple[int, int, int]] = []   # for the next step (see above)
-        self._reading: set[int] = set()   # host slots the pending transfers restore from
         self._saving: dict[int, int] = {}   # freed blocks being saved -> their host slot
         self._sync = False   # a saving block was handed out: the step waits for its copies
         self.restoring: set[int] = set()    # seq ids whose restores are in `transfers`
@@ -147,7 +148,7 @@ class BlockManager:
             if block is None:
                 break  # chained: after one miss nothing further can match
             if block.ref_count == 0 and block.block_id in self._saving:
-                self._saving_hit(block.block_id)   # being saved, and reused as it is
+                del self._saving[block.block_id]   # being saved, and reused as it is
             elif block.ref_count == 0:
                 del self.free_block_ids[block.block_id]  # freed but still holding its KV
             block.ref_count += 1
@@ -229,16 +230,11 @@ class BlockManager:
         them (a block being saved was handed out to it); forgets them: the blocks they save
         are free from now on, the sequences they restore may run from the next step."""
         out, sync, self.transfers, self._sync = self.transfers, self._sync, [], False
-        self._reading.clear()
         for block_id in self._saving:
             self.free_block_ids[block_id] = None
         self._saving.clear()
         self.restoring.clear()
         return out, sync
-
-    def _saving_hit(self, block_id: int) -> None:
-        """A block being saved is hit as it is (its KV stays put; the copy goes on)."""
-        del self._saving[block_id]
 
     def _take_saving(self) -> int:
         """No free block is left but blocks being saved: the oldest, its copy kept, and the
@@ -261,11 +257,8 @@ class BlockManager:
             self.host_free.append(held.slot)
         if self.host_free:
             slot = self.host_free.pop()
-        else:   # the least recently used slot no pending restore reads
-            victim = next((h for h, b in self.host.items() if b.slot not in self._reading), None)
-            if victim is None:
-                return False   # every slot is being read: this block's KV is dropped
-            slot = self.host.pop(victim).slot
+        else:   # the least recently used slot (a restore from it earlier in the list reads first)
+            slot = self.host.popitem(last=False)[1].slot
         self.host[block.hash] = HostBlock(slot, block.hash, block.token_ids, block.content_id,
                                           block.parent_content_id)
         self.transfers.append((OFFLOAD, block.block_id, slot))
@@ -276,9 +269,8 @@ class BlockManager:
     def _host_chain(self, seq: Sequence, start: int, parent: Block | None,
                     root: tuple[int | None, int | None]) -> list[HostBlock]:
         """The host tier's blocks continuing seq's prefix from its block `start` (after
-        `parent`), verified like GPU hits (tokens + the parent's content). They are marked
-        read and most recent at once, so the offloads that taking fresh blocks for them
-        causes never evict one of them."""
+        `parent`), verified like GPU hits (tokens + the parent's content), each made the
+        most recently used."""
         h, content = (parent.hash, parent.content_id) if parent else root
         chain = []
         for i in range(start, (seq.num_tokens - 1) // self.block_size):
@@ -288,7 +280,6 @@ class BlockManager:
             if held is None or held.token_ids != tokens or held.parent_content_id != content:
                 break
             self.host.move_to_end(h)
-            self._reading.add(held.slot)
             chain.append(held)
             content = held.content_id
         return chain
