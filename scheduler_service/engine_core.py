@@ -83,9 +83,9 @@ class EngineCore:
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id,
                                 max_loras=info.max_loras,
                                 num_host_kv_blocks=info.num_host_kv_blocks)
-        self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
-                     "adapters": [[i, n] for i, n, _ in group.adapters]}
         self.group = group
+        self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
+                     "adapters": self._adapter_names()}
         self._adapter_op = asyncio.Lock()   # one load / unload at a time
         self._gone: set[int] = set()        # adapter ids unloaded (or being unloaded)
         # never reused while this core lives: its prefix cache keys blocks by adapter id
@@ -165,6 +165,10 @@ class EngineCore:
         except FileNotFoundError:
             return tuple((i + 1, n, p) for i, (n, p) in enumerate(self.config.adapters))
 
+    def _adapter_names(self) -> list[list]:
+        """[[id, name], ...]: what frontends learn of the adapters (INFO, ADAPTERS)."""
+        return [[i, n] for i, n, _ in self.group.adapters]
+
     def _save_adapters(self) -> None:
         path = os.path.join(self.config.ipc_dir, "adapters.json")
         with open(path + ".tmp", "w") as f:
@@ -178,7 +182,7 @@ class EngineCore:
             error = await self._change_adapters(op, name, path)
         if error is None:
             self._save_adapters()
-            self.info["adapters"] = [[i, n] for i, n, _ in self.group.adapters]
+            self.info["adapters"] = self._adapter_names()
             for f in self.frontends:
                 self.sock.send_multipart([f, ipc.pack([ipc.ADAPTERS, self.info["adapters"]])])
         self.sock.send_multipart([ident, ipc.pack([ipc.ADAPTER, req_id, error])])
