@@ -167,7 +167,5 @@ class AdapterStore:
 
     def _load(self, adapter_id: int, slot: int) -> None:
         ad = self.adapters[adapter_id]
-        for layer in self.layers:
-            parts = ad.parts.get(id(layer), {})
-            layer.load(slot, {p: (a.to(self.device), b.to(self.device))
-                              for p, (a, b) in parts.items()}, ad.scale)
+        for layer in self.layers:   # copy_ moves the host tensors into the slot directly
+            layer.load(slot, ad.parts.get(id(layer), {}), ad.scale)
