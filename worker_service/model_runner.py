@@ -262,10 +262,10 @@ class ModelRunner:
     def init_kv(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         """(Re)allocate the KV cache (and its host tier); forgets every sequence."""
         self._bind_device()
-        self.kv_cache = self.kv_scales = self.host_kv = self.host_scales = None
         if self.copy_stream is not None:   # copies in flight must not outlive their buffers
             self.copy_stream.synchronize()
         self._copies_done = None
+        self.kv_cache = self.kv_scales = self.host_kv = self.host_scales = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
             layer.k_scale = layer.v_scale = None
@@ -278,15 +278,14 @@ class ModelRunner:
         if self.kv_fp8:
             self.kv_scales = torch.ones(2, num_layers, num_blocks, block_size,
                                         dtype=torch.float32, device=self.device)
-        if num_host_blocks:   # pinned: copies to and from it run asynchronously
-            self.host_kv = new_kv_cache(num_layers, num_host_blocks, block_size, self.num_kv_heads,
-                                        self.head_dim, self.kv_cache.dtype, "cpu")
-            if self.device.type == "cuda":
-                self.host_kv = self.host_kv.pin_memory()
+        if num_host_blocks:   # pinned on CUDA (copies run asynchronously); zeroed: resident
+            pin = self.device.type == "cuda"
+            self.host_kv = torch.zeros(2, num_layers, num_host_blocks, block_size,
+                                       self.num_kv_heads, self.head_dim,
+                                       dtype=self.kv_cache.dtype, pin_memory=pin)
             if self.kv_fp8:
                 self.host_scales = torch.ones(2, num_layers, num_host_blocks, block_size,
-                                              dtype=torch.float32,
-                                              pin_memory=self.device.type == "cuda")
+                                              dtype=torch.float32, pin_memory=pin)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]

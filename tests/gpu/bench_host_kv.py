@@ -39,7 +39,7 @@ def main() -> None:
     n, L, bs = args.blocks, args.layers, args.block_size
     dev = torch.device("cuda")
     kv = new_kv_cache(L, 2 * n, bs, 8, 128, torch.bfloat16, dev)
-    host = new_kv_cache(L, n, bs, 8, 128, torch.bfloat16, "cpu").pin_memory()
+    host = torch.zeros(2, L, n, bs, 8, 128, dtype=torch.bfloat16, pin_memory=True)   # as the worker's
     kv.normal_()
     nbytes = n * kv[:, :, 0].numel() * kv.element_size()
 
