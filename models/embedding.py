@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import gemv, use_gemv
 from models.parallel import TPGroup, check_shape
 
 
@@ -56,7 +57,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     so the GEMM and the gather only touch those."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = gemv(hidden, self.weight) if use_gemv(hidden) else F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.gather(logits, dim=-1)[..., :self.num_embeddings]

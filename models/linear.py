@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_linear import FP8, fp8_linear, quantize_rows
+from kernels.gemv import gemv, use_gemv
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -46,7 +47,10 @@ class LinearBase(nn.Module):
         self.register_buffer("weight_scale", scale)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.weight.dtype == FP8:
+        fp8 = self.weight.dtype == FP8
+        if use_gemv(x):
+            return gemv(x, self.weight, self.weight_scale if fp8 else None, bias)
+        if fp8:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
         return F.linear(x, self.weight, bias)
 

@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one decode step (torch.profiler): unfused, fused, fused + fp8 KV.
 
-Random-weight Qwen3-0.6B (tests/gpu/test_model_gpu.py makes it), bf16, batch 131 (the
-nano-vllm workload's mean decode batch), contexts U[100, 1024], page 256. A step is what
+Random-weight Qwen3-0.6B (tests/gpu/test_model_gpu.py makes it) or --model DIR (e.g. the
+8B-shaped checkpoint of fp8_check.py; --quantization fp8 for e4m3 weights), bf16, batch
+131 (the nano-vllm workload's mean decode batch; --batch 1 for a single caller), contexts
+U[100, 1024], page 256. A step is what
 the worker runs: the forward, the LM head, and the fused sampling at temperature 0.6
 (no logprobs, as the benchmark asks; its kernels are the `_gumbel_*` rows). Prints for each
 variant a markdown table (kernel, calls, total us per step) and the step's GPU busy time
@@ -10,7 +12,12 @@ kernel; unfused = NANOSERVE_FUSED_KERNELS=0; fp8 = an fp8 KV cache (kernels/kv_q
 The floor is (weight bytes + the batch's KV bytes, of the variant's KV dtype) / --hbm-tbs.
 Each variant also replays the step from a CUDA graph (as the worker does) and prints its
 wall time beside the kernels' sum: the difference is what launches and tails cost.
-    python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0]
+--variants picks them: "+"-joined words from fused (else unfused), fp8kv, gemv (the decode
+GEMV of kernels/gemv.py for <= its token limit; without it, cuBLAS / fp8_linear). A second
+table per variant charges the GPU time to modules (each projection, attention, norms, LM
+head; CUDA events around each in eager steps) with the bytes each must read: weights, or
+the batch's KV for attention, and the bandwidth that achieves.
+    python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0] [--model DIR]
 """
 from __future__ import annotations
 
@@ -31,15 +38,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=131)
     ap.add_argument("--hbm-tbs", type=float, default=3.0)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--model", default=None, help="checkpoint (default: the random 0.6B)")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8"])
+    ap.add_argument("--variants", default="unfused+gemv,fused+gemv,fused+gemv+fp8kv")
     args = ap.parse_args()
+    import kernels.gemv
     import models.activation
     from kernels.attention import select_backend
     from kernels.sampling import gumbel_sample
     from models.loader import load_model
     from paged_kv import PagedKV
     from test_model_gpu import main_checkpoint
-    model, _ = load_model(str(main_checkpoint()), dtype=torch.bfloat16, device="cuda",
-                          attn_backend=select_backend("triton", "cuda"))
+    model, _ = load_model(args.model or str(main_checkpoint()), dtype=torch.bfloat16,
+                          device="cuda", attn_backend=select_backend("triton", "cuda"),
+                          quantization=args.quantization)
+    labels, module_events = _label_modules(model)
+    gemv_limit = kernels.gemv.GEMV_MAX_TOKENS
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 1025, (args.batch,), generator=g).tolist()
     ids = torch.randint(0, 10000, (args.batch,), generator=g).cuda()
@@ -49,8 +63,10 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, batch {args.batch}, contexts U[100,1024] "
           f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB")
 
-    for name, fused, fp8 in (("unfused", False, False), ("fused", True, False),
-                             ("fused, fp8 KV", True, True)):
+    for name in args.variants.split(","):
+        words = set(name.split("+"))
+        fused, fp8 = "fused" in words, "fp8kv" in words
+        kernels.gemv.GEMV_MAX_TOKENS = gemv_limit if "gemv" in words else 0
         kv = PagedKV(model, ctx, block_size=256, fp8=fp8)
         if fp8:
             kv.kv.copy_(torch.randn(kv.kv.shape, device="cuda").to(kv.kv.dtype))
@@ -94,6 +110,71 @@ def main() -> None:
         for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:25]:
             print(f"| {name[:90]} | {c / args.steps:.0f} | {t / args.steps:.0f} | "
                   f"{100 * t / args.steps / total:.1f} |")
+        _module_table(step, labels, module_events, kv_bytes, total, args)
+
+
+def _label_modules(model) -> tuple[dict[str, int], dict[str, list]]:
+    """CUDA events around each projection, attention, norm and the LM head (hooks), for
+    the module table; returns the bytes each kind must read per step (weights; attention:
+    the KV, added per variant) and the event pairs recorded, by kind (emptied per use).
+    Events, not profiler ranges: Triton's launches are not charged to enclosing ranges."""
+    kinds = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down",
+             "lm_head": "lm_head", "attn": "attention"}
+    nbytes: dict[str, int] = collections.defaultdict(int)
+    events: dict[str, list] = collections.defaultdict(list)
+    for path, mod in model.named_modules():
+        leaf = path.rpartition(".")[2]
+        kind = kinds.get(leaf) or ("norms" if "norm" in leaf else None)
+        if kind is None or ".experts" in path:
+            continue
+        if kind not in ("attention", "norms"):
+            nbytes[kind] += sum(t.numel() * t.element_size()
+                                for t in list(mod.parameters()) + list(mod.buffers()))
+
+        def pre(m, a, kind=kind):
+            if RECORDING:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                events[kind].append([start, None])
+
+        def post(m, a, out, kind=kind):
+            if RECORDING:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                events[kind][-1][1] = end
+        mod.register_forward_pre_hook(pre)
+        mod.register_forward_hook(post)
+    return nbytes, events
+
+
+RECORDING = False
+
+
+def _module_table(step, labels: dict[str, int], events: dict[str, list], kv_bytes: int,
+                  total_us: float, args) -> None:
+    """Eager steps with events around every module: GPU time per module kind (its kernels
+    plus any gaps between them inside the module), bytes, bandwidth; `other` = the rest
+    of the kernels' sum."""
+    global RECORDING
+    events.clear()
+    RECORDING = True
+    with torch.inference_mode():
+        for _ in range(args.steps):
+            step()
+    RECORDING = False
+    torch.cuda.synchronize()
+    print("\n| module (eager, events) | calls/step | us/step | MB/step | TB/s | % of HBM |\n"
+          "|---|---|---|---|---|---|")
+    covered = 0.0
+    rows = {k: (len(v), sum(a.elapsed_time(b) for a, b in v) * 1e3) for k, v in events.items()}
+    for kind, (count, t) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        us = t / args.steps
+        covered += us
+        b = kv_bytes if kind == "attention" else labels.get(kind, 0)
+        bw = b / us / 1e6 if us and b else 0.0
+        print(f"| {kind} | {count / args.steps:.0f} | {us:.0f} | {b / 1e6:.1f} | "
+              f"{bw:.2f} | {100 * bw / args.hbm_tbs:.0f} |")
+    print(f"| other (embedding, residual adds, sampling) | | {total_us - covered:.0f} | | | |")
 
 
 def _graph_step_ms(step, replays: int = 50) -> float:

@@ -39,6 +39,9 @@
 #   lora     multi-LoRA through the launcher at Qwen3-8B shapes (LORA_MODEL): the base model vs
 #            LORA_N (16) random rank-16 adapters on all seven projections (tests/gpu/make_adapters.py),
 #            nano-vllm's workload x LORA_RUNS (2) and batch 1 (256-token prompt, 512 out) x 3
+#   small    the single caller (issue 44): batch 1 and 8 through gRPC, 256-token prompts, 512 out,
+#            for SMALL_CONFIGS (0.6B bf16, 8B bf16, 8B fp8 W + KV) with the decode GEMV
+#            (kernels/gemv.py) off and on; SMALL_RUNS (3)
 #   peer     nano-vllm's bench.py x PEER_RUNS (4; count the warm ones) from .peer/ (a copy of
 #            ../shared/peer-bench), on the same checkpoint
 #   structured nano-vllm's workload with every request JSON-schema constrained (client/bench_schema.json)
@@ -280,6 +283,36 @@ for w in ${*:-kernels model bench}; do
       done
       cat "$OUT/hostkv_copies.md"; cat "$OUT"/hostkv_chat_*.txt
       grep -H "output tok/s  " "$OUT"/hostkv_big_*.txt ;;
+    small)  # the single caller (issue 44): batch 1 and 8 through gRPC (256-token prompts, 512
+      # out, greedy, SMALL_RUNS (3) after 2 warm-ups) for each SMALL_CONFIGS entry
+      # (model:worker flags, "_" for spaces) with the decode GEMV off (NANOSERVE_GEMV_MAX_TOKENS=0)
+      # and on (the default); one worker + scheduler per setting
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      M8=/dev/shm/qwen3-8b
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051
+         --client-procs 1 --min-input-len 256 --max-input-len 256 --min-output-len 512
+         --max-output-len 512 --temperature 0 --warmup 2 --runs "${SMALL_RUNS:-3}")
+      for cfg in ${SMALL_CONFIGS:-$NANOSERVE_QWEN06B: $M8: $M8:--quantization_fp8_--kv-cache-dtype_fp8}; do
+        M=${cfg%%:*}; WA=${cfg#*:}; WA=${WA//_/ }; tag=$(basename "$M")${WA// /}
+        for g in 0 1; do
+          # shellcheck disable=SC2086
+          NANOSERVE_GEMV_MAX_TOKENS=$g python3 -m worker_service --model "$M" --port 50061 \
+            --max-model-len 4096 --log-level WARNING $WA > "$OUT/small_worker.log" 2>&1 &
+          WP=$!
+          python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
+            --max-model-len 4096 --log-level WARNING > "$OUT/small_sched.log" 2>&1 &
+          SP=$!
+          for i in $(seq 400); do grep -q listening "$OUT/small_sched.log" && break; sleep 1; done
+          for n in 1 8; do
+            echo "== $tag gemv=$g batch $n"
+            timeout 150 "${B[@]}" --num-seqs $n --json "$OUT/small_${tag}_g${g}_b$n.json" \
+              > "$OUT/small_${tag}_g${g}_b$n.txt" 2>&1 || rc=1
+            grep -h "output tok/s  \|^ITL\|^step wall\|GPU idle" "$OUT/small_${tag}_g${g}_b$n.txt"
+          done
+          kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null
+        done
+      done ;;
     lora)   # multi-LoRA (issue 46): the launcher at Qwen3-8B shapes, base vs LORA_N (16)
       # rank-16 adapters on all seven projections, requests spread over them
       M8=${LORA_MODEL:-/dev/shm/qwen3-8b}; A=/dev/shm/adapters-$(basename "$M8"); N=${LORA_N:-16}

@@ -1,0 +1,124 @@
+"""Decode GEMV: y = x @ W.T (* per-channel scale) (+ bias) for a handful of tokens.
+
+Why: at batch 1 a decode step is a chain of matrix-vector products whose cost is the
+weight bytes they read. On an H100 at Qwen3-8B shapes cuBLAS reads bf16 weights at
+1.9-2.8 TB/s of the 3.35 peak and the tl.dot weight-only FP8 kernel e4m3 ones at 1.4-2.2
+(tests/gpu/bench_gemv.py): a dot pads one token to 16 rows, and few programs stream long
+rows each. Here each program owns BLOCK_N output channels over all of K and reads its rows
+once in wide, contiguous loads; many small programs in flight per SM hide the memory
+latency. The products run on CUDA cores in float32 (bf16 and e4m3 widen exactly) into a
+[T, BLOCK_N, BLOCK_K] accumulator reduced once after the K loop. At one token it is
+1.05-1.3x faster than both (the 8B bf16 step 6.47 -> 5.95 ms); at 2-4 tokens the
+accumulator crowds registers and cuBLAS wins, so GEMV_MAX_TOKENS is 1.
+
+W may be bf16 / fp16 / fp32 (no scale) or e4m3 with one float32 scale per output channel
+(kernels/fp8_linear.py's layout). No host sync, grid from shapes only: CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.interpret import INTERPRET_ENV, cast
+
+# Up to this many tokens the model's linear layers take gemv (NANOSERVE_GEMV_MAX_TOKENS=0
+# turns it off, for before/after measurements); the token dimension is padded to a power
+# of two in registers.
+GEMV_MAX_TOKENS = int(os.environ.get("NANOSERVE_GEMV_MAX_TOKENS", "1"))
+ON_CPU = False   # tests set it to run the model's GEMVs in the Triton interpreter
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """The model's linear layers and LM head route a few tokens here (on CUDA)."""
+    return (x.is_cuda or ON_CPU) and x.numel() <= GEMV_MAX_TOKENS * x.shape[-1]
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (w [N, K] * scale [N, 1]).T + bias, in float32, returned in x's dtype."""
+    wf = w.float() if scale is None else w.float() * scale.float().reshape(-1, 1)
+    y = x.float() @ wf.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
+                 T_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Y[t, n] for every token t and the BLOCK_N channels of this program."""
+    pid = tl.program_id(0)
+    offs_t = tl.arange(0, T_PAD)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_mask = offs_t < T
+    n_mask = offs_n < N
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = X + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    acc = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)                                   # [T_PAD, BLOCK_N]
+    if HAS_SCALE:
+        y = y * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    tl.store(y_ptrs, cast(y, Y.dtype.element_ty, RNE_BF16), mask=t_mask[:, None] & n_mask[None, :])
+
+
+def gemv_config(tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps). At one token on an H100 (tests/gpu/bench_gemv.py
+    --sweep, Qwen3-8B and 0.6B shapes, bf16 and e4m3) 8 channels x 1024 columns with 4 warps
+    came within ~5% of each shape's best of 32 tilings; more tokens get fewer columns, which
+    keeps the [T, BLOCK_N, BLOCK_K] accumulator in registers."""
+    t_pad = triton.next_power_of_2(max(tokens, 1))
+    return 8, max(1024 // t_pad, 128), 4
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, *, block_n: int | None = None,
+         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """gemv_ref's values in one launch: x [..., K] (bf16 / fp16 / fp32, rows contiguous),
+    w [N, K] contiguous in any float dtype or e4m3 with scale [N, 1] float32, bias [N] or
+    None -> [..., N] in x's dtype. Meant for a few tokens (GEMV_MAX_TOKENS)."""
+    shape = x.shape
+    K = shape[-1]
+    N = w.shape[0]
+    assert w.shape == (N, K) and w.stride(1) == 1, (w.shape, K, w.stride())
+    assert scale is not None or w.dtype != torch.float8_e4m3fn, "e4m3 weights need their scale"
+    assert bias is None or bias.shape == (N,)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    T = x2.shape[0]
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T and N:
+        bn, bk, nw = gemv_config(T)
+        bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
+        sc = scale.reshape(-1).contiguous() if scale is not None else None
+        _gemv_kernel[(triton.cdiv(N, bn),)](
+            x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
+            T, N, K, x2.stride(0), w.stride(0), y.stride(0),
+            T_PAD=triton.next_power_of_2(T), HAS_SCALE=sc is not None,
+            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=N % bn == 0,
+            EVEN_K=K % bk == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
+            num_warps=nw)
+    return y.reshape(*shape[:-1], N)

@@ -1,0 +1,113 @@
+"""Decode GEMV (kernels/gemv.py) vs its torch reference, on CPU via the interpreter.
+
+Ragged sizes (N and K not multiples of the tiles, so both masked paths run, and even
+ones for the unmasked path), 1-4 tokens (the padded token rows must not leak into the
+output), bf16 and fp32 weights, e4m3 weights with per-channel scales spanning two
+decades (a scale on the wrong channel shows), with and without bias.
+"""
+from __future__ import annotations
+
+import os
+
+if not os.environ.get("NANOSERVE_GPU_TESTS"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.fp8_linear import quantize_rows
+from kernels.gemv import gemv, gemv_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def case(t: int, n: int, k: int, x_dtype: torch.dtype, w_kind: str, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g).to(x_dtype)
+    w = torch.randn(n, k, generator=g) / k ** 0.5 * torch.logspace(-1, 1, n)[:, None]
+    scale = None
+    if w_kind == "fp8":
+        w, scale = quantize_rows(w)
+    else:
+        w = w.to(x_dtype)
+    b = torch.randn(n, generator=g).to(x_dtype) if bias else None
+    on = lambda v: None if v is None else v.to(DEVICE)  # noqa: E731
+    return on(x), on(w), on(scale), on(b)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    tol = 1e-4 if ref.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol,
+                               atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("w_kind", ["fp8", "same"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, n, k", [(1, 40, 200), (3, 64, 256), (4, 24, 130), (2, 16, 512)])
+def test_gemv_matches_ref(t, n, k, x_dtype, w_kind):
+    for bias in (False, True):
+        x, w, scale, b = case(t, n, k, x_dtype, w_kind, bias, seed=t * n + k)
+        check(gemv(x, w, scale, b, block_n=8, block_k=64), gemv_ref(x, w, scale, b))
+
+
+def test_gemv_default_tiles_and_leading_dims():
+    """The routed call (default tiles) on [batch, seq, K] input keeps the leading dims."""
+    x, w, scale, _ = case(2, 48, 1024, torch.bfloat16, "fp8", False, seed=7)
+    x3 = x.reshape(2, 1, 1024)
+    out = gemv(x3, w, scale)
+    assert out.shape == (2, 1, 48)
+    check(out, gemv_ref(x3, w, scale))
+
+
+def test_gemv_scale_applied_per_channel():
+    """Mutation guard: swapping two channels' scales changes exactly those outputs."""
+    x, w, scale, _ = case(1, 16, 128, torch.float32, "fp8", False, seed=3)
+    swapped = scale.clone()
+    swapped[[0, 15]] = scale[[15, 0]]
+    good, bad = gemv(x, w, scale, block_n=8, block_k=64), gemv(x, w, swapped, block_n=8, block_k=64)
+    differs = (good - bad).abs().squeeze(0) > 1e-6
+    assert differs[0] and differs[15] and not differs[1:15].any()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routes the CPU model through the interpreter")
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_model_decode_through_gemv_equals_without(tmp_path_factory, monkeypatch, quantization):
+    """Qwen3's decode step (3 tokens: every linear layer and the LM head take the GEMV)
+    gives the logits of the same model on torch's GEMMs (FP8: the weight-only reference,
+    what CUDA ran for a few tokens before); the prefill step (16 tokens) does not take it."""
+    import kernels.gemv
+    import models.linear
+    from kernels.fp8_linear import fp8_weight_only_ref
+    monkeypatch.setattr(models.linear, "fp8_linear", fp8_weight_only_ref)
+    from models.loader import load_model
+    from paged_kv import PagedKV
+    from test_qwen3_vs_hf import random_prompts, run_step
+    from tiny_checkpoint import tiny_qwen3_dir
+    path = tiny_qwen3_dir(tmp_path_factory, seed=5)
+    model, _ = load_model(str(path), quantization=quantization)
+    prompts = random_prompts(389, [6, 9, 4], seed=1)
+    calls = []
+    real = kernels.gemv._gemv_kernel
+    monkeypatch.setattr(kernels.gemv, "GEMV_MAX_TOKENS", 4)
+
+    def logits(on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(kernels.gemv, "ON_CPU", on)
+        cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
+        run_step(model, cache, prompts, [(i, 0, len(p) - 1) for i, p in enumerate(prompts)])
+        return run_step(model, cache, prompts, [(i, len(p) - 1, len(p)) for i, p in
+                                                enumerate(prompts)], is_decode=True)
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+    monkeypatch.setattr(kernels.gemv, "_gemv_kernel", Counting())
+    plain, routed = logits(False), logits(True)
+    layers = sum(1 for m in model.modules() if hasattr(m, "matmul")) + 1   # + the LM head
+    assert len(calls) == layers   # the decode step only: the prefill has 16 tokens
+    for a, b in zip(routed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
