@@ -95,7 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LoRA adapters to serve (PEFT format: a directory with "
                         "adapter_config.json and adapter_model.safetensors, as the workers see "
                         "it); a request picks one by name (gRPC GenerateRequest.adapter, OpenAI "
-                        "`model`); the workers need --max-loras")
+                        "`model`); the workers need --max-loras. An item may also hold several "
+                        "comma-separated pairs (NAME=PATH,NAME=PATH); empty items are ignored, "
+                        "so --lora-modules= (e.g. from an unset environment variable) means none")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,
@@ -153,7 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     args.adapters = []
-    for item in args.lora_modules:
+    # NAME=PATH items, each of which may hold several comma-separated pairs; empty ones are
+    # skipped (docker compose passes "--lora-modules=${LORA_MODULES:-}").
+    pairs = [pair.strip() for item in args.lora_modules for pair in item.split(",")]
+    for item in filter(None, pairs):
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             p.error(f"--lora-modules: {item!r} is not NAME=PATH")

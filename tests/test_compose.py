@@ -43,11 +43,17 @@ def compose_binary() -> str:
     return str(binary)
 
 
-def compose_config(files: list[str], model_dir: str | None,
-                   profiles: list[str] = ()) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_") and k != "MODEL_DIR"}
+# Variables the compose files read that the tests set (or leave unset) themselves.
+TEST_SET_VARS = {"MODEL_DIR", "LORA_DIR", "LORA_MODULES", "MAX_LORAS", "MAX_LORA_RANK"}
+
+
+def compose_config(files: list[str], model_dir: str | None, profiles: list[str] = (),
+                   extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("COMPOSE_") and k not in TEST_SET_VARS}
     if model_dir is not None:
         env["MODEL_DIR"] = model_dir
+    env.update(extra_env or {})
     args = [compose_binary()]
     for f in files:
         args += ["-f", f]
@@ -142,8 +148,10 @@ def test_each_worker_reserves_exactly_its_gpu(rendered):
 def test_model_mounted_read_only_everywhere(rendered):
     config, model_dir = rendered
     for name, svc in config["services"].items():
-        assert svc["volumes"] == [{"type": "bind", "source": model_dir, "target": "/model",
-                                   "read_only": True}], name
+        assert svc["volumes"][0] == {"type": "bind", "source": model_dir, "target": "/model",
+                                     "read_only": True}, name
+        # ... and the LoRA adapters (test_lora_* below): nothing else.
+        assert [v["target"] for v in svc["volumes"]] == ["/model", "/adapters"], name
         assert flags(svc["command"])["model"] == "/model", name
 
 
@@ -155,6 +163,85 @@ def test_healthchecks_present_and_aimed_at_own_port(rendered):
         port = flags(svc["command"]).get("port", "50061")
         assert f"127.0.0.1:{port}'" in check["test"][3], name
         assert check["retries"] >= 1 and check["start_period"], name
+
+
+# --- LoRA adapters: LORA_DIR mounted at /adapters, LORA_MODULES / MAX_LORAS on the commands ---
+
+LORA_ENV = {"LORA_MODULES": "a=/adapters/a,b=/adapters/b", "MAX_LORAS": "4", "MAX_LORA_RANK": "32"}
+
+
+@pytest.fixture(scope="module", params=[(files, lora) for files in LAYOUTS for lora in (False, True)],
+                ids=lambda p: "+".join(p[0]) + ("-lora" if p[1] else "-no-lora"))
+def rendered_lora(request, tmp_path_factory):
+    """Every layout with profile `replicas` (scheduler-b, worker-b-*), with the LoRA variables
+    set (LORA_DIR a real directory) or unset: (config, LORA_DIR or None)."""
+    files, lora = request.param
+    extra = dict(LORA_ENV, LORA_DIR=str(tmp_path_factory.mktemp("adapters"))) if lora else {}
+    proc = compose_config(files, str(tmp_path_factory.mktemp("model")), profiles=["replicas"],
+                          extra_env=extra)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), extra.get("LORA_DIR")
+
+
+def services_running(config: dict, module: str) -> dict[str, dict]:
+    return {n: s for n, s in config["services"].items() if module in (s.get("command") or [])}
+
+
+def module_argv(svc: dict, module: str) -> list[str]:
+    """The arguments after `python -m <module>` of a rendered command."""
+    cmd = svc["command"]
+    assert cmd[:3] == ["python", "-m", module], cmd
+    return cmd[3:]
+
+
+def test_lora_variables_reach_every_worker_and_scheduler(rendered_lora):
+    config, lora_dir = rendered_lora
+    workers = services_running(config, "worker_service")
+    scheds = services_running(config, "scheduler_service")
+    assert {"worker-b-0", "worker-b-1"} <= set(workers) and set(scheds) == {"scheduler", "scheduler-b"}
+    for name, svc in workers.items():
+        f = flags(svc["command"])
+        assert (f["max-loras"], f["max-lora-rank"]) == (("4", "32") if lora_dir else ("0", "16")), name
+    for name, svc in scheds.items():
+        assert flags(svc["command"])["lora-modules"] == (LORA_ENV["LORA_MODULES"] if lora_dir else ""), name
+    for name, svc in {**workers, **scheds}.items():
+        (mount,) = [v for v in svc["volumes"] if v["target"] == "/adapters"]
+        assert mount["read_only"], name
+        if lora_dir:   # the host directory itself
+            assert (mount["type"], mount["source"]) == ("bind", lora_dir), name
+        else:          # an empty named volume, declared at the top level: compose up works
+            assert (mount["type"], mount["source"]) == ("volume", "nanoserve-no-adapters"), name
+    if not lora_dir:
+        assert "nanoserve-no-adapters" in config["volumes"]
+
+
+def test_rendered_lora_commands_parse_as_the_services_do(rendered_lora):
+    """The rendered command lines through the services' own argument parsers (no torch)."""
+    from scheduler_service.__main__ import parse_args as scheduler_args
+    from worker_service.__main__ import parse_args as worker_args
+    config, lora_dir = rendered_lora
+    for name, svc in services_running(config, "scheduler_service").items():
+        args = scheduler_args(module_argv(svc, "scheduler_service"))
+        assert args.adapters == ([("a", "/adapters/a"), ("b", "/adapters/b")] if lora_dir else []), name
+    for name, svc in services_running(config, "worker_service").items():
+        args = worker_args(module_argv(svc, "worker_service"))
+        assert (args.max_loras, args.max_lora_rank) == ((4, 32) if lora_dir else (0, 16)), name
+
+
+def test_lora_modules_items_may_hold_comma_separated_pairs():
+    from scheduler_service.__main__ import parse_args
+
+    def adapters(*items: str) -> list[tuple[str, str]]:
+        return parse_args(["--model=/model", "--workers=w:50061", "--lora-modules", *items]).adapters
+
+    assert adapters("") == []
+    assert adapters("a=x,,b=y") == [("a", "x"), ("b", "y")]
+    assert adapters("a=x,b=y", "c=z,") == [("a", "x"), ("b", "y"), ("c", "z")]
+    assert parse_args(["--model=/model", "--workers=w:50061", "--lora-modules="]).adapters == []
+    assert parse_args(["--model=/model", "--workers=w:50061"]).adapters == []
+    for bad in (["a"], ["a=x,b"], ["=x"], ["a="], ["a=x,a=y"], ["a=x", "a=y"]):
+        with pytest.raises(SystemExit):
+            adapters(*bad)
 
 
 @pytest.mark.parametrize("files", LAYOUTS, ids=lambda files: "+".join(files))
