@@ -271,6 +271,9 @@ def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
             f'nanoserve_worker_host_kv_bytes_total{{direction="{d}",rank="0"}}')))
             for d in ("to_host", "to_device")}
         assert moved["to_device"] > 0 and moved["to_host"] > 0
+        copy_s = float(next(l.split()[-1] for l in text.splitlines() if l.startswith(
+            'nanoserve_worker_host_kv_copy_seconds_total{rank="0"}')))
+        assert copy_s > 0
         assert stats.num_host_kv_blocks > 12
         assert stats.num_host_kv_offloaded_blocks > 0 and stats.num_host_kv_restored_blocks >= 4
         assert cached >= 4 * 48 // BS * BS * 3 // 4   # most of each history came back
@@ -379,3 +382,34 @@ def test_scheduler_runs_a_restored_prompt_a_step_later_or_synchronously():
     batch = s2.schedule()
     assert [q.seq_id for q in batch.seqs] == [4] and batch.sync_transfers
     assert batch.seqs[0].num_cached_tokens == 8
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_staged_copies_equal_direct_ones(fp8):
+    """HostTier's CUDA path (each block gathered into a staging buffer, then one contiguous
+    copy; the reverse on the way back), run on CPU tensors: saves and restores land exactly
+    where the direct copies put them, scales included; a staging buffer reused across a
+    step's copies never leaks one block into another."""
+    from worker_service.host_tier import HostTier
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 3, 6, 4, 2, 8, generator=g)
+    scales = torch.rand(2, 3, 6, 4, generator=g) if fp8 else None
+    tiers = [HostTier.allocate(kv, scales, 5) for _ in range(2)]
+    staged = tiers[1]
+    staged.stage_kv = torch.empty(2, 3, 4, 2, 8)
+    staged.stage_scales = torch.empty(2, 3, 4) if fp8 else None
+    caches = [(kv.clone(), None if scales is None else scales.clone()) for _ in tiers]
+    save = [(0, 1, 3), (0, 4, 0), (0, 2, 4)]
+    restore = [(1, 5, 3), (1, 0, 0), (1, 3, 4)]
+    for tier, (c, s) in zip(tiers, caches):
+        tier.copy(save, c, s)
+        c[:, :, [0, 3, 5]] = 0.0
+        tier.copy(restore, c, s)
+    (direct, direct_s), (via, via_s) = caches
+    assert torch.equal(via, direct) and torch.equal(staged.kv, tiers[0].kv)
+    for (_, block, slot), (_, back, _) in zip(save, restore):
+        assert torch.equal(via[:, :, back], kv[:, :, block])
+        if fp8:
+            assert torch.equal(via_s[:, :, back], scales[:, :, block])
+            assert torch.equal(staged.scales[slot], scales[:, :, block])
+    assert staged.take_seconds() > 0 and staged.take_seconds() == 0.0

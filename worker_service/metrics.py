@@ -25,6 +25,9 @@ HOST_KV_BYTES = Counter("nanoserve_worker_host_kv_bytes",
                         "KV bytes copied between the device and the host tier, by direction "
                         "(to_host: saved; to_device: restored for a prefix hit)",
                         ["rank", "direction"])
+HOST_KV_SECONDS = Counter("nanoserve_worker_host_kv_copy_seconds",
+                          "Time the host tier's copies took on the device's copy stream (both "
+                          "directions; CUDA events, counted once they completed)", ["rank"])
 KV_CAPACITY_TOKENS = Gauge("nanoserve_worker_kv_capacity_tokens",
                            "Tokens the allocated KV cache holds (blocks x block size)", ["rank"])
 
@@ -38,6 +41,7 @@ class WorkerMetrics:
         self.failures = STEP_FAILURES.labels(r)
         self.kv_blocks, self.kv_tokens = KV_BLOCKS.labels(r), KV_CAPACITY_TOKENS.labels(r)
         self.to_host, self.to_device = (HOST_KV_BYTES.labels(r, d) for d in ("to_host", "to_device"))
+        self.host_kv_seconds = HOST_KV_SECONDS.labels(r)
 
     def transferred(self, ops: bytes, block_bytes: int) -> None:
         """A step's host-tier copies (StepRequest.kv_transfers_i32: (kind, a, b) triples)."""

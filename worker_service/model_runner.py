@@ -36,6 +36,7 @@ from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.v1 import worker_pb2
 from worker_service.adapters import AdapterStore
 from worker_service.grammar import GrammarState
+from worker_service.host_tier import HostTier, check_ops
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
 from worker_service.step_plan import SamplingParams, SeqTable, StepError, StepPlan
@@ -177,8 +178,7 @@ class ModelRunner:
         self.num_kv_heads = self.attn_layers[0].num_kv_heads   # this rank's share
         self.head_dim = self.attn_layers[0].head_dim
         self.kv_cache: torch.Tensor | None = None
-        self.host_kv: torch.Tensor | None = None       # host tier: [2, layers, slots, ...]
-        self.host_scales: torch.Tensor | None = None   # fp8: its per-token scales
+        self.host: HostTier | None = None   # the prefix cache's host tier (host_tier.py)
         self.copy_stream = None      # CUDA: the host tier's copies run here, beside forwards
         self._copies_done = None     # CUDA event: the last step's copies (the next waits)
         self.kv_scales: torch.Tensor | None = None   # fp8: [2, layers, blocks, block_size] fp32
@@ -265,7 +265,7 @@ class ModelRunner:
         if self.copy_stream is not None:   # copies in flight must not outlive their buffers
             self.copy_stream.synchronize()
         self._copies_done = None
-        self.kv_cache = self.kv_scales = self.host_kv = self.host_scales = None
+        self.kv_cache = self.kv_scales = self.host = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
             layer.k_scale = layer.v_scale = None
@@ -278,14 +278,8 @@ class ModelRunner:
         if self.kv_fp8:
             self.kv_scales = torch.ones(2, num_layers, num_blocks, block_size,
                                         dtype=torch.float32, device=self.device)
-        if num_host_blocks:   # pinned on CUDA (copies run asynchronously); zeroed: resident
-            pin = self.device.type == "cuda"
-            self.host_kv = torch.zeros(2, num_layers, num_host_blocks, block_size,
-                                       self.num_kv_heads, self.head_dim,
-                                       dtype=self.kv_cache.dtype, pin_memory=pin)
-            if self.kv_fp8:
-                self.host_scales = torch.ones(2, num_layers, num_host_blocks, block_size,
-                                              dtype=torch.float32, pin_memory=pin)
+        if num_host_blocks:
+            self.host = HostTier.allocate(self.kv_cache, self.kv_scales, num_host_blocks)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
@@ -392,36 +386,21 @@ class ModelRunner:
         so far (the steps before) and beside this step's forward, which the scheduler keeps
         off those blocks; the next step waits for them (sync: this one does). On a CPU they
         run at once."""
-        if self.host_kv is None:
+        if self.host is None:
             raise StepError("kv transfers sent, but this worker has no host tier")
-        nb, nh = self.kv_cache.shape[2], self.host_kv.shape[2]
-        checked = []
-        for kind, a, b in ops.tolist():
-            block, slot = (a, b) if kind == 0 else (b, a)
-            if kind not in (0, 1) or not 0 <= block < nb or not 0 <= slot < nh:
-                raise StepError(f"bad kv transfer ({kind}, {a}, {b}): {nb} blocks, {nh} slots")
-            checked.append((kind, block, slot))
-        pairs = [(self.kv_cache, self.host_kv)]
-        if self.host_scales is not None:
-            pairs.append((self.kv_scales, self.host_scales))
-
-        def copies() -> None:
-            for kind, block, slot in checked:
-                for dev, host in pairs:
-                    if kind == 0:
-                        host[:, :, slot].copy_(dev[:, :, block], non_blocking=True)
-                    else:
-                        dev[:, :, block].copy_(host[:, :, slot], non_blocking=True)
-
+        try:
+            checked = check_ops(ops, self.kv_cache.shape[2], self.host.num_slots)
+        except ValueError as e:
+            raise StepError(str(e)) from None
         if self.device.type != "cuda":
-            copies()
+            self.host.copy(checked, self.kv_cache, self.kv_scales)
             return
         compute = torch.cuda.current_stream(self.device)
         if self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(self.device)
         self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
-            copies()
+            self.host.copy(checked, self.kv_cache, self.kv_scales)
         done = torch.cuda.Event()
         done.record(self.copy_stream)
         if sync:

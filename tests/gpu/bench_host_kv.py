@@ -1,5 +1,6 @@
 """Host-tier copies on a GPU host (issue 48): the bandwidth of the worker's block copies
-(ModelRunner._transfer: one strided copy per block and per K/V, on a copy stream) against
+(worker_service/host_tier.py HostTier.copy: each block gathered into a device staging
+buffer, then one contiguous pinned memcpy; the reverse on the way back) against
 one contiguous pinned memcpy of the same bytes (the link's peak as torch sees it), both
 ways, at Qwen3-8B shapes (36 layers, 8 KV heads of 128, bf16, 256-token blocks).
 
@@ -13,6 +14,7 @@ import statistics
 import torch
 
 from kernels.attention import new_kv_cache
+from worker_service.host_tier import HostTier
 
 
 def timed(fn, reps: int = 5) -> float:
@@ -39,17 +41,15 @@ def main() -> None:
     n, L, bs = args.blocks, args.layers, args.block_size
     dev = torch.device("cuda")
     kv = new_kv_cache(L, 2 * n, bs, 8, 128, torch.bfloat16, dev)
-    host = torch.zeros(2, L, n, bs, 8, 128, dtype=torch.bfloat16, pin_memory=True)   # as the worker's
+    tier = HostTier.allocate(kv, None, n)   # as the worker's
     kv.normal_()
     nbytes = n * kv[:, :, 0].numel() * kv.element_size()
 
     def blocks_out():
-        for i in range(n):
-            host[:, :, i].copy_(kv[:, :, i], non_blocking=True)
+        tier.copy([(0, i, i) for i in range(n)], kv, None)
 
     def blocks_in():
-        for i in range(n):
-            kv[:, :, n + i].copy_(host[:, :, i], non_blocking=True)
+        tier.copy([(1, n + i, i) for i in range(n)], kv, None)
 
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     flat_host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
