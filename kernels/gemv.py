@@ -17,6 +17,7 @@ W may be bf16 / fp16 / fp32 (no scale) or e4m3 with one float32 scale per output
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,6 +37,20 @@ def use_gemv(x: torch.Tensor) -> bool:
     return (x.is_cuda or ON_CPU) and x.numel() <= GEMV_MAX_TOKENS * x.shape[-1]
 
 
+@dataclass
+class GemvLora:
+    """One token's LoRA delta, added to the GEMV's output before it is rounded:
+    y[n] += scale[s] * (b[s, n] @ h[p(n)*R:(p(n)+1)*R]) with s = slot[0] (-1: none) and p(n)
+    the part of column n (kernels/lora.py's layout: b [num_slots, N, R] with the parts' B
+    stacked along N, h [1, P*R] float32 from lora_shrink). It saves the separate expand
+    launch of every adapted layer at batch 1."""
+    h: torch.Tensor                 # [1, P*R] float32 (any strides)
+    b: torch.Tensor                 # [num_slots, N, R]
+    scale: torch.Tensor             # [num_slots] float32
+    slot: torch.Tensor              # [1] int32
+    part_sizes: tuple[int, ...]     # P <= 3 sizes summing to N
+
+
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (w [N, K] * scale [N, 1]).T + bias, in float32, returned in x's dtype."""
@@ -48,10 +63,14 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
 
 @triton.jit
 def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
+                 H, LB, LScale, Slot, R, E0, E1, stride_h, stride_bs, stride_bn,
                  T_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Y[t, n] for every token t and the BLOCK_N channels of this program."""
+    """Y[t, n] for every token t and the BLOCK_N channels of this program; HAS_LORA (one
+    token): plus its adapter's delta (GemvLora; columns from E0 on are part 1, from E1 on
+    part 2)."""
     pid = tl.program_id(0)
     offs_t = tl.arange(0, T_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,6 +99,17 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
         y = y * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         y = y + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        s = tl.load(Slot)
+        if s >= 0:
+            part = (offs_n >= E0).to(tl.int32) + (offs_n >= E1).to(tl.int32)
+            offs_r = tl.arange(0, BLOCK_R)
+            rn_mask = n_mask[:, None] & (offs_r < R)[None, :]
+            h = tl.load(H + (part[:, None] * R + offs_r[None, :]) * stride_h, mask=rn_mask,
+                        other=0.0)
+            b = tl.load(LB + s.to(tl.int64) * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn
+                        + offs_r[None, :], mask=rn_mask, other=0.0)
+            y = y + (tl.sum(h * b.to(tl.float32), axis=1) * tl.load(LScale + s))[None, :]
     y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     tl.store(y_ptrs, cast(y, Y.dtype.element_ty, RNE_BF16), mask=t_mask[:, None] & n_mask[None, :])
 
@@ -95,10 +125,12 @@ def gemv_config(tokens: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, *, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+         block_k: int | None = None, num_warps: int | None = None,
+         lora: GemvLora | None = None) -> torch.Tensor:
     """gemv_ref's values in one launch: x [..., K] (bf16 / fp16 / fp32, rows contiguous),
     w [N, K] contiguous in any float dtype or e4m3 with scale [N, 1] float32, bias [N] or
-    None -> [..., N] in x's dtype. Meant for a few tokens (GEMV_MAX_TOKENS)."""
+    None -> [..., N] in x's dtype. Meant for a few tokens (GEMV_MAX_TOKENS). lora (one
+    token only) adds that token's adapter delta before the output is rounded."""
     shape = x.shape
     K = shape[-1]
     N = w.shape[0]
@@ -114,11 +146,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         bn, bk, nw = gemv_config(T)
         bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
         sc = scale.reshape(-1).contiguous() if scale is not None else None
+        if lora is not None:
+            S, NB, R = lora.b.shape
+            parts = lora.part_sizes
+            assert T == 1 and NB == N and sum(parts) == N and 1 <= len(parts) <= 3, \
+                (T, lora.b.shape, N, parts)
+            assert lora.h.shape[-1] == len(parts) * R and lora.b.stride(2) == 1
+            ends = [sum(parts[:i + 1]) for i in range(len(parts) - 1)] + [N, N]
+            largs = (lora.h, lora.b, lora.scale, lora.slot, R, ends[0], ends[1],
+                     lora.h.stride(-1), lora.b.stride(0), lora.b.stride(1))
+        else:
+            largs = (y, y, y, y, 1, N, N, 0, 0, 0)
         _gemv_kernel[(triton.cdiv(N, bn),)](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
-            T, N, K, x2.stride(0), w.stride(0), y.stride(0),
+            T, N, K, x2.stride(0), w.stride(0), y.stride(0), *largs,
             T_PAD=triton.next_power_of_2(T), HAS_SCALE=sc is not None,
-            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=N % bn == 0,
-            EVEN_K=K % bk == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
+            HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+            BLOCK_R=triton.next_power_of_2(max(largs[4], 16)), BLOCK_N=bn, BLOCK_K=bk,
+            EVEN_N=N % bn == 0, EVEN_K=K % bk == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
             num_warps=nw)
     return y.reshape(*shape[:-1], N)

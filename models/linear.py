@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_linear import FP8, fp8_linear, quantize_rows
-from kernels.gemv import gemv, use_gemv
+from kernels.gemv import GemvLora, gemv, use_gemv
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -46,19 +46,30 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               lora: GemvLora | None = None) -> torch.Tensor:
         fp8 = self.weight.dtype == FP8
         if use_gemv(x):
-            return gemv(x, self.weight, self.weight_scale if fp8 else None, bias)
+            return gemv(x, self.weight, self.weight_scale if fp8 else None, bias, lora=lora)
+        assert lora is None
         if fp8:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
-        if self.lora is not None:
-            self.lora.apply(x, y)
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) plus each row's adapter delta (models/lora.py): one token on the
+        GEMV gets it in the GEMV's epilogue (no expand launch), others after the GEMM."""
+        lora = self.lora
+        if lora is None or lora.ctx.rows is None:
+            return self.matmul(x, bias)
+        if use_gemv(x) and lora.kernels(x):
+            return self.matmul(x, bias, lora.shrink(x))
+        y = self.matmul(x, bias)
+        lora.apply(x, y)
         return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -170,8 +181,6 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        if self.lora is not None:   # a partial sum of the delta, like the GEMM's (lora.py)
-            self.lora.apply(x, y)
+        y = self.project(x)   # the adapter's delta a partial sum too, like the GEMM's (lora.py)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -111,3 +111,31 @@ def test_model_decode_through_gemv_equals_without(tmp_path_factory, monkeypatch,
     assert len(calls) == layers   # the decode step only: the prefill has 16 tokens
     for a, b in zip(routed, plain):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("parts", [(40,), (24, 8, 8), (20, 20)])
+@pytest.mark.parametrize("w_kind", ["fp8", "same"])
+def test_gemv_adds_the_tokens_lora_delta(parts, w_kind):
+    """GemvLora: the one token's adapter delta (its slot's B, each column's part of h, the
+    slot's scale) added before rounding equals the base product plus lora_expand_ref's
+    delta; slot -1 adds nothing; another slot's B (the mutation) differs."""
+    from kernels.gemv import GemvLora
+    from kernels.lora import lora_expand_ref, lora_rows
+    n, k, S, R = sum(parts), 96, 3, 8
+    x, w, scale, b = case(1, n, k, torch.bfloat16, w_kind, True, seed=n)
+    g = torch.Generator().manual_seed(1)
+    lb = (torch.randn(S, n, R, generator=g) * 0.5).to(torch.bfloat16).to(DEVICE)
+    ls = torch.tensor([0.5, 2.0, 1.0]).to(DEVICE)
+    h = torch.randn(1, len(parts) * R, generator=g).to(DEVICE)
+    for s in (0, 2, -1):
+        slot = torch.tensor([s], dtype=torch.int32, device=DEVICE)
+        out = gemv(x, w, scale, b, block_n=8, block_k=64,
+                   lora=GemvLora(h, lb, ls, slot, parts))
+        y = gemv_ref(x.float(), w, scale, b)
+        lora_expand_ref(h, lb, ls, lora_rows(slot, S), y, 0, parts)
+        check(out, y.to(torch.bfloat16))
+        if s >= 0:
+            other = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+            wrong = gemv(x, w, scale, b, block_n=8, block_k=64,
+                         lora=GemvLora(h, lb, ls, other, parts))
+            assert (wrong.float() - out.float()).abs().max() > 0.1

@@ -126,6 +126,35 @@ def test_logits_equal_peft_mixed_batch(model_dir, adapters):
         assert (shifted[i] - want[i]).abs().max() > 1e-3
 
 
+def test_one_token_through_the_gemv_equals_peft(model_dir, adapters, monkeypatch):
+    """One token per step (batch-1 decode's shape) on the Triton kernels (interpreter):
+    every layer's GEMV adds the adapter's delta in its epilogue (kernels/gemv.py GemvLora)
+    after the shrink; logits equal PEFT's for each adapter and the base."""
+    import kernels.gemv
+    from models.lora import LoraSlots
+    monkeypatch.setattr(kernels.gemv, "ON_CPU", True)
+    monkeypatch.setattr(LoraSlots, "use_kernels", True)
+    fused = []
+    real = kernels.gemv._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                fused.append(kw["HAS_LORA"])
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(kernels.gemv, "_gemv_kernel", Spy())
+    runner = _runner(model_dir, adapters, max_loras=4)
+    refs = [_base(model_dir)] + [adapters[n][1] for n in ADAPTERS]
+    for step, (aid, model) in enumerate(zip([0, 1, 2, 3], refs)):
+        prompt = [17 + 31 * step]
+        got = _prefill_logits(runner, [prompt], [aid], step_id=step + 1)[0]
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert sum(fused) >= 3 * 2   # the adapters' layers (2 decoder layers) took the epilogue
+
+
 def test_lru_swap_keeps_results(model_dir, adapters, tmp_path_factory):
     """Two slots, five adapters used in turn, two at a time: every step loads what it
     lacks, evicting the least recently used adapter the step does not use, and each row
