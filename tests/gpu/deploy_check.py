@@ -90,15 +90,16 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(10000) for _ in range(n)] for n in (37, 180, 411, 900)]
 
 
-def greedy() -> list[dict]:
-    """Per prompt: the greedy tokens and, per token, {id: logprob} of the top two."""
+def greedy(adapter: str = "") -> list[dict]:
+    """Per prompt: the greedy tokens and, per token, {id: logprob} of the top two (through
+    `adapter`, if named)."""
     out = []
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
                             logprobs=True, top_logprobs=2)
     with Client(TARGET, timeout=120) as c:
         for p in prompts():
             tokens, tops = [], []
-            for chunk in c.generate(p, params):
+            for chunk in c.generate(p, params, adapter=adapter):
                 tokens += chunk.token_ids
                 tops += chunk.top_logprobs
             out.append({"tokens": tokens, "top": tops})
@@ -182,7 +183,7 @@ def launcher_phase(args, tp: int, gpu: str, ref: list[dict] | None) -> tuple[lis
     try:
         row["cold_start_s"] = first_token(t0, [launcher])
         check(True, f"TP={tp}: first streamed token {row['cold_start_s']:.1f}s after launch")
-        got = greedy()
+        got = greedy(args.adapter)
         row["greedy"] = compare(ref, got, f"TP={tp}") if ref else "reference"
         row["bench"] = bench(out, f"tp{tp}", args.runs, gpu)
         if tp > 1 and not args.skip_kill:
@@ -230,9 +231,14 @@ def main() -> int:
     p.add_argument("--tp", default="1,2", help="launcher TP sizes, in order (1 first)")
     p.add_argument("--bench-args", default="", help="extra client.bench flags (a smaller workload)")
     p.add_argument("--worker-args", default="", help="extra flags for every worker")
+    p.add_argument("--adapter", default="",
+                   help="the greedy comparison's requests name this LoRA adapter (give the "
+                        "workers --max-loras and the scheduler --lora-modules)")
     p.add_argument("--scheduler-args", default="",
                    help="extra flags for the launcher's scheduler (e.g. --no-fast-forward)")
     args = p.parse_args()
+    if args.adapter and not args.skip_compose:
+        p.error("--adapter needs --skip-compose (the compose phase serves no adapters)")
     SCHEDULER_ARGS.extend(args.scheduler_args.split())
     BENCH_ARGS.extend(args.bench_args.split())
     WORKER_ARGS.extend(args.worker_args.split())

@@ -25,6 +25,9 @@
 #            (e.g. "--tp 1,2 --skip-compose --scheduler-args=--no-fast-forward
 #            --bench-args=--json-schema=client/bench_schema_records.json" after `qwen-vocab`,
 #            with DEPLOY_MODEL=/tmp/qwen3-0.6b-qwen-vocab, the checkpoint it leaves)
+#   deploy-features  deploy_check.py at TP=1 and TP=2 through the launcher with 4 LoRA adapters
+#            (greedy through one compared across TP; the benchmark over all four), the host tier
+#            and the decode GEMV on; rank 1 SIGKILLed mid-run (DEPLOY_MODEL as in deploy)
 #   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
 #            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
 #            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
@@ -136,6 +139,17 @@ for w in ${*:-kernels model bench}; do
       # shellcheck disable=SC2086
       python3 tests/gpu/deploy_check.py --model "${DEPLOY_MODEL:-$NANOSERVE_QWEN06B}" \
         --out "$OUT/deploy" ${DEPLOY_ARGS:-} 2>&1 | tee "$OUT/deploy.md" || rc=1 ;;
+    deploy-features)   # the launcher at TP=1 then TP=2 with LoRA (4 adapters; greedy
+      # through a1 compared across TP, the benchmark spread over all four), the host tier
+      # (4 GB a rank) and the decode GEMV on, rank 1 SIGKILLed mid-run
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      M=${DEPLOY_MODEL:-$NANOSERVE_QWEN06B}; A=/dev/shm/adapters-$(basename "$M")
+      [ -d $A/a3 ] || python3 tests/gpu/make_adapters.py "$M" $A 4 16 >/dev/null || rc=1
+      python3 tests/gpu/deploy_check.py --model "$M" --out "$OUT/deploy_features" --tp 1,2 \
+        --skip-compose --adapter a1 --bench-args="--adapters a0,a1,a2,a3" \
+        --worker-args="--max-loras 4 --max-lora-rank 16 --host-kv-cache-gb 4" \
+        --scheduler-args="--lora-modules a0=$A/a0,a1=$A/a1,a2=$A/a2,a3=$A/a3" \
+        2>&1 | tee "$OUT/deploy_features.md" || rc=1 ;;
     big)
       M32=/dev/shm/qwen3-32b
       [ -f $M32/config.json ] || timeout 600 python3 tests/gpu/fp8_check.py checkpoint $M32 Qwen3-32B \
