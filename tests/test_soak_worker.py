@@ -31,6 +31,10 @@ VOCAB = 389
 STREAMS, ROUNDS = 80, 7            # round 0 warms up
 KV_GB = 0.1                        # ~13k blocks of 16 tokens at these shapes
 RSS_BOUND = 16 << 20               # worker RSS, end of round 1 -> end of the last round
+# glibc hands freed memory back at once (no trim threshold; blocks >= 64 KiB mmapped): RSS
+# then follows live memory, not the high-water mark of the largest batch a round happened
+# to build (CI saw +19 MiB that way: 483 -> 489 -> 490 -> 502, then flat).
+MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 async def one_stream(stub, rng: random.Random) -> str:
@@ -73,7 +77,7 @@ async def one_round(port: int, seed: int) -> list[str]:
 
 def test_real_worker_memory_is_flat_after_warm_up(tmp_path_factory):
     model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=35)
-    worker = start_worker(model_dir, kv_cache_gb=KV_GB)
+    worker = start_worker(model_dir, kv_cache_gb=KV_GB, env=MALLOC_ENV)
     sched = start_scheduler(model_dir, [worker.port], block_size=16)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
