@@ -59,6 +59,7 @@ class HostTier:
         if self.scales is not None:
             pairs.append((kv_scales, self.scales, self.stage_scales))
         cuda = kv_cache.is_cuda
+        self._harvest()   # bounded whether or not anyone reads take_seconds
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -83,12 +84,16 @@ class HostTier:
         else:
             self.seconds += time.perf_counter() - t0
 
-    def take_seconds(self) -> float:
-        """Copy time finished since the last call (CUDA: of the copies whose events have
-        completed; never waits)."""
+    def _harvest(self) -> None:
+        """Move the completed copies' event times into `seconds` (never waits)."""
         while self._timing and self._timing[0][1].query():
             start, end = self._timing.pop(0)
             self.seconds += start.elapsed_time(end) / 1e3
+
+    def take_seconds(self) -> float:
+        """Copy time finished since the last call (CUDA: of the copies whose events have
+        completed; never waits)."""
+        self._harvest()
         out, self.seconds = self.seconds, 0.0
         return out
 
