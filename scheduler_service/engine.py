@@ -271,6 +271,8 @@ class Engine:
                 req.decode.num_tokens_i32 = array("i", [s.num_scheduled_tokens for s in seqs]).tobytes()
             if batch.proposals is not None:   # a verify step: each proposal row samples too
                 req.decode.num_samples_i32 = array("i", [1 + len(p) for p in batch.proposals]).tobytes()
+            if batch.drafts is not None:      # the draft model proposes for the next step
+                req.decode.num_drafts_i32 = array("i", batch.drafts).tobytes()
             if self.scheduler.num_kv_stale:   # rejected proposals of a last step: rewind
                 stale = [(i, s.num_computed_tokens) for i, s in enumerate(seqs) if s.kv_stale]
                 req.decode.kv_len_i32 = array("i", [x for pair in stale for x in pair]).tobytes()
@@ -339,6 +341,8 @@ class Engine:
             logprobs = lp.tolist()
         tokens = sampled.tolist()
         done = self.scheduler.resolve(batch, tokens, logprobs)
+        if batch.drafts is not None:
+            self._take_drafts(batch, resp)
         rows = self.scheduler.resolved_rows   # a verify step: the sample of each token
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(done)
@@ -397,6 +401,20 @@ class Engine:
             out.top_logprobs.extend([([], [])] * len(seq_ids))
         self.stats.num_generated_tokens += len(seq_ids)
         self.stats.num_fast_forward_tokens += len(seq_ids)
+
+    def _take_drafts(self, batch: Batch, resp: worker_pb2.StepResponse) -> None:
+        """The draft model's proposals (k per seq that asked, in order) onto the seqs: the
+        next step sends them (Speculator.propose)."""
+        ids = array("i")
+        ids.frombytes(resp.draft_token_ids_i32)
+        want = sum(batch.drafts)
+        if len(ids) != want:
+            raise ValueError(f"{len(ids)} draft ids for {want} asked")
+        at = 0
+        for seq, k in zip(batch.seqs, batch.drafts):
+            if k and seq.status is not SequenceStatus.FINISHED and not seq.num_pending_tokens:
+                Speculator.take_drafts(seq, ids[at:at + k].tolist())
+            at += k
 
     def _plain_rows(self, batch: Batch) -> bool:
         """Whether a decode step's time is its rows' cost (speculation's StepCost): not where

@@ -76,6 +76,9 @@ class EngineCore:
             adapters=self._saved_adapters())
         log.info("connecting to %d worker(s): %s", len(cfg.workers), ", ".join(cfg.workers))
         info = await wait_for_group(group, cfg.block_size, cfg.num_kv_blocks)
+        if cfg.speculation.method == "draft" and not info.draft_model:
+            raise WorkerGroupError("--speculative draft: the workers have no draft model "
+                                   "(start them with --draft-model DIR)", lost=False)
         max_model_len = min(cfg.max_model_len or info.max_model_len, info.max_model_len)
         sched = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=cfg.block_size,
                                 max_num_seqs=cfg.max_num_seqs,

@@ -64,6 +64,9 @@ class Batch:
     sync_transfers: bool = False
     # Decode: the tokens proposed for each seq (a verify step), None when none were.
     proposals: list[list[int]] | None = None
+    # Decode: per seq, the tokens the workers' draft model proposes after this step (the
+    # next step's proposals; speculation.py), None when none asked.
+    drafts: list[int] | None = None
     num_rows: int = 0   # decode: rows of the step (a sequence each, more for run-ahead tokens)
 
     @property
@@ -232,6 +235,7 @@ class Scheduler:
             spec.tick()
             spec = None     # big batches, or a back-off: every sequence decodes overlapped
         proposals: list[list[int]] | None = None
+        drafts: list[int] | None = None
         while self.running and rows < limit:
             seq = self.running.popleft()
             n = len(seq.token_ids)
@@ -243,10 +247,13 @@ class Scheduler:
                 self.running.appendleft(seq)     # next step
                 break
             proposal: list[int] = []
+            ask = 0   # tokens the draft model proposes after this step
             if spec is not None and not seq.num_pending_tokens and spec.eligible(seq):
                 room = min(seq.len_limit - n - 1, limit - rows - todo)
+                batch_rows = len(self.running) + len(seqs) + 1
                 if room > 0:
-                    proposal = spec.propose(seq, room, len(self.running) + len(seqs) + 1)
+                    proposal = spec.propose(seq, room, batch_rows)
+                ask = spec.num_drafts(seq, seq.len_limit - n - len(proposal) - 1, batch_rows)
             need = n + len(proposal)   # tokens whose KV the step leaves in the cache
             if proposal and -(-need // bs) - len(seq.block_table) > bm.num_free_blocks:
                 # proposals never preempt anyone: as many as the free blocks hold
@@ -254,6 +261,11 @@ class Scheduler:
                     bm.num_free_blocks - max(-(-n // bs) - len(seq.block_table), 0), 0)) * bs - n
                 del proposal[max(room, 0):]
                 need = n + len(proposal)
+            if ask:   # the draft's KV past the newest token: only in blocks held or free
+                ask = max(min(ask, (len(seq.block_table) + bm.num_free_blocks) * bs - need), 0)
+                need += ask
+                if drafts is None:
+                    drafts = [0] * len(seqs)
             if proposal:
                 if proposals is None:
                     proposals = [[] for _ in seqs]
@@ -277,18 +289,22 @@ class Scheduler:
                     seqs.append(seq)
                     if proposals is not None:
                         proposals.append(proposal)
+                    if drafts is not None:
+                        drafts.append(ask)
                     rows += todo
                 continue
             seq.num_scheduled_tokens = todo
             seqs.append(seq)
             if proposals is not None:
                 proposals.append(proposal)
+            if drafts is not None:
+                drafts.append(ask)
             rows += todo
         self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
         if spec is not None and seqs:
-            spec.proposed(proposals is not None)
+            spec.proposed(proposals is not None or drafts is not None)
         return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks,
-                      proposals=proposals, num_rows=rows) if seqs else None)
+                      proposals=proposals, drafts=drafts, num_rows=rows) if seqs else None)
 
     def wants_sync(self) -> bool:
         """Whether the next step should wait for the one in flight: a sequence that may get

@@ -9,7 +9,12 @@ before them, then that sample: for a proposer that is a point mass (every one he
 is drawn from p without x, renormalized), so greedy output is token-identical to no
 speculation and a seeded request draws the same tokens (its noise is keyed by position).
 
-Proposers (both read only tokens the engine core knows):
+Proposers:
+* `draft`: a smaller model of the same tokenizer on the workers (worker_service/drafter.py).
+  A step asks the workers for k drafts per sequence (DecodeBatch.num_drafts_i32); they settle
+  the step's proposals by the same rule, run the draft model k greedy steps from the newest
+  token and return its ids with the step's answer: the next step's proposals. The scheduler
+  reserves blocks for the draft's KV past the newest token (never preempting anyone for it);
 * `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the
   sequence's last n tokens (n from `ngram_max` down to `ngram_min`) in prompt + output;
 * a request's `prediction` (OpenAI predicted outputs): the caller's expected answer; the
@@ -44,7 +49,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-METHODS = ("off", "ngram")   # off: only requests' predictions are proposed
+METHODS = ("off", "ngram", "draft")   # off: only requests' predictions are proposed
 
 
 @dataclass
@@ -80,6 +85,8 @@ class SpecState:
     num_proposed: int = 0         # totals for usage and metrics
     num_accepted: int = 0
     last_accepted: int = 0        # of the last verify step
+    draft: list[int] = field(default_factory=list)   # draft: the workers' latest proposals,
+    draft_at: int = -1            # made when the sequence held this many tokens
 
     def acceptance(self, prior: float) -> float:
         return (self.accepted + 2 * prior) / (self.attempts + 2)
@@ -209,7 +216,7 @@ def realign(prediction: array, output: list[int], n_max: int, anchor: int, expec
 class Speculator:
     """Proposals for the scheduler's decode steps (one per engine core)."""
 
-    PRIOR = {"prediction": 0.8, "ngram": 0.5}   # acceptance before a sequence has any
+    PRIOR = {"prediction": 0.8, "ngram": 0.5, "draft": 0.7}   # acceptance before a sequence has any
     MAX_BACKOFF = 16   # overlapped steps between tries, at most
 
     def __init__(self, config: SpecConfig, allowed=None):
@@ -246,7 +253,7 @@ class Speculator:
         could not be checked here. (Penalties: the sampling rank counts a row's proposed
         tokens before it into its penalties, worker_service/penalties.py.)"""
         s = seq.sampling
-        return (s.speculate and (bool(s.prediction) or self.config.method == "ngram")
+        return (s.speculate and (bool(s.prediction) or self.config.method != "off")
                 and (not s.grammar or self.allowed is not None))
 
     def propose(self, seq, room: int, batch_rows: int) -> list[int]:
@@ -256,17 +263,15 @@ class Speculator:
         if st is None:
             st = seq.spec = SpecState()
         cfg = self.config
-        source = "prediction" if seq.sampling.prediction else "ngram"
-        a = st.acceptance(self.PRIOR[source])
-        threshold = self.cost.threshold(batch_rows) if cfg.adaptive else 0.0
-        k, chance = 0, a
-        while k < min(cfg.num_tokens, room) and chance > threshold:
-            k += 1
-            chance *= a
+        source = "prediction" if seq.sampling.prediction else cfg.method
+        k = self._count(st, source, room, batch_rows)
         proposal: list[int] = []
         if k:
             ids = seq.token_ids
-            if source == "prediction":
+            if source == "draft":
+                if st.draft_at == len(ids):
+                    proposal = st.draft[:k]
+            elif source == "prediction":
                 if st.prediction is None:
                     st.prediction = array("i", seq.sampling.prediction)
                 pred = st.prediction
@@ -279,6 +284,36 @@ class Speculator:
         if proposal and seq.sampling.grammar:   # what the format forbids is never sent
             del proposal[self.allowed(seq, proposal):]
         return proposal
+
+    def _count(self, st: SpecState, source: str, room: int, batch_rows: int) -> int:
+        """k: proposals while the chance that all are accepted beats a row's cost."""
+        cfg = self.config
+        a = st.acceptance(self.PRIOR[source])
+        threshold = self.cost.threshold(batch_rows) if cfg.adaptive else 0.0
+        k, chance = 0, a
+        while k < min(cfg.num_tokens, room) and chance > threshold:
+            k += 1
+            chance *= a
+        return k
+
+    def num_drafts(self, seq, room: int, batch_rows: int) -> int:
+        """How many tokens the workers' draft model should propose for seq after this step
+        (0: none): as many as the next step would verify, at least one while any fits (a
+        sequence that proposes nothing would never measure its acceptance again)."""
+        if self.config.method != "draft" or seq.sampling.prediction or room <= 0:
+            return 0
+        st = seq.spec
+        if st is None:
+            st = seq.spec = SpecState()
+        return max(self._count(st, "draft", room, batch_rows), 1)
+
+    @staticmethod
+    def take_drafts(seq, drafts: list[int]) -> None:
+        """The workers' proposals for seq, drafted after its newest (now known) token."""
+        st = seq.spec
+        if st is not None:
+            st.draft = [t for t in drafts if t >= 0]
+            st.draft_at = len(seq.token_ids)
 
 
 def spec_usage(seq) -> tuple[int, int]:

@@ -122,6 +122,10 @@ class WorkerGroup:
             if info.model_fingerprint != first.model_fingerprint:
                 raise WorkerGroupError(
                     f"ranks serve different models: {first.model} vs {info.model}", lost=False)
+            if info.draft_model != first.draft_model:
+                raise WorkerGroupError(
+                    f"ranks use different draft models: {first.draft_model or 'none'} (rank 0) "
+                    f"vs {info.draft_model or 'none'} (rank {rank})", lost=False)
             if info.kv_cache_dtype != first.kv_cache_dtype:
                 raise WorkerGroupError(
                     f"ranks use different KV cache dtypes: {first.kv_cache_dtype} (rank 0) vs "
@@ -154,7 +158,8 @@ class WorkerGroup:
                               eos_token_id=first.eos_token_id,
                               kv_cache_dtype=first.kv_cache_dtype,
                               structured_output=first.structured_output,
-                              max_loras=max_loras, num_host_kv_blocks=host_blocks)
+                              max_loras=max_loras, num_host_kv_blocks=host_blocks,
+                              draft_model=first.draft_model)
         return self.info
 
     async def set_adapters(self, adapters: tuple[tuple[int, str, str], ...]) -> None:

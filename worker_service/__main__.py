@@ -70,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "0 = no LoRA. The scheduler names the adapters (--lora-modules)")
     p.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                    help="the largest adapter rank accepted (slots are sized for it)")
+    p.add_argument("--draft-model", default="", metavar="DIR",
+                   help="speculative decoding with a draft model: a smaller model sharing the "
+                        "target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B), run on every rank "
+                        "beside the target with a KV cache of its own (its blocks are counted "
+                        "in each KV block's bytes); it proposes tokens greedily for the steps "
+                        "of a scheduler started with --speculative draft, and the target "
+                        "verifies them (output unchanged). Refused at start if its vocabulary "
+                        "or tokenizer files differ from the target's")
     tp = p.add_argument_group(
         "tensor parallelism",
         "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "
@@ -215,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = runner_class(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+        quantization=args.quantization, draft_model=args.draft_model, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager, max_loras=args.max_loras,

@@ -35,11 +35,12 @@ from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.v1 import worker_pb2
 from worker_service.adapters import AdapterStore
+from worker_service.drafter import Drafter
 from worker_service.grammar import GrammarState
 from worker_service.host_tier import HostTier, check_ops
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
-from worker_service.step_plan import SamplingParams, SeqTable, StepError, StepPlan
+from worker_service.step_plan import SamplingParams, SeqTable, StepError, StepPlan, draft_ids
 from worker_service.transfers import to_device, to_host
 
 
@@ -61,6 +62,7 @@ class RunnerConfig:
     host_kv_cache_gb: float = 0.0         # host tier of the prefix cache (0: none)
     max_loras: int = 0                    # LoRA adapters resident at once (0: no LoRA)
     max_lora_rank: int = 16
+    draft_model: str = ""                 # speculative decoding's draft model (drafter.py)
 
 
 @dataclass
@@ -73,6 +75,8 @@ class PendingStep:
     top_ids: torch.Tensor | None = None      # host, int32 [rows, K]
     top_logprobs: torch.Tensor | None = None # host, float32 [rows, K]
     events: tuple | None = None              # CUDA (start, end) events
+    drafts: torch.Tensor | None = None       # host, int32 [D, max k]: the drafter's proposals,
+    num_drafts: np.ndarray | None = None     # and how many of each row were asked for
 
 
 log = logging.getLogger("nanoserve.worker")
@@ -164,6 +168,12 @@ class ModelRunner:
                                                     device=self.device, attn_backend=self.backend,
                                                     quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
+        self.drafter: Drafter | None = None
+        if config.draft_model:
+            with phase(self.phases, "draft weights"):
+                self.drafter = Drafter(config.draft_model, config.model_dir,
+                                       self.hf_config.vocab_size, tp, self.dtype, self.device,
+                                       self.backend, config.quantization)
         # LoRA slots before the profile run, so the KV budget leaves them their room
         self.adapters = (AdapterStore(self.model, config.max_loras, config.max_lora_rank)
                          if config.max_loras else None)
@@ -206,11 +216,16 @@ class ModelRunner:
     def kv_cache_dtype_name(self) -> str:
         return "fp8_e4m3" if self.kv_fp8 else str(self.dtype).removeprefix("torch.")
 
-    def block_bytes(self, block_size: int) -> int:
-        """K and V bytes of one block over all layers (fp8: values + a 4-byte scale per token)."""
-        values = self.num_kv_heads * self.head_dim
-        per_token = values + 4 if self.kv_fp8 else values * self.dtype.itemsize
-        return 2 * len(self.attn_layers) * block_size * per_token
+    def block_bytes(self, block_size: int, draft: bool = True) -> int:
+        """K and V bytes of one block over all layers (fp8: values + a 4-byte scale per
+        token), the draft model's included (draft=False: the target's alone)."""
+        def layers_bytes(layers, heads: int, head_dim: int) -> int:
+            values = heads * head_dim
+            per_token = values + 4 if self.kv_fp8 else values * self.dtype.itemsize
+            return 2 * len(layers) * block_size * per_token
+        d = self.drafter
+        return layers_bytes(self.attn_layers, self.num_kv_heads, self.head_dim) + (
+            layers_bytes(d.layers, d.num_kv_heads, d.head_dim) if draft and d else 0)
 
     def _kv_budget_bytes(self) -> float:
         """What the KV cache may take on this rank, measured once, before there is a cache:
@@ -224,7 +239,8 @@ class ModelRunner:
 
     def host_capacity(self, block_size: int) -> int:
         """Host-tier slots of `block_size` tokens that --host-kv-cache-gb holds."""
-        return int(self.config.host_kv_cache_gb * (1 << 30) // self.block_bytes(block_size))
+        return int(self.config.host_kv_cache_gb * (1 << 30)
+                   // self.block_bytes(block_size, draft=False))
 
     def kv_capacity(self, block_size: int) -> int:
         """How many KV blocks of `block_size` tokens fit in this rank's budget."""
@@ -252,10 +268,8 @@ class ModelRunner:
         self._forward_and_sample(self.table.plan(req))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base - kv_bytes
-        self.kv_cache = self.kv_scales = self.table = None
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
-            layer.k_scale = layer.v_scale = None
+        self.table = None
+        self._free_kv()
         torch.cuda.empty_cache()
         return int(peak)
 
@@ -265,26 +279,16 @@ class ModelRunner:
         if self.copy_stream is not None:   # copies in flight must not outlive their buffers
             self.copy_stream.synchronize()
         self._copies_done = None
-        self.kv_cache = self.kv_scales = self.host = None
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
-            layer.k_scale = layer.v_scale = None
+        self.host = None
+        self._free_kv()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        num_layers = len(self.attn_layers)
-        self.kv_cache = new_kv_cache(num_layers, num_blocks, block_size, self.num_kv_heads,
-                                     self.head_dim, FP8_DTYPE if self.kv_fp8 else self.dtype,
-                                     self.device)
-        if self.kv_fp8:
-            self.kv_scales = torch.ones(2, num_layers, num_blocks, block_size,
-                                        dtype=torch.float32, device=self.device)
+        self.kv_cache, self.kv_scales = self._bind_kv(self.attn_layers, num_blocks, block_size)
+        if self.drafter is not None:
+            d = self.drafter
+            d.kv_cache, d.kv_scales = self._bind_kv(d.layers, num_blocks, block_size)
         if num_host_blocks:
             self.host = HostTier.allocate(self.kv_cache, self.kv_scales, num_host_blocks)
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
-            if self.kv_fp8:
-                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
         self.block_size = block_size
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
@@ -297,6 +301,30 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
             self._capture_graphs(block_size)
 
+    def _free_kv(self) -> None:
+        self.kv_cache = self.kv_scales = None
+        layers = self.attn_layers
+        if self.drafter is not None:
+            self.drafter.kv_cache = self.drafter.kv_scales = self.drafter.graphs = None
+            layers = layers + self.drafter.layers
+        for layer in layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+            layer.k_scale = layer.v_scale = None
+
+    def _bind_kv(self, layers, num_blocks: int, block_size: int):
+        """A KV cache for `layers` (the target's or the draft's), each layer given its views
+        -> (cache, fp8 scales or None)."""
+        heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+        cache = new_kv_cache(len(layers), num_blocks, block_size, heads, head_dim,
+                             FP8_DTYPE if self.kv_fp8 else self.dtype, self.device)
+        scales = (torch.ones(2, len(layers), num_blocks, block_size, dtype=torch.float32,
+                             device=self.device) if self.kv_fp8 else None)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+            if scales is not None:
+                layer.k_scale, layer.v_scale = scales[0, i], scales[1, i]
+        return cache, scales
+
     def _capture_graphs(self, block_size: int) -> None:
         from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
         t0 = time.perf_counter()
@@ -307,6 +335,14 @@ class ModelRunner:
         self.graphs.capture()
         log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
                  time.perf_counter() - t0)
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            d = self.drafter
+            d.graphs = DecodeGraphs(d.model, self.backend, self.config.max_num_seqs,
+                                    self.max_model_len, block_size, d.num_kv_heads, self.device)
+            d.graphs.capture()
+            log.info("captured %d draft decode CUDA graphs in %.1fs", len(d.graphs.buckets),
+                     time.perf_counter() - t0)
         max_tokens = min(self.config.max_prefill_graph_tokens, self.max_model_len,
                          self.config.max_num_batched_tokens)
         if not token_buckets(max_tokens):
@@ -359,12 +395,20 @@ class ModelRunner:
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         samples = self._forward_and_sample(plan, pending.events)
+        if self.drafter is not None:   # the draft's KV follows the target's, step by step
+            self._logits(plan, net=self.drafter)
         tokens = samples.tokens if samples is not None else None
         self.table.commit(plan)
         if self.tp.size > 1 and plan.num_samples:   # every rank needs the samples (placeholders)
             if tokens is None:
                 tokens = torch.empty(plan.num_samples, dtype=torch.int64, device=self.device)
             self.tp.broadcast(tokens)
+        if plan.drafts is not None:
+            if self.drafter is None:
+                raise StepError("drafts asked for, but this worker has no --draft-model")
+            drafts = self.drafter.propose(plan.drafts, tokens, self.table)
+            if self.tp.rank == 0:
+                pending.drafts, pending.num_drafts = to_host(drafts), plan.drafts.k
         if plan.num_samples:
             self.last_sampled = tokens
         if tokens is not None and self.tp.rank == 0:
@@ -422,6 +466,8 @@ class ModelRunner:
                 resp.top_logprobs_k = pending.top_ids.shape[1]
                 resp.top_token_ids_i32 = pending.top_ids.numpy().astype("<i4", copy=False).tobytes()
                 resp.top_logprobs_f32 = pending.top_logprobs.numpy().astype("<f4", copy=False).tobytes()
+        if pending.drafts is not None:
+            resp.draft_token_ids_i32 = draft_ids(pending.drafts.numpy(), pending.num_drafts)
         resp.step_ms = (time.perf_counter() - pending.t0) * 1e3
         return resp
 
@@ -471,10 +517,13 @@ class ModelRunner:
         rows = np.array([i for i, _ in constrained], dtype=np.int64)
         return to_device(rows, self.device), host.to(self.device, non_blocking=True)
 
-    def _logits(self, plan: StepPlan, events=None) -> torch.Tensor | None:
+    def _logits(self, plan: StepPlan, events=None, net: Drafter | None = None
+                ) -> torch.Tensor | None:
         """The forward (every rank runs it) -> logits of the sampling rows, None if the step
-        samples none: a decode or prefill CUDA graph where one fits, else eager."""
+        samples none: a decode or prefill CUDA graph where one fits, else eager. net: the
+        drafter's model instead of the target's (no logits: its KV is what it is run for)."""
         dev = self.device
+        model, graphs = (self.model, self.graphs) if net is None else (net.model, net.graphs)
         ids = plan.token_ids if plan.fill is None else np.where(plan.token_ids < 0, 0, plan.token_ids)
         tables = plan.block_tables
         if events is not None:
@@ -484,24 +533,25 @@ class ModelRunner:
             fill_dev = (to_device(plan.fill[0], dev),
                         self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
         sampling = plan.sample
-        lora = (self.adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
-                if self.adapters is not None else None)   # [T] slots, None: no adapter
+        adapters = self.adapters if net is None else None
+        lora = (adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
+                if adapters is not None else None)   # [T] slots, None: no adapter
         runs = decode_runs(plan.rows) if plan.is_decode else None   # fast-forward rows
-        if plan.is_decode and self.graphs is not None and len(plan.rows) <= self.graphs.max_batch \
-                and tables.shape[1] <= self.graphs.max_blocks:
-            logits = self.graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev,
-                                     runs, lora)
-            if not plan.num_samples:
+        if plan.is_decode and graphs is not None and len(plan.rows) <= graphs.max_batch \
+                and tables.shape[1] <= graphs.max_blocks:
+            logits = graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev, runs,
+                                lora)
+            if not plan.num_samples or net is not None:
                 return None
             if sampling.all():
                 return logits
             # fast-forward rows sample only their last token (a numpy index would be copied
             # from pageable memory: in stream order, after the forward)
             return logits.index_select(0, to_device(np.flatnonzero(sampling), dev))
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
+        if net is None and self.prefill_graphs is not None and self.prefill_graphs.fits(plan):
             return self.prefill_graphs.run(plan, lora)
-        if self.adapters is not None:
-            self.adapters.set_rows(lora)
+        if adapters is not None:
+            adapters.set_rows(lora)
         n_tok = plan.num_tokens
         ctx = plan.context_lens
         cu_q = np.zeros(len(n_tok) + 1, dtype=np.int32)
@@ -523,8 +573,8 @@ class ModelRunner:
         input_ids = to_device(ids, dev)
         if fill_dev is not None:
             input_ids[fill_dev[0]] = fill_dev[1]
-        hidden = self.model(input_ids, to_device(plan.positions, dev), meta)
-        if not plan.num_samples:
+        hidden = model(input_ids, to_device(plan.positions, dev), meta)
+        if not plan.num_samples or net is not None:
             return None
         last = to_device(plan.last_token_index(), dev)
         return self.model.compute_logits(hidden.index_select(0, last))

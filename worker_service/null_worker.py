@@ -40,7 +40,7 @@ from nanoserve.security import OPEN_WORKER, AsyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.metrics import WorkerMetrics
 from worker_service.grammar import GrammarState
-from worker_service.step_plan import SeqTable, StepError
+from worker_service.step_plan import SeqTable, StepError, draft_ids
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -99,7 +99,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=max(self.capacity_tokens * 16 // block_size, 1), block_size=block_size,
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, device="null", dtype="none", attention_backend="none",
-            structured_output=self.grammar_tokenizer is not None)
+            structured_output=self.grammar_tokenizer is not None,
+            draft_model="null")   # drafts: its own next ids (every one accepted)
 
     async def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:
@@ -165,6 +166,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             step_id=req.step_id, sampled_token_ids_i32=tokens.astype("<i4").tobytes(),
             logprobs_f32=np.zeros(len(tokens), "<f4").tobytes() if want_logprobs else b"",
             gpu_ms=self.step_s * 1e3)
+        if plan.drafts is not None:
+            resp.draft_token_ids_i32 = draft_ids(self._drafts(plan.drafts, tokens), plan.drafts.k)
         if k := plan.top_logprobs:   # made-up alternatives: the sampled id first, log p 0, -1, ...
             resp.top_logprobs_k = k
             resp.top_token_ids_i32 = ((tokens[:, None].astype(np.int64) + np.arange(k))
@@ -186,6 +189,18 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.last_sampled = tokens
         return tokens, plan.want_logprobs
 
+
+    def _drafts(self, drafts, tokens: np.ndarray) -> np.ndarray:
+        """A draft model that knows this worker's rule: the ids it will sample next."""
+        newest, start, k = drafts.settle(tokens, self.table)
+        out = np.full((len(k), int(drafts.k.max())), -1, np.int64)
+        for i in range(len(k)):
+            prev = np.array([tokens[newest[i]]])
+            for j in range(int(k[i])):
+                prev = next_tokens(prev, np.array([start[i] + j + 1]), self.vocab_size,
+                                   self.eos_token_id)
+                out[i, j] = prev[0]
+        return out
 
     def _constrain(self, plan, tokens: np.ndarray) -> None:
         """Constrained rows: the allowed id at the place the free id's hash picks."""

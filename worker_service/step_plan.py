@@ -37,6 +37,11 @@ def verify_drafts(d: worker_pb2.DecodeBatch) -> dict[int, list[int]]:
             if s > 1}
 
 
+def draft_ids(drafts: np.ndarray, k: np.ndarray) -> bytes:
+    """StepResponse.draft_token_ids_i32: each row's first k of [D, max k] drafts."""
+    return drafts[np.arange(drafts.shape[1]) < k[:, None]].astype("<i4").tobytes()
+
+
 class StepError(ValueError):
     """A StepRequest that contradicts the worker's state (bad ids, unknown sequence)."""
 
@@ -86,6 +91,38 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
+class DraftPlan:
+    """The sequences of a step that asked for drafts (DecodeBatch.num_drafts_i32), one entry
+    each: what the drafter needs to settle their proposals and draft from the newest token."""
+    k: np.ndarray              # [D] tokens to propose
+    rows: np.ndarray           # [D] SeqTable rows
+    first_sample: np.ndarray   # [D] index of the sequence's first sample among the step's
+    num_samples: np.ndarray    # [D] its samples (1 + proposals)
+    position: np.ndarray       # [D] position of its first sampling row's input token
+    proposals: list[list[int]]  # [D] the proposals this step verifies for it
+
+    def settle(self, samples: np.ndarray, table: "SeqTable"
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where each sequence's drafting starts, given the step's samples (host): (index
+        of its newest token among the samples, that token's position, how many drafts fit
+        its blocks and max_model_len). Its proposals are accepted while equal to the sample
+        before them: the scheduler's rule (Scheduler._resolve_verify), so both agree on the
+        newest token."""
+        accepted = np.zeros(len(self.k), np.int64)
+        for i, proposal in enumerate(self.proposals):
+            f, a = int(self.first_sample[i]), 0
+            while a < len(proposal) and proposal[a] == samples[f + a]:
+                a += 1
+            accepted[i] = a
+        start = self.position + accepted + 1
+        room = np.minimum(table.table_len[self.rows] * table.block_size, table.max_model_len)
+        return self.first_sample + accepted, start, np.clip(np.minimum(self.k, room - start), 0, None)
+
+
+MAX_DRAFTS = 64   # most draft tokens per sequence and step (the scheduler's k is <= 64)
+
+
+@dataclass
 class StepPlan:
     step_id: int
     seq_ids: list[int]              # one per row: prefill rows, then decode rows
@@ -100,6 +137,7 @@ class StepPlan:
     fill: tuple[np.ndarray, np.ndarray] | None   # (indices into token_ids, rows of the
                                                  # previous step's samples) for placeholders
     sampling: list[SamplingParams] = field(default_factory=list)   # per sampling row
+    drafts: DraftPlan | None = None   # sequences that asked for drafts after this step
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -256,6 +294,7 @@ class SeqTable:
                           else np.full(n_dec, PLACEHOLDER, np.int64))
             if len(dec_tokens) != n_dec:
                 raise StepError(f"decode batch has {len(dec_tokens)} token ids for {n_dec} tokens")
+            drafts = self._drafts(d, nd, dec_rows, per, n_samp, int(sum(sample)), dec_tokens)
             dec_offset = np.zeros(n_dec, np.int64)
             dec_sample = [True] * n_dec
             if per is not None:   # fast-forward: each token a decode row, the last one samples
@@ -272,6 +311,7 @@ class SeqTable:
             rows += dec_rows
         else:
             listed = seq_ids
+            drafts = None
         if len(set(listed)) != len(listed):   # (fast-forward rows repeat one on purpose)
             raise StepError("a sequence appears twice in one step")
         if not rows:
@@ -314,7 +354,32 @@ class SeqTable:
         return StepPlan(step_id=req.step_id, seq_ids=seq_ids, rows=rows_a, num_tokens=num_tokens,
                         start_pos=start_pos, token_ids=token_ids, positions=positions,
                         slot_mapping=slots, block_tables=tables, sample=sample_a, fill=fill,
-                        sampling=[self.params[r] for r in sample_rows])
+                        sampling=[self.params[r] for r in sample_rows], drafts=drafts)
+
+    def _drafts(self, d: worker_pb2.DecodeBatch, nd: int, dec_rows: list[int],
+                per: np.ndarray | None, n_samp: np.ndarray | None, prefill_samples: int,
+                dec_tokens: np.ndarray) -> DraftPlan | None:
+        """The decode sequences that asked for drafts (positions before this step's commit)."""
+        if not d.num_drafts_i32:
+            return None
+        k = np.frombuffer(d.num_drafts_i32, "<i4").astype(np.int64)
+        if len(k) != nd or (k < 0).any() or (k > MAX_DRAFTS).any():
+            raise StepError(f"decode num_drafts must hold one count in [0, {MAX_DRAFTS}] for "
+                            f"each of {nd} sequences")
+        sel = np.flatnonzero(k)
+        if not len(sel):
+            return None
+        ones = np.ones(nd, np.int64)
+        per = ones if per is None else per
+        ns = ones if n_samp is None else n_samp
+        rows = np.asarray(dec_rows, np.int64)
+        first = np.cumsum(ns) - ns + prefill_samples
+        pos = self.computed[rows] + per - ns
+        ends = np.cumsum(per)   # (the verify rows' inputs are the proposals)
+        return DraftPlan(k=k[sel], rows=rows[sel], first_sample=first[sel], num_samples=ns[sel],
+                         position=pos[sel],
+                         proposals=[dec_tokens[ends[i] - ns[i] + 1:ends[i]].tolist()
+                                    for i in sel.tolist()])
 
     def _placeholders(self, token_ids: np.ndarray, num_tokens: np.ndarray, seq_ids: list[int]
                       ) -> tuple[np.ndarray, np.ndarray] | None:

@@ -34,3 +34,4 @@ class GroupInfo:
     structured_output: bool = False   # rank 0 follows grammars (WorkerInfo.structured_output)
     max_loras: int = 0                # LoRA slots (WorkerInfo.max_loras: min over ranks)
     num_host_kv_blocks: int = 0       # host-tier slots (min over ranks)
+    draft_model: str = ""             # the drafter's model (WorkerInfo.draft_model; "": none)

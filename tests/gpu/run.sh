@@ -28,6 +28,15 @@
 #   deploy-features  deploy_check.py at TP=1 and TP=2 through the launcher with 4 LoRA adapters
 #            (greedy through one compared across TP; the benchmark over all four), the host tier
 #            and the decode GEMV on; rank 1 SIGKILLed mid-run (DEPLOY_MODEL as in deploy)
+#   draft    speculative decoding with a draft model (issue 47) at Qwen3-8B shapes: the parts
+#            in-process (tests/gpu/bench_draft.py), then batch 1 and 8 through gRPC (256-token
+#            prompts, 512 out, greedy) without speculation, with a Qwen3-0.6B draft and with the
+#            target as its own draft, DRAFT_RUNS (3), k = DRAFT_K (4), not adaptive. The
+#            checkpoints are fp8_check.py's "count" models (residual 0, head = the embedding
+#            shifted by one: t -> t + 1), so every draft is right: the loop at full acceptance
+#   deploy-draft deploy_check.py at TP=1 and TP=2 through the launcher with --draft-model (the
+#            0.6B "count" model drafting for the random 0.6B: acceptance ~0, the path exercised)
+#            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run
 #   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
 #            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
 #            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
@@ -150,6 +159,45 @@ for w in ${*:-kernels model bench}; do
         --worker-args="--max-loras 4 --max-lora-rank 16 --host-kv-cache-gb 4" \
         --scheduler-args="--lora-modules a0=$A/a0,a1=$A/a1,a2=$A/a2,a3=$A/a3" \
         2>&1 | tee "$OUT/deploy_features.md" || rc=1 ;;
+    deploy-draft)
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      D=/dev/shm/qwen3-0.6b-count
+      [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
+      python3 tests/gpu/deploy_check.py --model "$NANOSERVE_QWEN06B" --out "$OUT/deploy_draft" \
+        --tp 1,2 --skip-compose --worker-args="--draft-model $D" \
+        --scheduler-args="--speculative draft --num-speculative-tokens 4" \
+        2>&1 | tee "$OUT/deploy_draft.md" || rc=1 ;;
+    draft)
+      T=/dev/shm/qwen3-8b-count; D=/dev/shm/qwen3-0.6b-count; K=${DRAFT_K:-4}
+      [ -f $T/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $T Qwen3-8B 0 count >/dev/null 2>&1
+      [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
+      timeout 240 python3 tests/gpu/bench_draft.py --target $T --draft $D -k $K 2>&1 | grep -v "^Loading" \
+        | tee "$OUT/draft_parts.md" || rc=1
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051
+         --client-procs 1 --min-input-len 256 --max-input-len 256 --min-output-len 512
+         --max-output-len 512 --temperature 0 --warmup 2 --runs "${DRAFT_RUNS:-3}")
+      for cfg in ${DRAFT_CONFIGS:-none $D $T}; do
+        WA=(); SA=(); tag=plain
+        if [ "$cfg" != none ]; then
+          WA=(--draft-model "$cfg"); tag=draft-$(basename "$cfg")
+          SA=(--speculative draft --num-speculative-tokens "$K" --no-speculative-adaptive)
+        fi
+        python3 -m worker_service --model $T --port 50061 --max-model-len 4096 --log-level WARNING \
+          "${WA[@]}" > "$OUT/draft_worker.log" 2>&1 &
+        WP=$!
+        python3 -m scheduler_service --model $T --workers 127.0.0.1:50061 --port 50051 \
+          --max-model-len 4096 --log-level WARNING "${SA[@]}" > "$OUT/draft_sched.log" 2>&1 &
+        SP=$!
+        for i in $(seq 400); do grep -q listening "$OUT/draft_sched.log" && break; sleep 1; done
+        for n in 1 8; do
+          echo "== $tag batch $n"
+          timeout 150 "${B[@]}" --num-seqs $n --json "$OUT/draft_${tag}_b$n.json" \
+            > "$OUT/draft_${tag}_b$n.txt" 2>&1 || rc=1
+          grep -h "output tok/s  \|^ITL\|^step wall\|GPU idle\|^speculation" "$OUT/draft_${tag}_b$n.txt"
+        done
+        kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null
+        tail -n 3 "$OUT/draft_worker.log"
+      done ;;
     big)
       M32=/dev/shm/qwen3-32b
       [ -f $M32/config.json ] || timeout 600 python3 tests/gpu/fp8_check.py checkpoint $M32 Qwen3-32B \

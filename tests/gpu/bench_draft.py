@@ -1,0 +1,129 @@
+"""Speculative decoding with a draft model, its parts on one GPU (issue 47): what a step of
+the target costs, what drafting k tokens adds, and the speed-up those give at a few mean
+acceptance lengths (computed from the measured parts, labelled so).
+
+One ModelRunner holds the target and the draft (worker_service/drafter.py), as the worker
+does; one sequence of --context tokens decodes at batch 1, its KV rewound each step so the
+context stays fixed. Each figure is the median wall time of runner.step (launch + answer,
+host work included) over --iters steps, after warm-up:
+  target step        1 row, no drafts (the draft's mirror of the row included)
+  verify step        1 + k rows (k proposals), no drafts (mirror of 1 + k rows included)
+  verify + drafts    the same asking for k drafts: + the settle sync and k draft passes
+The mirror (the draft model run on the step's rows to keep its KV) is timed alone too.
+    python tests/gpu/bench_draft.py --target DIR --draft DIR [-k 4] [--context 256]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from nanoserve.v1 import worker_pb2  # noqa: E402
+from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+
+BLOCK = 256
+
+
+def decode_req(step_id: int, tokens: list[int], num_samples: int, num_drafts: int,
+               kv_len: int) -> worker_pb2.StepRequest:
+    req = worker_pb2.StepRequest(step_id=step_id)
+    d = req.decode
+    d.seq_ids_u64 = np.array([1], "<u8").tobytes()
+    d.token_ids_i32 = np.array(tokens, "<i4").tobytes()
+    d.num_tokens_i32 = np.array([len(tokens)], "<i4").tobytes()
+    d.num_samples_i32 = np.array([num_samples], "<i4").tobytes()
+    if num_drafts:
+        d.num_drafts_i32 = np.array([num_drafts], "<i4").tobytes()
+    d.kv_len_i32 = np.array([0, kv_len], "<i4").tobytes()
+    return req
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run on tiny checkpoints")
+    args = ap.parse_args()
+    k, ctx = args.k, args.context
+    runner = ModelRunner(RunnerConfig(args.target, device=args.device, max_model_len=4096,
+                                      max_num_seqs=16, draft_model=args.draft))
+    runner.init_kv(-(-(ctx + 4 * k + 8) // BLOCK), BLOCK)
+    req = worker_pb2.StepRequest(step_id=1)
+    w = req.seqs.add(seq_id=1, num_tokens=ctx, start_pos=0, sample=True, reset_block_table=True,
+                     block_table_i32=np.arange(runner.num_blocks, dtype="<i4").tobytes())
+    w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.random.default_rng(0).integers(0, 320, ctx).astype("<i4").tobytes()
+    runner.step(req)
+    step = [1]
+
+    def run(rows: int, drafts: int):
+        def go():
+            step[0] += 1
+            runner.step(decode_req(step[0], [7] * rows, rows, drafts, ctx))
+        return go
+
+    def mirror(rows: int):
+        plan = runner.table.plan(decode_req(0, [7] * rows, rows, 0, ctx))
+        return lambda: runner._logits(plan, net=runner.drafter)
+
+    with torch.inference_mode():
+        for fn in (run(1, 0), run(1 + k, 0), run(1 + k, k), mirror(1), mirror(1 + k)):
+            median_ms(fn, 5)   # warm-up
+        t1 = median_ms(run(1, 0), args.iters)
+        tv = median_ms(run(1 + k, 0), args.iters)
+        tvd = median_ms(run(1 + k, k), args.iters)
+        m1 = median_ms(mirror(1), args.iters)
+        mv = median_ms(mirror(1 + k), args.iters)
+    target1, targetv = t1 - m1, tv - mv
+    passes = tvd - tv
+    per_token = (mv + passes) / k
+    dev = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
+    print(f"### Draft model parts: {dev}, target {os.path.basename(args.target)}, draft "
+          f"{os.path.basename(args.draft)}, batch 1, context {ctx}, k = {k} (median of "
+          f"{args.iters} steps, ms)\n")
+    print("| part | ms |\n|---|---|")
+    for name, v in [("target step, 1 row (mirror excluded)", target1),
+                    (f"target verify step, {1 + k} rows (mirror excluded)", targetv),
+                    ("draft mirror, 1 row", m1), (f"draft mirror, {1 + k} rows", mv),
+                    (f"settle sync + {k} draft passes", passes),
+                    (f"one verify round: verify + mirror + {k} drafts", tvd)]:
+        print(f"| {name} | {v:.3f} |")
+    print(f"\ndraft cost per proposed token: {per_token:.3f} ms = "
+          f"{100 * per_token / target1:.1f}% of a target step (issue target <= 8%)")
+    print(f"of which the mirror: {mv / k:.3f} ms a token; the passes {passes / k:.3f} ms\n")
+    print("computed (not measured) speed-up over plain decoding at batch 1, from the parts:")
+    print("| mean acceptance length (tokens per verify step) | tok/s | speed-up |\n|---|---|---|")
+    for length in sorted({2, 3, 4, k + 1}):
+        if length <= k + 1:
+            print(f"| {length} | {1e3 * length / tvd:,.0f} | {length * target1 / tvd:.2f}x |")
+    print(f"| plain (no speculation) | {1e3 / target1:,.0f} | 1.00x |")
+
+
+if __name__ == "__main__":
+    main()

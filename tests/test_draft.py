@@ -1,0 +1,273 @@
+"""Speculative decoding with a draft model (`--draft-model` on the workers, `--speculative
+draft` on the scheduler; worker_service/drafter.py).
+
+In-process: the drafts a step returns are the draft model's own greedy continuation (Hugging
+Face on the draft checkpoint) after the sequence's newest token, whatever the step verified:
+its KV follows the target's through prefill, placeholders and rejected rows. Through the
+services: greedy output equals Hugging Face on the target with a draft that disagrees and
+with the target as its own draft (then every proposal is accepted), seeded sampling equals
+no speculation, TP=2 (gloo) equals TP=1, and bad set-ups are refused at start.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
+from services import ROOT, engine_idle, start_null_worker, start_scheduler, start_tp_workers, \
+    start_worker, wait_until
+from test_structured import hf_greedy
+from tiny_checkpoint import tiny_qwen3_dir
+
+VOCAB = 389
+K = 3
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=2, seed=21)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A different (smaller) model with the target's tokenizer."""
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_layers=1, hidden_size=32,
+                          num_heads=2, num_kv_heads=2, seed=5)
+
+
+def _hf(path):
+    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_target(target_dir):
+    return _hf(target_dir)
+
+
+# ---- in-process: the drafter ------------------------------------------------------------------
+
+def _decode(runner, step_id, tokens, num_samples, num_drafts, kv_len=None):
+    """One decode step of sequence 1 (tokens: its rows' inputs, -1 = the last sample;
+    kv_len: its tokens in KV, rejected rows cut off)."""
+    req = worker_pb2.StepRequest(step_id=step_id)
+    d = req.decode
+    if kv_len is not None:
+        d.kv_len_i32 = np.array([0, kv_len], "<i4").tobytes()
+    d.seq_ids_u64 = np.array([1], "<u8").tobytes()
+    d.token_ids_i32 = np.array(tokens, "<i4").tobytes()
+    d.num_tokens_i32 = np.array([len(tokens)], "<i4").tobytes()
+    d.num_samples_i32 = np.array([num_samples], "<i4").tobytes()
+    d.num_drafts_i32 = np.array([num_drafts], "<i4").tobytes()
+    resp = runner.step(req)
+    return (np.frombuffer(resp.sampled_token_ids_i32, "<i4").tolist(),
+            np.frombuffer(resp.draft_token_ids_i32, "<i4").tolist())
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["other-draft", "target-as-draft"])
+def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, hf_target, same):
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    draft = target_dir if same else draft_dir
+    hf_draft = hf_target if same else _hf(draft_dir)
+    runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, draft_model=str(draft)))
+    runner.init_kv(16, BS)
+    prompt = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41]
+    req = worker_pb2.StepRequest(step_id=1)
+    w = req.seqs.add(seq_id=1, num_tokens=len(prompt), start_pos=0, sample=True,
+                     reset_block_table=True, block_table_i32=np.arange(6, dtype="<i4").tobytes())
+    w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.array(prompt, "<i4").tobytes()
+    known = prompt + np.frombuffer(runner.step(req).sampled_token_ids_i32, "<i4").tolist()
+    # a plain decode step (input: the placeholder) that asks for drafts
+    sampled, drafts = _decode(runner, 2, [-1], 1, K)
+    known += sampled
+    assert known[len(prompt):] == hf_greedy(hf_target, prompt, 2)
+    assert drafts == hf_greedy(hf_draft, known, K)
+    # verify steps: the drafts as proposals; new drafts follow the accepted run
+    accepted = []
+    for step in range(3, 7):
+        sampled, new = _decode(runner, step, [known[-1], *drafts], 1 + K, K, len(known) - 1)
+        a = 0
+        while a < K and drafts[a] == sampled[a]:
+            a += 1
+        accepted.append(a)
+        known += sampled[:a + 1]
+        assert known[len(prompt):] == hf_greedy(hf_target, prompt, len(known) - len(prompt))
+        drafts = new
+        assert drafts == hf_greedy(hf_draft, known, K), step
+    if same:
+        assert accepted == [K] * 4
+    # k past the sequence's blocks: as many as fit, -1 after
+    room = 6 * BS - len(known)
+    sampled, drafts = _decode(runner, 9, [known[-1]], 1, room + 2, len(known) - 1)
+    assert drafts[room:] == [-1, -1] and -1 not in drafts[:room]
+
+
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(target_dir, tmp_path_factory):
+    from worker_service.drafter import check_draft
+    other = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB + 11, num_layers=1, seed=5)
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens"):
+        check_draft(str(other), str(target_dir), VOCAB)
+    renamed = tmp_path_factory.mktemp("renamed")
+    for f in target_dir.iterdir():
+        (renamed / f.name).write_bytes(f.read_bytes())
+    tok = renamed / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"a"', '"A"', 1))
+    with pytest.raises(ValueError, match="tokenizer.json differs"):
+        check_draft(str(renamed), str(target_dir), VOCAB)
+    # the worker refuses to start with it
+    out = subprocess.run([sys.executable, "-m", "worker_service", "--model", str(target_dir),
+                          "--device", "cpu", "--port", "0", "--draft-model", str(other)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "a draft must share the target's tokenizer" in out.stderr
+
+
+def test_drafts_without_a_draft_model_are_a_step_error(target_dir):
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.step_plan import StepError
+    runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01))
+    runner.init_kv(8, BS)
+    req = worker_pb2.StepRequest(step_id=1)
+    req.seqs.add(seq_id=1, num_tokens=2, start_pos=0, sample=True, reset_block_table=True,
+                 block_table_i32=np.arange(2, dtype="<i4").tobytes())
+    req.token_ids_i32 = np.array([3, 4], "<i4").tobytes()
+    runner.step(req)
+    with pytest.raises(StepError, match="no --draft-model"):
+        _decode(runner, 2, [-1], 1, 2)
+
+
+# ---- through the services -----------------------------------------------------------------------
+
+def request(prompt, **sampling) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt),
+                                        sampling=generate_pb2.SamplingParams(**sampling))
+
+
+def stats(stub) -> generate_pb2.Stats:
+    return stub.GetStats(generate_pb2.StatsRequest())
+
+
+SCHED = ["--speculative", "draft", "--num-speculative-tokens", str(K), "--no-speculative-adaptive"]
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [30 + i for i in range(20)], [7]]
+
+
+def _serve(target_dir, workers):
+    sched = start_scheduler(target_dir, [w.port for w in workers], block_size=BS, extra=SCHED)
+    channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
+    return sched, channel, generate_pb2_grpc.GenerationStub(channel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("same", [False, True], ids=["other-draft", "target-as-draft"])
+def test_greedy_and_seeded_output_unchanged(target_dir, draft_dir, hf_target, same):
+    worker = start_worker(target_dir, extra=["--draft-model", str(target_dir if same else draft_dir)])
+    sched = channel = None
+    try:
+        sched, channel, stub = _serve(target_dir, [worker])
+        before = stats(stub)
+        for p in PROMPTS:   # alone
+            out = stub.Complete(request(p, temperature=0.0, max_tokens=30, ignore_eos=True),
+                                timeout=120)
+            assert list(out.token_ids) == hf_greedy(hf_target, p, 30)
+        after = stats(stub)
+        proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+        accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+        assert after.num_verify_steps > before.num_verify_steps and proposed > 0
+        if same:   # every proposal accepted: k + 1 tokens a verify step
+            assert accepted == proposed
+        prompts = PROMPTS + [[11, 12, 11, 12], [100 + 3 * i for i in range(30)]]
+        with ThreadPoolExecutor(8) as pool:   # together, stops and limits inside runs
+            futs = [pool.submit(stub.Complete, request(p, temperature=0.0, max_tokens=10 + 7 * i,
+                                                       ignore_eos=True), timeout=120)
+                    for i, p in enumerate(prompts)]
+            for i, (p, f) in enumerate(zip(prompts, futs)):
+                assert list(f.result().token_ids) == hf_greedy(hf_target, p, 10 + 7 * i)
+        kw = dict(temperature=0.8, top_p=0.9, seed=77, max_tokens=30, ignore_eos=True,
+                  logprobs=True, n=2)
+        plain = stub.Complete(request(PROMPTS[1], speculative=False, **kw), timeout=120)
+        spec = stub.Complete(request(PROMPTS[1], **kw), timeout=120)
+        for a, b in zip(plain.choices, spec.choices):
+            assert list(a.token_ids) == list(b.token_ids)
+            assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-4)
+        assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
+    finally:
+        if channel is not None:
+            channel.close()
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+@pytest.mark.slow
+def test_tp2_with_a_draft_equals_hf(target_dir, draft_dir, hf_target):
+    workers = start_tp_workers(target_dir, 2, extra=["--draft-model", str(draft_dir)])
+    sched = channel = None
+    try:
+        sched, channel, stub = _serve(target_dir, workers)
+        for p in PROMPTS[:2]:
+            out = stub.Complete(request(p, temperature=0.0, max_tokens=24, ignore_eos=True),
+                                timeout=180)
+            assert list(out.token_ids) == hf_greedy(hf_target, p, 24)
+        assert stats(stub).num_verify_steps > 0
+    finally:
+        if channel is not None:
+            channel.close()
+        if sched:
+            sched.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_null_worker_drafts_are_all_accepted(target_dir):
+    """The control plane alone: the null worker drafts its own next ids, so every verify
+    step gives k + 1 tokens, and the streams are the null worker's ids."""
+    from worker_service.null_worker import expected_tokens
+    worker = start_null_worker(target_dir)
+    sched = channel = None
+    try:
+        sched, channel, stub = _serve(target_dir, [worker])
+        prompts = [[3 + i, 4, 5] for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(stub.Complete, request(p, temperature=0.0, max_tokens=40,
+                                                       ignore_eos=True), timeout=60)
+                    for p in prompts]
+            for p, f in zip(prompts, futs):
+                assert list(f.result().token_ids) == expected_tokens(p, 40, VOCAB, 0) or \
+                    list(f.result().token_ids) == _null_ids(target_dir, p, 40)
+        s = stats(stub)
+        assert s.num_spec_proposed_tokens > 0
+        assert s.num_spec_accepted_tokens == s.num_spec_proposed_tokens
+        assert s.num_decode_steps < 6 * 40 / 2   # most steps give k + 1 tokens
+    finally:
+        if channel is not None:
+            channel.close()
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+def _null_ids(model_dir, prompt, n):
+    from worker_service.null_worker import expected_tokens, model_limits
+    lim = model_limits(str(model_dir))
+    return expected_tokens(prompt, n, lim["vocab_size"], lim["eos_token_id"])
+
+
+def test_scheduler_refuses_draft_without_a_draft_model(target_dir):
+    worker = start_worker(target_dir)
+    try:
+        out = subprocess.run([sys.executable, "-m", "scheduler_service", "--model", str(target_dir),
+                              "--workers", f"127.0.0.1:{worker.port}", "--port", "0", *SCHED],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert "the workers have no draft model" in out.stderr + out.stdout
+    finally:
+        worker.stop()

@@ -1,0 +1,126 @@
+"""The draft model: a small model sharing the target's tokenizer proposes the tokens the
+next verify step checks (speculative decoding's `draft` proposer; DESIGN.md, one
+multi-token mechanism: the proposals travel as any other, in the scheduler's next step).
+
+It lives beside the target on every rank, with a paged KV cache of its own of the same
+block count and block size, addressed by the same block tables and slots. Whatever the
+target computes the draft computes too (ModelRunner runs each step's inputs through it,
+`mirror`), so its cache holds every sequence's tokens with no bookkeeping of its own:
+prefix-cache hits, preemption, rewinds and restarts need nothing more. (Blocks restored
+from the host tier are the exception: only the target's bytes travel, so the draft reads
+stale KV there and proposes worse until those positions are recomputed; never wrong output.)
+
+After a step whose sequences asked for drafts, `propose` settles each one's proposals by
+the scheduler's rule (accepted while equal to the sample before them), then runs k greedy
+decode steps of the draft from its newest token, writing the draft's KV at the positions
+after it (the scheduler reserved blocks for them). A greedy draft is a point mass, so the
+verify rule keeps every output exact, sampled requests included. The settling needs the
+step's samples on the host: one sync per drafting step, where the scheduler waits for the
+answer anyway.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionMetadata
+from models.loader import load_config, load_model
+from models.parallel import TPGroup
+from models.qwen3 import _head_dim, kv_cache_layers
+from worker_service.step_plan import DraftPlan, SeqTable
+from worker_service.transfers import to_device
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def check_draft(draft_dir: str, target_dir: str, target_vocab: int) -> None:
+    """Refuse a draft whose token ids mean something else than the target's."""
+    hf = load_config(draft_dir)
+    if hf.vocab_size != target_vocab:
+        raise ValueError(f"--draft-model {draft_dir}: a vocabulary of {hf.vocab_size} tokens, "
+                         f"the target's has {target_vocab}: a draft must share the target's "
+                         "tokenizer")
+    for name in TOKENIZER_FILES:
+        a, b = os.path.join(draft_dir, name), os.path.join(target_dir, name)
+        if os.path.exists(a) and os.path.exists(b) and _digest(a) != _digest(b):
+            raise ValueError(f"--draft-model {draft_dir}: its {name} differs from the "
+                             "target's: a draft must share the target's tokenizer")
+
+
+class Drafter:
+    """The draft model of one rank (sharded like the target) and its KV cache."""
+
+    def __init__(self, model_dir: str, target_dir: str, target_vocab: int, tp: TPGroup,
+                 dtype: torch.dtype | None, device: torch.device, backend, quantization: str):
+        check_draft(model_dir, target_dir, target_vocab)
+        self.model_dir = model_dir
+        self.device = device
+        self.model, self.hf_config = load_model(model_dir, tp=tp, dtype=dtype, device=device,
+                                                attn_backend=backend, quantization=quantization)
+        self.layers = kv_cache_layers(self.model)
+        self.num_kv_heads = self.layers[0].num_kv_heads
+        self.head_dim = _head_dim(self.hf_config)
+        self.graphs = None   # DecodeGraphs of the draft model (CUDA), set by the runner
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.model_dir))
+
+    def _decode(self, ids: torch.Tensor, positions: np.ndarray, table: SeqTable,
+                rows: np.ndarray) -> torch.Tensor:
+        """One single-token decode step of the draft -> logits [n, vocab]."""
+        bs = table.block_size
+        width = max(int(table.table_len[rows].max()), 1)
+        tables = table.tables[rows, :width]
+        slots = (tables[np.arange(len(rows)), positions // bs].astype(np.int64) * bs
+                 + positions % bs).astype(np.int32)
+        g = self.graphs
+        if g is not None and len(rows) <= g.max_batch and width <= g.max_blocks:
+            n = len(rows)
+            fill = (torch.arange(n, device=self.device), ids)
+            return g.run(np.zeros(n, np.int64), positions, slots, tables, fill)
+        dev = self.device
+        ctx = (positions + 1).astype(np.int32)
+        cu_k = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum(ctx, out=cu_k[1:])
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slots, dev), block_tables=to_device(tables, dev),
+            context_lens=to_device(ctx, dev),
+            cu_seqlens_q=to_device(np.arange(len(rows) + 1, dtype=np.int32), dev),
+            cu_seqlens_k=to_device(cu_k, dev), max_seqlen_q=1, max_seqlen_k=int(ctx.max()),
+            is_decode=True)
+        hidden = self.model(ids, to_device(positions.astype(np.int64), dev), meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable) -> torch.Tensor:
+        """The step's drafting sequences' next proposals: [D, max k] int32 on the device, -1
+        past where a sequence's blocks or max_model_len stop it. `samples` are the step's
+        sampled ids on this rank (every rank has them: the runner broadcasts them), `table`
+        its SeqTable before the step's commit (positions are the drafts' own)."""
+        newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
+        n, width = len(k), int(drafts.k.max())
+        out = torch.full((n, width), -1, dtype=torch.int64, device=self.device)
+        cur = samples.index_select(0, to_device(newest, self.device))
+        for j in range(int(k.max())):
+            live = np.flatnonzero(k > j)
+            idx = to_device(live, self.device) if len(live) < n else None
+            ids = cur if idx is None else cur.index_select(0, idx)
+            nxt = self._decode(ids, start[live] + j, table, drafts.rows[live]).argmax(-1)
+            if idx is None:
+                cur = nxt
+                out[:, j] = nxt
+            else:
+                cur = cur.index_copy(0, idx, nxt)
+                out[:, j].index_copy_(0, idx, nxt)
+        return out.to(torch.int32)
