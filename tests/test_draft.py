@@ -79,6 +79,14 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
     runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
                                       kv_cache_gb=0.01, draft_model=str(draft)))
     runner.init_kv(16, BS)
+    mirrored = []   # rows the draft model is run on beside the target (the mirror)
+    forward = runner._logits
+
+    def logits(plan, events=None, net=None):
+        if net is not None:
+            mirrored.append(len(plan.token_ids))
+        return forward(plan, events, net)
+    runner._logits = logits
     prompt = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41]
     req = worker_pb2.StepRequest(step_id=1)
     w = req.seqs.add(seq_id=1, num_tokens=len(prompt), start_pos=0, sample=True,
@@ -91,7 +99,9 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
     known += sampled
     assert known[len(prompt):] == hf_greedy(hf_target, prompt, 2)
     assert drafts == hf_greedy(hf_draft, known, K)
-    # verify steps: the drafts as proposals; new drafts follow the accepted run
+    # verify steps: the drafts as proposals; new drafts follow the accepted run. Their
+    # rows are the last step's drafts, whose KV the draft passes wrote: no mirror
+    assert mirrored == [len(prompt), 1]
     accepted = []
     for step in range(3, 7):
         sampled, new = _decode(runner, step, [known[-1], *drafts], 1 + K, K, len(known) - 1)
@@ -103,6 +113,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
         assert known[len(prompt):] == hf_greedy(hf_target, prompt, len(known) - len(prompt))
         drafts = new
         assert drafts == hf_greedy(hf_draft, known, K), step
+    assert mirrored == [len(prompt), 1]
     if same:
         assert accepted == [K] * 4
     # k past the sequence's blocks: as many as fit, -1 after
@@ -271,3 +282,30 @@ def test_scheduler_refuses_draft_without_a_draft_model(target_dir):
         assert "the workers have no draft model" in out.stderr + out.stdout
     finally:
         worker.stop()
+
+
+def test_plan_without_rows_keeps_the_rest_and_its_placeholders():
+    """The mirror's sub-plan: the kept rows' tokens, positions, slots and tables, the
+    placeholders re-pointed at their new places, nothing sampled."""
+    from worker_service.step_plan import SeqTable
+    table = SeqTable(num_blocks=8, block_size=4, vocab_size=50, max_model_len=32)
+    req = worker_pb2.StepRequest(step_id=1)
+    for seq_id, n in ((1, 3), (2, 2)):
+        w = req.seqs.add(seq_id=seq_id, num_tokens=n, start_pos=0, sample=True,
+                         reset_block_table=True,
+                         block_table_i32=np.array([2 * seq_id, 2 * seq_id + 1], "<i4").tobytes())
+    req.token_ids_i32 = np.array([1, 2, 3, 4, 5], "<i4").tobytes()
+    table.commit(table.plan(req))
+    req = worker_pb2.StepRequest(step_id=2)
+    d = req.decode
+    d.seq_ids_u64 = np.array([1, 2], "<u8").tobytes()
+    d.token_ids_i32 = np.array([9, 10, 11, -1], "<i4").tobytes()   # seq 1: 3 rows, seq 2: 1
+    d.num_tokens_i32 = np.array([3, 1], "<i4").tobytes()
+    d.num_samples_i32 = np.array([3, 1], "<i4").tobytes()
+    plan = table.plan(req)
+    sub = plan.without(np.array([True, True, False, False]))
+    assert sub.seq_ids == [1, 2] and sub.token_ids.tolist() == [11, -1]
+    assert sub.positions.tolist() == [5, 2] and sub.slot_mapping.tolist() == [13, 18]
+    assert sub.fill[0].tolist() == [1] and sub.fill[1].tolist() == [1] and not sub.sample.any()
+    assert sub.block_tables.tolist() == [[2, 3], [4, 5]]
+    assert plan.without(np.ones(4, bool)) is None

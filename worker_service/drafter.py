@@ -4,9 +4,13 @@ multi-token mechanism: the proposals travel as any other, in the scheduler's nex
 
 It lives beside the target on every rank, with a paged KV cache of its own of the same
 block count and block size, addressed by the same block tables and slots. Whatever the
-target computes the draft computes too (ModelRunner runs each step's inputs through it,
-`mirror`), so its cache holds every sequence's tokens with no bookkeeping of its own:
-prefix-cache hits, preemption, rewinds and restarts need nothing more. (Blocks restored
+target computes the draft computes too (ModelRunner runs each step's inputs through it:
+the mirror), so its cache holds every sequence's tokens with little bookkeeping of its
+own: prefix-cache hits, preemption, rewinds and restarts need nothing more. The one
+shortcut: a verify step's rows that are the drafts of the step before, at the positions
+they were drafted at, already have their draft KV (the draft passes wrote it), so the
+mirror skips them (`skip_rows`), and the last draft's, written by no pass, is computed in
+the next first pass when it was accepted. At batch 1 that saves one draft forward a step. (Blocks restored
 from the host tier are the exception: only the target's bytes travel, so the draft reads
 stale KV there and proposes worse until those positions are recomputed; never wrong output.)
 
@@ -69,6 +73,11 @@ class Drafter:
         self.num_kv_heads = self.layers[0].num_kv_heads
         self.head_dim = _head_dim(self.hf_config)
         self.graphs = None   # DecodeGraphs of the draft model (CUDA), set by the runner
+        # The last step's drafts: (copy-done event, host [D, w] ids, seq ids, position of
+        # each one's first draft's input, drafts made); and, for the step being launched,
+        # the sequences whose mirror was skipped -> the positions below which their KV is in
+        self.last: tuple | None = None
+        self.valid_end: dict[int, int] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
 
@@ -76,9 +85,43 @@ class Drafter:
     def name(self) -> str:
         return os.path.basename(os.path.normpath(self.model_dir))
 
+    def skip_rows(self, plan) -> np.ndarray | None:
+        """Which rows of `plan` the mirror may skip: decode rows of a sequence that drafted
+        in the last step, at the positions its drafts' inputs had, holding those inputs (the
+        drafts' KV is in); None where none."""
+        last, self.last = self.last, None
+        self.valid_end = {}
+        if last is None:
+            return None
+        event, host, seq_ids, start, k = last
+        if event is not None:
+            event.synchronize()   # (done: the scheduler read these drafts for this step)
+        drafts = host.numpy()
+        where = {s: i for i, s in enumerate(seq_ids)}
+        skip = np.zeros(len(plan.rows), bool)
+        tok = np.cumsum(plan.num_tokens) - 1
+        matched: dict[int, int] = {}   # seq -> positions matched so far past its start
+        for r, seq_id in enumerate(plan.seq_ids):
+            i = where.get(seq_id)
+            if i is None or plan.num_tokens[r] != 1:
+                continue
+            t = tok[r]
+            j = int(plan.positions[t]) - int(start[i])
+            if j != matched.get(seq_id, 0) or j > k[i]:
+                continue
+            if j and int(plan.token_ids[t]) != drafts[i, j - 1]:
+                continue
+            matched[seq_id] = j + 1
+            skip[r] = True
+        # positions start..start+k-1 were written by the passes (the last draft's by none)
+        self.valid_end = {s: int(start[where[s]]) + min(n, int(k[where[s]]))
+                          for s, n in matched.items()}
+        return skip if skip.any() else None
+
     def _decode(self, ids: torch.Tensor, positions: np.ndarray, table: SeqTable,
                 rows: np.ndarray) -> torch.Tensor:
-        """One single-token decode step of the draft -> logits [n, vocab]."""
+        """One decode step of the draft, a token a row (a sequence's rows consecutive, at
+        consecutive positions) -> logits [n, vocab]."""
         bs = table.block_size
         width = max(int(table.table_len[rows].max()), 1)
         tables = table.tables[rows, :width]
@@ -110,17 +153,45 @@ class Drafter:
         its SeqTable before the step's commit (positions are the drafts' own)."""
         newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
         n, width = len(k), int(drafts.k.max())
-        out = torch.full((n, width), -1, dtype=torch.int64, device=self.device)
-        cur = samples.index_select(0, to_device(newest, self.device))
+        dev = self.device
+        out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
+        cur = samples.index_select(0, to_device(newest, dev))
         for j in range(int(k.max())):
             live = np.flatnonzero(k > j)
-            idx = to_device(live, self.device) if len(live) < n else None
+            idx = to_device(live, dev) if len(live) < n else None
             ids = cur if idx is None else cur.index_select(0, idx)
-            nxt = self._decode(ids, start[live] + j, table, drafts.rows[live]).argmax(-1)
+            rows, pos = drafts.rows[live], start[live] + j
+            behind = [i for i in live.tolist()   # the token before the newest lacks draft KV
+                      if j == 0 and self.valid_end.get(drafts.seq_ids[i], start[i]) < start[i]]
+            if behind:   # its own row, just before the newest one's
+                lead = np.isin(live, behind)
+                prev = [drafts.proposals[i][start[i] - drafts.position[i] - 2] for i in behind]
+                both = torch.cat([ids, to_device(np.array(prev, np.int64), dev)])
+                order = np.arange(len(live)) + np.cumsum(lead)   # each newest row's place
+                at = np.empty(len(live) + len(behind), np.int64)
+                at[order] = np.arange(len(live))
+                at[order[lead] - 1] = len(live) + np.arange(len(behind))
+                ids = both.index_select(0, to_device(at, dev))
+                rows = np.repeat(rows, 1 + lead)
+                pos = np.repeat(pos, 1 + lead) - np.concatenate(
+                    [[1, 0] if x else [0] for x in lead])
+                logits = self._decode(ids, pos, table, rows).index_select(
+                    0, to_device(order, dev))
+            else:
+                logits = self._decode(ids, pos, table, rows)
+            nxt = logits.argmax(-1)
             if idx is None:
                 cur = nxt
                 out[:, j] = nxt
             else:
                 cur = cur.index_copy(0, idx, nxt)
                 out[:, j].index_copy_(0, idx, nxt)
-        return out.to(torch.int32)
+        out = out.to(torch.int32)
+        host = torch.empty(out.shape, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        host.copy_(out, non_blocking=True)
+        event = None
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.last = (event, host, drafts.seq_ids, start, k)
+        return host

@@ -396,7 +396,10 @@ class ModelRunner:
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         samples = self._forward_and_sample(plan, pending.events)
         if self.drafter is not None:   # the draft's KV follows the target's, step by step
-            self._logits(plan, net=self.drafter)
+            skip = self.drafter.skip_rows(plan)
+            rest = plan if skip is None else plan.without(skip)
+            if rest is not None:
+                self._logits(rest, net=self.drafter)
         tokens = samples.tokens if samples is not None else None
         self.table.commit(plan)
         if self.tp.size > 1 and plan.num_samples:   # every rank needs the samples (placeholders)
@@ -406,9 +409,9 @@ class ModelRunner:
         if plan.drafts is not None:
             if self.drafter is None:
                 raise StepError("drafts asked for, but this worker has no --draft-model")
-            drafts = self.drafter.propose(plan.drafts, tokens, self.table)
+            drafts = self.drafter.propose(plan.drafts, tokens, self.table)   # (host, copying)
             if self.tp.rank == 0:
-                pending.drafts, pending.num_drafts = to_host(drafts), plan.drafts.k
+                pending.drafts, pending.num_drafts = drafts, plan.drafts.k
         if plan.num_samples:
             self.last_sampled = tokens
         if tokens is not None and self.tp.rank == 0:

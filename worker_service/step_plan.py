@@ -95,6 +95,7 @@ class DraftPlan:
     """The sequences of a step that asked for drafts (DecodeBatch.num_drafts_i32), one entry
     each: what the drafter needs to settle their proposals and draft from the newest token."""
     k: np.ndarray              # [D] tokens to propose
+    seq_ids: list[int]         # [D]
     rows: np.ndarray           # [D] SeqTable rows
     first_sample: np.ndarray   # [D] index of the sequence's first sample among the step's
     num_samples: np.ndarray    # [D] its samples (1 + proposals)
@@ -171,6 +172,26 @@ class StepPlan:
     def last_token_index(self) -> np.ndarray:
         """Index into token_ids of each sampling row's last token."""
         return (np.cumsum(self.num_tokens) - 1)[self.sample]
+
+    def without(self, drop: np.ndarray) -> "StepPlan | None":
+        """The plan's forward minus the rows `drop` marks (decode rows, a token each), with
+        no sampling (what the drafter's mirror runs); None where nothing is left."""
+        keep = ~drop
+        if not keep.any():
+            return None
+        tokens = np.repeat(keep, self.num_tokens)
+        fill = None
+        if self.fill is not None:
+            at, src = self.fill
+            kept = tokens[at]
+            if kept.any():
+                fill = ((np.cumsum(tokens) - 1)[at[kept]], src[kept])
+        return StepPlan(step_id=self.step_id, seq_ids=[s for s, k in zip(self.seq_ids, keep) if k],
+                        rows=self.rows[keep], num_tokens=self.num_tokens[keep],
+                        start_pos=self.start_pos[keep], token_ids=self.token_ids[tokens],
+                        positions=self.positions[tokens], slot_mapping=self.slot_mapping[tokens],
+                        block_tables=self.block_tables[keep], sample=np.zeros(int(keep.sum()), bool),
+                        fill=fill)
 
 
 class SeqTable:
@@ -294,7 +315,8 @@ class SeqTable:
                           else np.full(n_dec, PLACEHOLDER, np.int64))
             if len(dec_tokens) != n_dec:
                 raise StepError(f"decode batch has {len(dec_tokens)} token ids for {n_dec} tokens")
-            drafts = self._drafts(d, nd, dec_rows, per, n_samp, int(sum(sample)), dec_tokens)
+            drafts = self._drafts(d, nd, dec_ids, dec_rows, per, n_samp, int(sum(sample)),
+                                  dec_tokens)
             dec_offset = np.zeros(n_dec, np.int64)
             dec_sample = [True] * n_dec
             if per is not None:   # fast-forward: each token a decode row, the last one samples
@@ -356,7 +378,7 @@ class SeqTable:
                         slot_mapping=slots, block_tables=tables, sample=sample_a, fill=fill,
                         sampling=[self.params[r] for r in sample_rows], drafts=drafts)
 
-    def _drafts(self, d: worker_pb2.DecodeBatch, nd: int, dec_rows: list[int],
+    def _drafts(self, d: worker_pb2.DecodeBatch, nd: int, dec_ids: np.ndarray, dec_rows: list[int],
                 per: np.ndarray | None, n_samp: np.ndarray | None, prefill_samples: int,
                 dec_tokens: np.ndarray) -> DraftPlan | None:
         """The decode sequences that asked for drafts (positions before this step's commit)."""
@@ -376,7 +398,8 @@ class SeqTable:
         first = np.cumsum(ns) - ns + prefill_samples
         pos = self.computed[rows] + per - ns
         ends = np.cumsum(per)   # (the verify rows' inputs are the proposals)
-        return DraftPlan(k=k[sel], rows=rows[sel], first_sample=first[sel], num_samples=ns[sel],
+        return DraftPlan(k=k[sel], seq_ids=[int(i) for i in dec_ids[sel]], rows=rows[sel],
+                         first_sample=first[sel], num_samples=ns[sel],
                          position=pos[sel],
                          proposals=[dec_tokens[ends[i] - ns[i] + 1:ends[i]].tolist()
                                     for i in sel.tolist()])

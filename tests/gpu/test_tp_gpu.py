@@ -54,6 +54,8 @@ def make_checkpoint(name: str, path: pathlib.Path, residual_scale: float = 1.0,
     from tiny_checkpoint import make_tokenizer
     config = transformers.Qwen3Config(**COMMON, **SHAPES[name])
     config.architectures = ["Qwen3ForCausalLM"]
+    if head in ("echo", "count"):   # a tied head would roll the embedding with it (echo)
+        config.tie_word_embeddings = False
     torch.manual_seed(0)
     big = name == "Qwen3-32B"   # built in bf16: its fp32 weights (131 GB) fit no GPU
     default = torch.get_default_dtype()
