@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
                    help="every worker's weights: auto = as the checkpoint is; fp8 = e4m3 linear "
                         "layers, per-channel scales (sm_89+ GPUs)")
+    p.add_argument("--draft-model", default="", metavar="DIR",
+                   help="speculative decoding with this draft model (a smaller model sharing the "
+                        "model's tokenizer, e.g. Qwen3-0.6B for Qwen3-8B): every worker loads it "
+                        "(--draft-model) and the scheduler proposes with it (--speculative "
+                        "draft; tune with --num-speculative-tokens after '--')")
     p.add_argument("--worker-args", default="",
                    help="extra flags for every worker, e.g. '--dtype bfloat16 --kv-cache-gb 2'")
     sup = p.add_argument_group(
@@ -92,6 +97,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
             cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
         if args.quantization != "auto":
             cmd += ["--quantization", args.quantization]
+        if args.draft_model:
+            cmd += ["--draft-model", args.draft_model]
         cmds.append(cmd + args.worker_args.split())
     workers = ",".join(f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tp))
     sched = [py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,
@@ -102,6 +109,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         sched += ["--metrics-port", str(args.metrics_port)]
     sched += [a for flag, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
                                 ("--tls-client-ca", args.tls_client_ca)) if v for a in (flag, v)]
+    if args.draft_model:
+        sched += ["--speculative", "draft"]
     cmds.append(sched + list(args.scheduler_args))
     return cmds
 

@@ -309,3 +309,15 @@ def test_plan_without_rows_keeps_the_rest_and_its_placeholders():
     assert sub.fill[0].tolist() == [1] and sub.fill[1].tolist() == [1] and not sub.sample.any()
     assert sub.block_tables.tolist() == [[2, 3], [4, 5]]
     assert plan.without(np.ones(4, bool)) is None
+
+
+def test_launcher_gives_every_worker_the_draft_and_the_scheduler_draft_speculation():
+    from scheduler_service.launch import commands, parse_args
+    cmds = commands(parse_args(["--model", "/m", "--tp", "2", "--draft-model", "/d", "--",
+                                "--num-speculative-tokens", "3"]))
+    for worker in cmds[:2]:
+        assert worker[worker.index("--draft-model") + 1] == "/d"
+    sched = cmds[-1]
+    assert sched[sched.index("--speculative") + 1] == "draft"
+    assert sched[-2:] == ["--num-speculative-tokens", "3"]
+    assert "--draft-model" not in commands(parse_args(["--model", "/m"]))[0]
