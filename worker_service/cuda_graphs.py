@@ -79,6 +79,10 @@ class DecodeGraphs:
         self.lora_slot = torch.full((max_batch,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+        # The target's features for an EAGLE-3 head (Qwen3Model.aux_hidden), each bucket's
+        # as its graph leaves them; last_aux: the last replay's rows
+        self.aux: dict[int, torch.Tensor] = {}
+        self.last_aux: torch.Tensor | None = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -106,6 +110,9 @@ class DecodeGraphs:
                         bs, self.num_kv_heads, self.max_model_len, self.device)
                 self.graphs[bs], self.pool = _capture(lambda: self._forward(bs), self.pool,
                                                       self.device)
+                inner = getattr(self.model, "model", None)
+                if getattr(inner, "aux_layers", ()):
+                    self.aux[bs] = inner.aux_hidden
         finally:
             if hasattr(self.backend, "decode_splits"):
                 self.backend.decode_splits = saved
@@ -160,10 +167,11 @@ class DecodeGraphs:
             block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
             runs: np.ndarray | None = None, lora: np.ndarray | None = None) -> torch.Tensor:
         """One decode step (see load) -> logits [n, vocab]."""
-        g = self.graphs[self.load(input_ids, positions, slot_mapping, block_tables, fill, runs,
-                                  lora)]
-        g.graph.replay()
-        return g.logits[:len(input_ids)]
+        bs = self.load(input_ids, positions, slot_mapping, block_tables, fill, runs, lora)
+        self.graphs[bs].graph.replay()
+        aux = self.aux.get(bs)
+        self.last_aux = None if aux is None else aux[:len(input_ids)]
+        return self.graphs[bs].logits[:len(input_ids)]
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -30,11 +30,11 @@ import os
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata
 from models.loader import load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
-from worker_service.step_plan import DraftPlan, SeqTable
+from worker_service.step_meta import step_metadata
+from worker_service.step_plan import DraftPlan, SeqTable, StepPlan
 from worker_service.transfers import to_device
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -85,6 +85,13 @@ class Drafter:
     def name(self) -> str:
         return os.path.basename(os.path.normpath(self.model_dir))
 
+    def mirror(self, runner, plan, samples: torch.Tensor | None) -> None:
+        """Run the step's rows through the draft model (its KV), but those skip_rows marks."""
+        skip = self.skip_rows(plan)
+        rest = plan if skip is None else plan.without(skip)
+        if rest is not None:
+            runner._logits(rest, net=self)
+
     def skip_rows(self, plan) -> np.ndarray | None:
         """Which rows of `plan` the mirror may skip: decode rows of a sequence that drafted
         in the last step, at the positions its drafts' inputs had, holding those inputs (the
@@ -122,27 +129,13 @@ class Drafter:
                 rows: np.ndarray) -> torch.Tensor:
         """One decode step of the draft, a token a row (a sequence's rows consecutive, at
         consecutive positions) -> logits [n, vocab]."""
-        bs = table.block_size
-        width = max(int(table.table_len[rows].max()), 1)
-        tables = table.tables[rows, :width]
-        slots = (tables[np.arange(len(rows)), positions // bs].astype(np.int64) * bs
-                 + positions % bs).astype(np.int32)
+        plan = decode_plan(rows, positions, table)
         g = self.graphs
-        if g is not None and len(rows) <= g.max_batch and width <= g.max_blocks:
-            n = len(rows)
-            fill = (torch.arange(n, device=self.device), ids)
-            return g.run(np.zeros(n, np.int64), positions, slots, tables, fill)
-        dev = self.device
-        ctx = (positions + 1).astype(np.int32)
-        cu_k = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum(ctx, out=cu_k[1:])
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, dev), block_tables=to_device(tables, dev),
-            context_lens=to_device(ctx, dev),
-            cu_seqlens_q=to_device(np.arange(len(rows) + 1, dtype=np.int32), dev),
-            cu_seqlens_k=to_device(cu_k, dev), max_seqlen_q=1, max_seqlen_k=int(ctx.max()),
-            is_decode=True)
-        hidden = self.model(ids, to_device(positions.astype(np.int64), dev), meta)
+        if g is not None and len(rows) <= g.max_batch and plan.block_tables.shape[1] <= g.max_blocks:
+            fill = (torch.arange(len(rows), device=self.device), ids)
+            return g.run(plan.token_ids, positions, plan.slot_mapping, plan.block_tables, fill)
+        meta = step_metadata(plan, self.device)
+        hidden = self.model(ids, to_device(positions.astype(np.int64), self.device), meta)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -195,3 +188,103 @@ class Drafter:
             event.record()
         self.last = (event, host, drafts.seq_ids, start, k)
         return host
+
+
+class Eagle3Drafter:
+    """An EAGLE-3 head (models/eagle3.py) as the drafter: one layer with a KV cache of its
+    own in the same blocks, fed the target's features of each token (ModelRunner.step_aux).
+
+    Its position i pairs the token after i with the features at i, so a step's rows are
+    mirrored shifted by one: a row takes the next row's token, a sequence's last sampling
+    row its sample (still on the device: no sync), a prefill chunk's last row nothing (its
+    next token is the next chunk's; that one position keeps stale KV: worse drafts, never
+    wrong output). A verify row whose next row was a rejected proposal is re-done by the
+    first draft pass, which pairs the newest token with the features of the position
+    before it; later passes feed the head's own output back."""
+
+    def __init__(self, model_dir: str, target, target_config, backend, device: torch.device,
+                 dtype: torch.dtype):
+        from models.eagle3 import load_eagle3
+        self.model_dir = model_dir
+        self.device = device
+        self.head = load_eagle3(model_dir, target_config, target.model.embed_tokens, backend,
+                                device, dtype)
+        target.model.aux_layers = self.head.cfg.aux_layers
+        self.layers = [self.head.attn]
+        self.num_kv_heads, self.head_dim = self.head.cfg.num_kv_heads, self.head.cfg.head_dim
+        self.graphs = None
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None   # the step's features (ModelRunner.step_aux)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.model_dir))
+
+    @torch.inference_mode()
+    def mirror(self, runner, plan, samples: torch.Tensor | None) -> None:
+        self.aux = runner.step_aux
+        n = len(plan.token_ids)
+        token_row = np.repeat(np.arange(len(plan.rows)), plan.num_tokens)
+        same = np.zeros(n, bool)   # the next token is the sequence's next row's input
+        if n > 1:
+            seq = np.asarray(plan.seq_ids, dtype=np.int64)[token_row]
+            same[:-1] = seq[1:] == seq[:-1]
+        nxt = np.zeros(n, np.int64)
+        nxt[:-1] = plan.token_ids[1:]
+        last = plan.last_token_index()   # sampling rows' last tokens, in sample order
+        sampled = np.zeros(n, bool)
+        sampled[last] = True
+        sampled &= ~same
+        slots = np.where(same | sampled, plan.slot_mapping, -1).astype(np.int32)
+        ids = to_device(np.where(same, nxt, 0), self.device)
+        if sampled.any():
+            at = np.flatnonzero(sampled)
+            order = np.searchsorted(last, at)   # each one's sample
+            ids[to_device(at, self.device)] = samples.index_select(0, to_device(order, self.device))
+        meta = step_metadata(plan, self.device, slots)
+        self.head(ids, self.head.fuse(self.aux), to_device(plan.positions, self.device), meta)
+
+    @torch.inference_mode()
+    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable) -> torch.Tensor:
+        """As Drafter.propose; pass j writes the head's KV at the newest token's position
+        - 1 + j."""
+        newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
+        n, width = len(k), int(drafts.k.max())
+        dev = self.device
+        out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
+        ids = samples.index_select(0, to_device(newest, dev))
+        rows_tok = drafts.first_token + (newest - drafts.first_sample)   # who sampled them
+        hidden = self.head.fuse(self.aux.index_select(0, to_device(rows_tok, dev)))
+        for j in range(int(k.max())):
+            live = np.flatnonzero(k > j)
+            idx = None if len(live) == n else to_device(live, dev)
+            pos = start[live] - 1 + j
+            meta = step_metadata(decode_plan(drafts.rows[live], pos, table), dev)
+            x, h = (ids, hidden) if idx is None else (ids.index_select(0, idx),
+                                                      hidden.index_select(0, idx))
+            nxt, h = self.head(x, h, to_device(pos, dev), meta)
+            if idx is None:
+                ids, hidden = nxt, h
+                out[:, j] = nxt
+            else:
+                ids, hidden = ids.index_copy(0, idx, nxt), hidden.index_copy(0, idx, h)
+                out[:, j].index_copy_(0, idx, nxt)
+        out = out.to(torch.int32)
+        host = torch.empty(out.shape, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        return host.copy_(out, non_blocking=True)
+
+
+def decode_plan(rows: np.ndarray, positions: np.ndarray, table: SeqTable):
+    """A StepPlan of one token a row at `positions` of the SeqTable rows `rows` (what
+    step_metadata needs; no ids, nothing sampled)."""
+    bs = table.block_size
+    width = max(int(table.table_len[rows].max()), 1)
+    tables = table.tables[rows, :width]
+    slots = (tables[np.arange(len(rows)), positions // bs].astype(np.int64) * bs
+             + positions % bs).astype(np.int32)
+    n = len(rows)
+    return StepPlan(step_id=0, seq_ids=list(range(n)), rows=rows, num_tokens=np.ones(n, np.int64),
+                    start_pos=positions.astype(np.int64), token_ids=np.zeros(n, np.int64),
+                    positions=positions.astype(np.int64), slot_mapping=slots, block_tables=tables,
+                    sample=np.zeros(n, bool), fill=None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, decode_runs, new_kv_cache, select_backend
+from kernels.attention import decode_runs, new_kv_cache, select_backend
 from kernels.backend_choice import AttentionShapes
 from kernels.grammar_mask import apply_token_bitmask_, apply_token_bitmask_ref
 from kernels.kv_quant import FP8_DTYPE
@@ -35,11 +35,13 @@ from models.qwen3 import _head_dim, kv_cache_layers
 from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.v1 import worker_pb2
 from worker_service.adapters import AdapterStore
-from worker_service.drafter import Drafter
+from models.eagle3 import is_eagle3
+from worker_service.drafter import Drafter, Eagle3Drafter
 from worker_service.grammar import GrammarState
 from worker_service.host_tier import HostTier, check_ops
 from worker_service.penalties import PenaltyState
 from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
+from worker_service.step_meta import step_metadata
 from worker_service.step_plan import SamplingParams, SeqTable, StepError, StepPlan, draft_ids
 from worker_service.transfers import to_device, to_host
 
@@ -168,12 +170,17 @@ class ModelRunner:
                                                     device=self.device, attn_backend=self.backend,
                                                     quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
-        self.drafter: Drafter | None = None
+        self.drafter: Drafter | Eagle3Drafter | None = None
+        self.step_aux: torch.Tensor | None = None   # EAGLE-3: the last forward's features
         if config.draft_model:
             with phase(self.phases, "draft weights"):
-                self.drafter = Drafter(config.draft_model, config.model_dir,
-                                       self.hf_config.vocab_size, tp, self.dtype, self.device,
-                                       self.backend, config.quantization)
+                if is_eagle3(config.draft_model):
+                    self.drafter = Eagle3Drafter(config.draft_model, self.model, self.hf_config,
+                                                 self.backend, self.device, self.dtype)
+                else:
+                    self.drafter = Drafter(config.draft_model, config.model_dir,
+                                           self.hf_config.vocab_size, tp, self.dtype,
+                                           self.device, self.backend, config.quantization)
         # LoRA slots before the profile run, so the KV budget leaves them their room
         self.adapters = (AdapterStore(self.model, config.max_loras, config.max_lora_rank)
                          if config.max_loras else None)
@@ -335,7 +342,7 @@ class ModelRunner:
         self.graphs.capture()
         log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
                  time.perf_counter() - t0)
-        if self.drafter is not None:
+        if isinstance(self.drafter, Drafter):
             t0 = time.perf_counter()
             d = self.drafter
             d.graphs = DecodeGraphs(d.model, self.backend, self.config.max_num_seqs,
@@ -346,6 +353,9 @@ class ModelRunner:
         max_tokens = min(self.config.max_prefill_graph_tokens, self.max_model_len,
                          self.config.max_num_batched_tokens)
         if not token_buckets(max_tokens):
+            return
+        if isinstance(self.drafter, Eagle3Drafter):   # (they keep no features for the head)
+            log.info("no prefill CUDA graphs: the EAGLE-3 head needs every prefill's features")
             return
         if self.backend.name != "triton":   # the graphs need its paged prefill (see there)
             log.info("no prefill CUDA graphs: attention backend %s", self.backend.name)
@@ -395,17 +405,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         samples = self._forward_and_sample(plan, pending.events)
-        if self.drafter is not None:   # the draft's KV follows the target's, step by step
-            skip = self.drafter.skip_rows(plan)
-            rest = plan if skip is None else plan.without(skip)
-            if rest is not None:
-                self._logits(rest, net=self.drafter)
         tokens = samples.tokens if samples is not None else None
         self.table.commit(plan)
         if self.tp.size > 1 and plan.num_samples:   # every rank needs the samples (placeholders)
             if tokens is None:
                 tokens = torch.empty(plan.num_samples, dtype=torch.int64, device=self.device)
             self.tp.broadcast(tokens)
+        if self.drafter is not None:   # the draft's KV follows the target's, step by step
+            self.drafter.mirror(self, plan, tokens)
         if plan.drafts is not None:
             if self.drafter is None:
                 raise StepError("drafts asked for, but this worker has no --draft-model")
@@ -524,7 +531,9 @@ class ModelRunner:
                 ) -> torch.Tensor | None:
         """The forward (every rank runs it) -> logits of the sampling rows, None if the step
         samples none: a decode or prefill CUDA graph where one fits, else eager. net: the
-        drafter's model instead of the target's (no logits: its KV is what it is run for)."""
+        drafter's model instead of the target's (no logits: its KV is what it is run for).
+        With an EAGLE-3 drafter the target's features of every token are left in
+        self.step_aux ([T, 3 H]: its hidden states before the head's three layers)."""
         dev = self.device
         model, graphs = (self.model, self.graphs) if net is None else (net.model, net.graphs)
         ids = plan.token_ids if plan.fill is None else np.where(plan.token_ids < 0, 0, plan.token_ids)
@@ -544,6 +553,8 @@ class ModelRunner:
                 and tables.shape[1] <= graphs.max_blocks:
             logits = graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev, runs,
                                 lora)
+            if net is None:
+                self.step_aux = graphs.last_aux
             if not plan.num_samples or net is not None:
                 return None
             if sampling.all():
@@ -555,28 +566,13 @@ class ModelRunner:
             return self.prefill_graphs.run(plan, lora)
         if adapters is not None:
             adapters.set_rows(lora)
-        n_tok = plan.num_tokens
-        ctx = plan.context_lens
-        cu_q = np.zeros(len(n_tok) + 1, dtype=np.int32)
-        np.cumsum(n_tok, out=cu_q[1:])
-        cu_k = np.zeros(len(n_tok) + 1, dtype=np.int32)
-        np.cumsum(ctx, out=cu_k[1:])
-        meta = AttentionMetadata(
-            slot_mapping=to_device(plan.slot_mapping, dev),
-            block_tables=to_device(tables, dev),
-            context_lens=to_device(ctx.astype(np.int32), dev),
-            cu_seqlens_q=to_device(cu_q, dev),
-            cu_seqlens_k=to_device(cu_k, dev),
-            max_seqlen_q=int(n_tok.max()),
-            max_seqlen_k=int(ctx.max()),
-            is_decode=plan.is_decode,
-            prefix_free=plan.prefix_free,
-            decode_runs=None if runs is None else to_device(runs, dev),
-        )
+        meta = step_metadata(plan, dev)
         input_ids = to_device(ids, dev)
         if fill_dev is not None:
             input_ids[fill_dev[0]] = fill_dev[1]
         hidden = model(input_ids, to_device(plan.positions, dev), meta)
+        if net is None:
+            self.step_aux = model.model.aux_hidden
         if not plan.num_samples or net is not None:
             return None
         last = to_device(plan.last_token_index(), dev)

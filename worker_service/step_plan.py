@@ -98,6 +98,7 @@ class DraftPlan:
     seq_ids: list[int]         # [D]
     rows: np.ndarray           # [D] SeqTable rows
     first_sample: np.ndarray   # [D] index of the sequence's first sample among the step's
+    first_token: np.ndarray    # [D] index of its first sampling row among the step's tokens
     num_samples: np.ndarray    # [D] its samples (1 + proposals)
     position: np.ndarray       # [D] position of its first sampling row's input token
     proposals: list[list[int]]  # [D] the proposals this step verifies for it
@@ -316,7 +317,7 @@ class SeqTable:
             if len(dec_tokens) != n_dec:
                 raise StepError(f"decode batch has {len(dec_tokens)} token ids for {n_dec} tokens")
             drafts = self._drafts(d, nd, dec_ids, dec_rows, per, n_samp, int(sum(sample)),
-                                  dec_tokens)
+                                  dec_tokens, len(prefill_tokens))
             dec_offset = np.zeros(n_dec, np.int64)
             dec_sample = [True] * n_dec
             if per is not None:   # fast-forward: each token a decode row, the last one samples
@@ -380,7 +381,7 @@ class SeqTable:
 
     def _drafts(self, d: worker_pb2.DecodeBatch, nd: int, dec_ids: np.ndarray, dec_rows: list[int],
                 per: np.ndarray | None, n_samp: np.ndarray | None, prefill_samples: int,
-                dec_tokens: np.ndarray) -> DraftPlan | None:
+                dec_tokens: np.ndarray, prefill_tokens: int) -> DraftPlan | None:
         """The decode sequences that asked for drafts (positions before this step's commit)."""
         if not d.num_drafts_i32:
             return None
@@ -400,6 +401,7 @@ class SeqTable:
         ends = np.cumsum(per)   # (the verify rows' inputs are the proposals)
         return DraftPlan(k=k[sel], seq_ids=[int(i) for i in dec_ids[sel]], rows=rows[sel],
                          first_sample=first[sel], num_samples=ns[sel],
+                         first_token=(prefill_tokens + ends - ns)[sel],
                          position=pos[sel],
                          proposals=[dec_tokens[ends[i] - ns[i] + 1:ends[i]].tolist()
                                     for i in sel.tolist()])
