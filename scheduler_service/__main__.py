@@ -78,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     spec.add_argument("--speculative", default="off", choices=METHODS,
                       help="ngram: also propose for every request by prompt lookup (the tokens "
                            "after the latest earlier occurrence of its last n tokens in its "
-                           "prompt + output); draft: by the workers' draft model (workers "
-                           "started with --draft-model), greedily, k tokens a step; off: only "
-                           "requests' predictions")
+                           "prompt + output); draft (or eagle3): by the workers' --draft-model "
+                           "(a smaller model of the same tokenizer, or an EAGLE-3 head), "
+                           "greedily, k tokens a step; off: only requests' predictions")
     spec.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K",
                       help="most tokens proposed per sequence and step")
     spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched")

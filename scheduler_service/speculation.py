@@ -10,7 +10,8 @@ is drawn from p without x, renormalized), so greedy output is token-identical to
 speculation and a seeded request draws the same tokens (its noise is keyed by position).
 
 Proposers:
-* `draft`: a smaller model of the same tokenizer on the workers (worker_service/drafter.py).
+* `draft` (or `eagle3`): a smaller model of the same tokenizer, or an EAGLE-3 head over the
+  target's hidden states, on the workers (worker_service/drafter.py).
   A step asks the workers for k drafts per sequence (DecodeBatch.num_drafts_i32); they settle
   the step's proposals by the same rule, run the draft model k greedy steps from the newest
   token and return its ids with the step's answer: the next step's proposals. The scheduler
@@ -49,7 +50,9 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-METHODS = ("off", "ngram", "draft")   # off: only requests' predictions are proposed
+# off: only requests' predictions are proposed; eagle3 is draft (the workers' --draft-model,
+# a draft model or an EAGLE-3 head, decides what drafts)
+METHODS = ("off", "ngram", "draft", "eagle3")
 
 
 @dataclass
@@ -62,6 +65,8 @@ class SpecConfig:
     adaptive: bool = True     # k from acceptance and row cost; False: always up to num_tokens
 
     def __post_init__(self) -> None:
+        if self.method == "eagle3":
+            self.method = "draft"
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}: choose from "
                              f"{', '.join(METHODS)}")

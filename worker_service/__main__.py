@@ -72,12 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the largest adapter rank accepted (slots are sized for it)")
     p.add_argument("--draft-model", default="", metavar="DIR",
                    help="speculative decoding with a draft model: a smaller model sharing the "
-                        "target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B), run on every rank "
+                        "target's tokenizer (e.g. Qwen3-0.6B for Qwen3-8B), or an EAGLE-3 head "
+                        "for this target (speculators or EAGLE/AngelSlim layout: drafts from "
+                        "the target's hidden states; found by its config), run on every rank "
                         "beside the target with a KV cache of its own (its blocks are counted "
                         "in each KV block's bytes); it proposes tokens greedily for the steps "
                         "of a scheduler started with --speculative draft, and the target "
-                        "verifies them (output unchanged). Refused at start if its vocabulary "
-                        "or tokenizer files differ from the target's")
+                        "verifies them (output unchanged). Refused at start if its vocabulary, "
+                        "tokenizer files or (a head's) hidden size differ from the target's")
     tp = p.add_argument_group(
         "tensor parallelism",
         "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "

@@ -33,7 +33,11 @@
 #            prompts, 512 out, greedy) without speculation, with a Qwen3-0.6B draft and with the
 #            target as its own draft, DRAFT_RUNS (3), k = DRAFT_K (4), not adaptive. The
 #            checkpoints are fp8_check.py's "count" models (residual 0, head = the embedding
-#            shifted by one: t -> t + 1), so every draft is right: the loop at full acceptance
+#            shifted by one: t -> t + 1), so every draft is right: the loop at full acceptance.
+#            The EAGLE-3 head (random, Qwen3-8B_eagle3's shapes: hidden 4096, 32000-token draft
+#            vocabulary; tests/tiny_eagle3.py) drafts wrong: its cost is what it measures.
+#            DRAFT_PARTS (the 0.6B and the head) pick the in-process parts' drafters,
+#            DRAFT_CONFIGS (none, the 0.6B, the head) the gRPC runs'
 #   deploy-draft deploy_check.py at TP=1 and TP=2 through the launcher with --draft-model (the
 #            0.6B "count" model drafting for the random 0.6B: acceptance ~0, the path exercised)
 #            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run
@@ -168,15 +172,22 @@ for w in ${*:-kernels model bench}; do
         --scheduler-args="--speculative draft --num-speculative-tokens 4" \
         2>&1 | tee "$OUT/deploy_draft.md" || rc=1 ;;
     draft)
-      T=/dev/shm/qwen3-8b-count; D=/dev/shm/qwen3-0.6b-count; K=${DRAFT_K:-4}
+      T=/dev/shm/qwen3-8b-count; D=/dev/shm/qwen3-0.6b-count; E=/dev/shm/qwen3-8b-eagle3; K=${DRAFT_K:-4}
       [ -f $T/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $T Qwen3-8B 0 count >/dev/null 2>&1
       [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
-      timeout 240 python3 tests/gpu/bench_draft.py --target $T --draft $D -k $K 2>&1 | grep -v "^Loading" \
-        | tee "$OUT/draft_parts.md" || rc=1
+      [ -f $E/config.json ] || python3 -c "import sys, torch; sys.path.insert(0, 'tests')
+from tiny_eagle3 import make_tiny_eagle3
+make_tiny_eagle3('$E', 'speculators', target_hidden_size=4096, vocab_size=151936,
+    draft_vocab_size=32000, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+    intermediate_size=12288, seed=0, dtype=torch.bfloat16)" || rc=1
+      for P in ${DRAFT_PARTS:-$D $E}; do
+        timeout 200 python3 tests/gpu/bench_draft.py --target $T --draft $P -k $K 2>&1 | grep -v "^Loading" \
+          | tee -a "$OUT/draft_parts.md" || rc=1
+      done
       B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051
          --client-procs 1 --min-input-len 256 --max-input-len 256 --min-output-len 512
          --max-output-len 512 --temperature 0 --warmup 2 --runs "${DRAFT_RUNS:-3}")
-      for cfg in ${DRAFT_CONFIGS:-none $D $T}; do
+      for cfg in ${DRAFT_CONFIGS:-none $D $E}; do
         WA=(); SA=(); tag=plain
         if [ "$cfg" != none ]; then
           WA=(--draft-model "$cfg"); tag=draft-$(basename "$cfg")
