@@ -33,6 +33,7 @@ import torch
 from models.loader import load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
+from kernels.attention import decode_runs
 from worker_service.step_meta import step_metadata
 from worker_service.step_plan import DraftPlan, SeqTable, StepPlan
 from worker_service.transfers import to_device
@@ -212,7 +213,7 @@ class Eagle3Drafter:
         target.model.aux_layers = self.head.cfg.aux_layers
         self.layers = [self.head.attn]
         self.num_kv_heads, self.head_dim = self.head.cfg.num_kv_heads, self.head.cfg.head_dim
-        self.graphs = None
+        self.graphs = None   # HeadGraphs (CUDA), set by the runner
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None   # the step's features (ModelRunner.step_aux)
@@ -242,8 +243,14 @@ class Eagle3Drafter:
             at = np.flatnonzero(sampled)
             order = np.searchsorted(last, at)   # each one's sample
             ids[to_device(at, self.device)] = samples.index_select(0, to_device(order, self.device))
+        hidden = self.head.fuse(self.aux)
+        g = self.graphs
+        if plan.is_decode and g is not None and n <= g.max_batch \
+                and plan.block_tables.shape[1] <= g.max_blocks:
+            g.run(ids, hidden, plan.positions, slots, plan.block_tables, decode_runs(plan.rows))
+            return
         meta = step_metadata(plan, self.device, slots)
-        self.head(ids, self.head.fuse(self.aux), to_device(plan.positions, self.device), meta)
+        self.head(ids, hidden, to_device(plan.positions, self.device), meta)
 
     @torch.inference_mode()
     def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable) -> torch.Tensor:
@@ -260,10 +267,14 @@ class Eagle3Drafter:
             live = np.flatnonzero(k > j)
             idx = None if len(live) == n else to_device(live, dev)
             pos = start[live] - 1 + j
-            meta = step_metadata(decode_plan(drafts.rows[live], pos, table), dev)
+            plan = decode_plan(drafts.rows[live], pos, table)
             x, h = (ids, hidden) if idx is None else (ids.index_select(0, idx),
                                                       hidden.index_select(0, idx))
-            nxt, h = self.head(x, h, to_device(pos, dev), meta)
+            g = self.graphs
+            if g is not None and len(live) <= g.max_batch and plan.block_tables.shape[1] <= g.max_blocks:
+                nxt, h = g.run(x, h, pos, plan.slot_mapping, plan.block_tables)
+            else:
+                nxt, h = self.head(x, h, to_device(pos, dev), step_metadata(plan, dev))
             if idx is None:
                 ids, hidden = nxt, h
                 out[:, j] = nxt

@@ -333,7 +333,7 @@ class ModelRunner:
         return cache, scales
 
     def _capture_graphs(self, block_size: int) -> None:
-        from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
+        from worker_service.cuda_graphs import DecodeGraphs, HeadGraphs, PrefillGraphs, token_buckets
         t0 = time.perf_counter()
         lora = self.adapters.ctx if self.adapters is not None else None
         self.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs,
@@ -342,6 +342,14 @@ class ModelRunner:
         self.graphs.capture()
         log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
                  time.perf_counter() - t0)
+        if isinstance(self.drafter, Eagle3Drafter):   # its passes: a few rows, small kernels
+            t0 = time.perf_counter()
+            self.drafter.graphs = HeadGraphs(self.drafter.head, self.backend,
+                                             min(self.config.max_num_seqs, 64),
+                                             self.max_model_len, block_size, self.device)
+            self.drafter.graphs.capture()
+            log.info("captured %d EAGLE-3 head CUDA graphs in %.1fs",
+                     len(self.drafter.graphs.buckets), time.perf_counter() - t0)
         if isinstance(self.drafter, Drafter):
             t0 = time.perf_counter()
             d = self.drafter
