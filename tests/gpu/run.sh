@@ -40,7 +40,8 @@
 #            DRAFT_CONFIGS (none, the 0.6B, the head) the gRPC runs'
 #   deploy-draft deploy_check.py at TP=1 and TP=2 through the launcher with --draft-model (the
 #            0.6B "count" model drafting for the random 0.6B: acceptance ~0, the path exercised)
-#            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run
+#            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run;
+#            DEPLOY_DRAFT=eagle3: a random EAGLE-3 head at the 0.6B's shapes instead
 #   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
 #            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
 #            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
@@ -167,6 +168,14 @@ for w in ${*:-kernels model bench}; do
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       D=/dev/shm/qwen3-0.6b-count
       [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
+      if [ "${DEPLOY_DRAFT:-}" = eagle3 ]; then
+        D=/dev/shm/qwen3-0.6b-eagle3
+        [ -f $D/config.json ] || python3 -c "import sys, torch; sys.path.insert(0, 'tests')
+from tiny_eagle3 import make_tiny_eagle3
+make_tiny_eagle3('$D', 'eagle', target_hidden_size=1024, vocab_size=151936,
+    draft_vocab_size=32000, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+    intermediate_size=3072, seed=0, dtype=torch.bfloat16)" || rc=1
+      fi
       python3 tests/gpu/deploy_check.py --model "$NANOSERVE_QWEN06B" --out "$OUT/deploy_draft" \
         --tp 1,2 --skip-compose --worker-args="--draft-model $D" \
         --scheduler-args="--speculative draft --num-speculative-tokens 4" \
