@@ -321,3 +321,43 @@ def test_launcher_gives_every_worker_the_draft_and_the_scheduler_draft_speculati
     assert sched[sched.index("--speculative") + 1] == "draft"
     assert sched[-2:] == ["--num-speculative-tokens", "3"]
     assert "--draft-model" not in commands(parse_args(["--model", "/m"]))[0]
+
+
+@pytest.mark.slow
+def test_preemption_and_a_killed_worker_keep_greedy_output(target_dir, draft_dir, hf_target):
+    """A KV cache too small for the batch (sequences preempted while their drafts hold
+    reserved blocks), then the worker SIGKILLed mid-run and started again with its draft
+    model (its draft KV rebuilt with the target's by re-prefill): every stream is HF
+    greedy, and no block stays in use."""
+    extra = ["--draft-model", str(draft_dir)]
+    worker = start_worker(target_dir, extra=extra)
+    sched = channel = None
+    try:
+        sched = start_scheduler(target_dir, [worker.port], block_size=BS,
+                                extra=[*SCHED, "--num-kv-blocks", "24"])
+        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        n = 70
+        prompts = [PROMPTS[0], PROMPTS[1], [40 + i for i in range(12)], [9, 8, 7, 6, 5]]
+        refs = [hf_greedy(hf_target, p, n) for p in prompts]
+        streams = [stub.Generate(request(p, temperature=0.0, max_tokens=n, ignore_eos=True),
+                                 timeout=240) for p in prompts]
+        got = [[] for _ in streams]
+        while len(got[0]) < 25:
+            got[0] += next(streams[0]).token_ids
+        port = worker.port
+        worker.stop(sig=9)
+        worker = start_worker(target_dir, port=port, extra=extra)
+        for i, s in enumerate(streams):
+            for chunk in s:
+                got[i] += chunk.token_ids
+        assert got == refs
+        s = stats(stub)
+        assert s.num_preemptions > 0 and s.num_verify_steps > 0
+        assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
+    finally:
+        if channel is not None:
+            channel.close()
+        if sched:
+            sched.stop()
+        worker.stop()

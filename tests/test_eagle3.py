@@ -22,6 +22,7 @@ import transformers
 from eagle3_reference import eagle3_draft_reference, eagle3_forward, eagle3_fuse
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from services import ROOT, start_scheduler, start_tp_workers, start_worker
+from test_draft import _decode
 from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 from tiny_eagle3 import load_reference_state, make_tiny_eagle3
@@ -93,20 +94,6 @@ def _runner(target_dir, head_dir):
                                       kv_cache_gb=0.01, draft_model=str(head_dir)))
     runner.init_kv(16, BS)
     return runner
-
-
-def _decode(runner, step_id, tokens, num_samples, num_drafts, kv_len):
-    req = worker_pb2.StepRequest(step_id=step_id)
-    d = req.decode
-    d.seq_ids_u64 = np.array([1], "<u8").tobytes()
-    d.token_ids_i32 = np.array(tokens, "<i4").tobytes()
-    d.num_tokens_i32 = np.array([len(tokens)], "<i4").tobytes()
-    d.num_samples_i32 = np.array([num_samples], "<i4").tobytes()
-    d.num_drafts_i32 = np.array([num_drafts], "<i4").tobytes()
-    d.kv_len_i32 = np.array([0, kv_len], "<i4").tobytes()
-    resp = runner.step(req)
-    return (np.frombuffer(resp.sampled_token_ids_i32, "<i4").tolist(),
-            np.frombuffer(resp.draft_token_ids_i32, "<i4").tolist())
 
 
 def test_worker_drafts_equal_the_reference_after_every_step(head_dir, target_dir, hf_target):
