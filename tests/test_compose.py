@@ -150,9 +150,29 @@ def test_model_mounted_read_only_everywhere(rendered):
     for name, svc in config["services"].items():
         assert svc["volumes"][0] == {"type": "bind", "source": model_dir, "target": "/model",
                                      "read_only": True}, name
-        # ... and the LoRA adapters (test_lora_* below): nothing else.
-        assert [v["target"] for v in svc["volumes"]] == ["/model", "/adapters"], name
+        # ... and the LoRA adapters (test_lora_* below), the workers' kernel cache (below):
+        # nothing else.
+        cache = ["/var/cache/nanoserve"] if "worker_service" in svc["command"] else []
+        assert [v["target"] for v in svc["volumes"]] == ["/model", "/adapters", *cache], name
         assert flags(svc["command"])["model"] == "/model", name
+
+
+def test_workers_share_a_named_kernel_cache_volume_they_can_write(rendered):
+    """Triton's compiled kernels outlive a re-created worker container: TRITON_CACHE_DIR in
+    a named volume every worker mounts writable; the image makes its mount point the
+    non-root user's, which a new named volume takes over."""
+    config, _ = rendered
+    workers = workers_by_rank(config["services"])
+    assert workers
+    for name, svc, _ in workers:
+        vol = next(v for v in svc["volumes"] if v["target"] == "/var/cache/nanoserve")
+        assert vol["type"] == "volume" and not vol.get("read_only"), name
+        assert vol["source"].endswith("nanoserve-kernel-cache"), name
+        assert svc["environment"]["TRITON_CACHE_DIR"].startswith("/var/cache/nanoserve/"), name
+    assert "nanoserve-kernel-cache" in config["volumes"]
+    final = (ROOT / "worker_service/Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
+    assert "mkdir -p /var/cache/nanoserve && chown nanoserve /var/cache/nanoserve" in final
+    assert final.index("chown nanoserve /var/cache/nanoserve") < final.index("USER nanoserve")
 
 
 def test_healthchecks_present_and_aimed_at_own_port(rendered):
