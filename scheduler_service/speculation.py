@@ -92,6 +92,7 @@ class SpecState:
     last_accepted: int = 0        # of the last verify step
     draft: list[int] = field(default_factory=list)   # draft: the workers' latest proposals,
     draft_at: int = -1            # made when the sequence held this many tokens
+    draft_rest: int = 0           # steps drafted nothing since its acceptance stopped paying
 
     def acceptance(self, prior: float) -> float:
         return (self.accepted + 2 * prior) / (self.attempts + 2)
@@ -303,14 +304,24 @@ class Speculator:
 
     def num_drafts(self, seq, room: int, batch_rows: int) -> int:
         """How many tokens the workers' draft model should propose for seq after this step
-        (0: none): as many as the next step would verify, at least one while any fits (a
-        sequence that proposes nothing would never measure its acceptance again)."""
+        (0: none): as many as the next step would verify. Where its recent acceptance does
+        not pay for even one, none, but one every MAX_BACKOFF steps: acceptance is measured
+        only on proposals (a drafter that is always wrong costs a draft pass and a host
+        round trip a step; with nothing asked the steps run overlapped again)."""
         if self.config.method != "draft" or seq.sampling.prediction or room <= 0:
             return 0
         st = seq.spec
         if st is None:
             st = seq.spec = SpecState()
-        return max(self._count(st, "draft", room, batch_rows), 1)
+        k = self._count(st, "draft", room, batch_rows)
+        if k:
+            st.draft_rest = 0
+            return k
+        st.draft_rest += 1
+        if st.draft_rest >= self.MAX_BACKOFF:
+            st.draft_rest = 0
+            return 1
+        return 0
 
     @staticmethod
     def take_drafts(seq, drafts: list[int]) -> None:

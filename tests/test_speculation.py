@@ -262,3 +262,25 @@ def test_an_unknown_speculative_method_fails_at_start_with_the_choices():
         and "'off', 'ngram'" in proc.stderr
     with pytest.raises(ValueError, match="num speculative tokens"):
         SpecConfig(num_tokens=0)
+
+
+def test_a_draft_that_stops_paying_is_asked_for_now_and_then():
+    """--speculative draft: k follows the sequence's acceptance and the rows' measured cost;
+    where even one draft does not pay, none is asked for (the steps overlap again), but
+    one every MAX_BACKOFF steps, since acceptance is measured only on proposals."""
+    from scheduler_service.speculation import SpecConfig, Speculator, SpecState
+    spec = Speculator(SpecConfig(method="draft", num_tokens=4))
+    spec.cost.a, spec.cost.b = 1.0, 2 / 3   # a row must be accepted with chance > 0.4
+    seq = Sequence(0, [1, 2, 3], SamplingOptions(max_tokens=50))
+    seq.spec = SpecState()
+    assert spec.num_drafts(seq, 40, 1) == 2   # the prior (0.7): 0.7, 0.49 > 0.4 > 0.34
+    for _ in range(12):
+        seq.spec.record(4, 0)                  # never accepted
+    asked = [spec.num_drafts(seq, 40, 1) for _ in range(2 * Speculator.MAX_BACKOFF)]
+    assert asked == ([0] * (Speculator.MAX_BACKOFF - 1) + [1]) * 2
+    for _ in range(12):
+        seq.spec.record(4, 4)                  # all accepted again
+    assert spec.num_drafts(seq, 40, 1) == 4
+    assert spec.num_drafts(seq, 2, 1) == 2     # no more than the room
+    pred = Sequence(1, [1], SamplingOptions(max_tokens=9, prediction=(5, 6)))
+    assert spec.num_drafts(pred, 40, 1) == 0   # a prediction is proposed instead
