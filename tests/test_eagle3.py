@@ -212,3 +212,40 @@ def test_greedy_through_the_services_equals_hf(tmp_path_factory, target_dir, hf_
             sched.stop()
         for w in workers:
             w.stop()
+
+
+@pytest.mark.slow
+def test_structured_output_with_a_head(tmp_path_factory, target_dir):
+    """A format's forced tokens (fast-forward rows) and masked verify rows with an EAGLE-3
+    head drafting: greedy output equals no speculation, sampled output validates."""
+    from test_structured import FORMATS, judge
+    head = _head(tmp_path_factory, "eagle")
+    worker = start_worker(target_dir, extra=["--draft-model", str(head)])
+    sched = channel = None
+    try:
+        sched = start_scheduler(target_dir, [worker.port], block_size=BS, extra=[
+            "--speculative", "eagle3", "--num-speculative-tokens", str(K),
+            "--no-speculative-adaptive"])
+        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        for kind in ("json_schema", "regex"):
+            def req(**kw):
+                r = generate_pb2.GenerateRequest(
+                    token_ids=generate_pb2.TokenIds(ids=[3, 5, 11]),
+                    sampling=generate_pb2.SamplingParams(max_tokens=100, **kw))
+                r.sampling.structured.CopyFrom(generate_pb2.StructuredOutput(**FORMATS[kind]))
+                r.skip_special_tokens = True
+                return r
+            plain = stub.Complete(req(temperature=0.0, speculative=False), timeout=120)
+            judge(kind, plain.text)
+            out = stub.Complete(req(temperature=0.0), timeout=120)
+            assert list(out.token_ids) == list(plain.token_ids), kind
+            judge(kind, stub.Complete(req(temperature=1.0, seed=3), timeout=120).text)
+        s = stub.GetStats(generate_pb2.StatsRequest())
+        assert s.num_fast_forward_mismatches == 0 and s.num_decode_steps > 0
+    finally:
+        if channel is not None:
+            channel.close()
+        if sched:
+            sched.stop()
+        worker.stop()

@@ -111,8 +111,8 @@ class Drafter:
         matched: dict[int, int] = {}   # seq -> positions matched so far past its start
         for r, seq_id in enumerate(plan.seq_ids):
             i = where.get(seq_id)
-            if i is None or plan.num_tokens[r] != 1:
-                continue
+            if i is None or plan.num_tokens[r] != 1 or not plan.sample[r]:
+                continue   # (a verify step's rows all sample; a format's forced ones do not)
             t = tok[r]
             j = int(plan.positions[t]) - int(start[i])
             if j != matched.get(seq_id, 0) or j > k[i]:
@@ -156,7 +156,8 @@ class Drafter:
             ids = cur if idx is None else cur.index_select(0, idx)
             rows, pos = drafts.rows[live], start[live] + j
             behind = [i for i in live.tolist()   # the token before the newest lacks draft KV
-                      if j == 0 and self.valid_end.get(drafts.seq_ids[i], start[i]) < start[i]]
+                      if j == 0 and self.valid_end.get(drafts.seq_ids[i], start[i]) < start[i]
+                      and start[i] - drafts.position[i] >= 2]   # (it is a proposal)
             if behind:   # its own row, just before the newest one's
                 lead = np.isin(live, behind)
                 prev = [drafts.proposals[i][start[i] - drafts.position[i] - 2] for i in behind]
