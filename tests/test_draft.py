@@ -398,3 +398,33 @@ def test_structured_output_with_drafts(target_dir):
         if sched:
             sched.stop()
         worker.stop()
+
+
+@pytest.mark.slow
+def test_penalties_and_logprobs_with_drafts_equal_no_speculation(target_dir):
+    """Penalties count a verify row's proposals before it (the sampling rank's penalty
+    state), top logprobs are the raw model's: with the target as its own draft (proposals
+    accepted) both equal the request without speculation."""
+    worker = start_worker(target_dir, extra=["--draft-model", str(target_dir)])
+    sched = channel = None
+    try:
+        sched, channel, stub = _serve(target_dir, [worker])
+        for kw in (dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+                   dict(temperature=0.0, frequency_penalty=0.4, logprobs=True, top_logprobs=3),
+                   dict(temperature=0.7, seed=5, repetition_penalty=1.2, n=2)):
+            common = dict(max_tokens=40, ignore_eos=True, **kw)
+            plain = stub.Complete(request(PROMPTS[0], speculative=False, **common), timeout=120)
+            spec = stub.Complete(request(PROMPTS[0], **common), timeout=120)
+            assert len(plain.choices) == len(spec.choices) == kw.get("n", 1)
+            for a, b in zip(plain.choices, spec.choices):
+                assert list(a.token_ids) == list(b.token_ids), kw
+                assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-4)
+                assert [list(t.token_ids) for t in a.top_logprobs] == \
+                    [list(t.token_ids) for t in b.top_logprobs]
+        assert stats(stub).num_spec_accepted_tokens > 0
+    finally:
+        if channel is not None:
+            channel.close()
+        if sched:
+            sched.stop()
+        worker.stop()
