@@ -218,6 +218,7 @@ class Eagle3Drafter:
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None   # the step's features (ModelRunner.step_aux)
+        self.last = None   # (Drafter's record of the last drafts; the head mirrors every row)
 
     @property
     def name(self) -> str:

@@ -311,8 +311,9 @@ class ModelRunner:
     def _free_kv(self) -> None:
         self.kv_cache = self.kv_scales = None
         layers = self.attn_layers
-        if self.drafter is not None:
+        if self.drafter is not None:   # (its record of the last step's drafts goes too)
             self.drafter.kv_cache = self.drafter.kv_scales = self.drafter.graphs = None
+            self.drafter.last = None
             layers = layers + self.drafter.layers
         for layer in layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
