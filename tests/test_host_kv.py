@@ -413,3 +413,24 @@ def test_staged_copies_equal_direct_ones(fp8):
             assert torch.equal(via_s[:, :, back], scales[:, :, block])
             assert torch.equal(staged.scales[slot], scales[:, :, block])
     assert staged.take_seconds() > 0 and staged.take_seconds() == 0.0
+
+
+def test_services_host_tier_with_a_draft_model(model_dir):
+    """Blocks restored from the host tier carry the target's KV only (the draft's reads
+    stale there: worse drafts, never other output), and blocks reserved for drafts sit
+    beside evictions: greedy turns still equal Hugging Face's."""
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worker = start_worker(model_dir, extra=["--host-kv-cache-gb", "0.01",
+                                            "--draft-model", str(model_dir)])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=BS, extra=[
+            "--num-kv-blocks", "12", "--max-num-seqs", "2", "--speculative", "draft",
+            "--num-speculative-tokens", "3", "--no-speculative-adaptive"])
+        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+            stats, _ = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+        assert stats.num_host_kv_restored_blocks >= 4 and stats.num_spec_proposed_tokens > 0
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
