@@ -152,8 +152,8 @@ def test_model_mounted_read_only_everywhere(rendered):
                                      "read_only": True}, name
         # ... and the LoRA adapters (test_lora_* below), the workers' kernel cache (below):
         # nothing else.
-        cache = ["/var/cache/nanoserve"] if "worker_service" in svc["command"] else []
-        assert [v["target"] for v in svc["volumes"]] == ["/model", "/adapters", *cache], name
+        own = ["/draft", "/var/cache/nanoserve"] if "worker_service" in svc["command"] else []
+        assert [v["target"] for v in svc["volumes"]] == ["/model", "/adapters", *own], name
         assert flags(svc["command"])["model"] == "/model", name
 
 
@@ -187,7 +187,8 @@ def test_healthchecks_present_and_aimed_at_own_port(rendered):
 
 # --- LoRA adapters: LORA_DIR mounted at /adapters, LORA_MODULES / MAX_LORAS on the commands ---
 
-LORA_ENV = {"LORA_MODULES": "a=/adapters/a,b=/adapters/b", "MAX_LORAS": "4", "MAX_LORA_RANK": "32"}
+LORA_ENV = {"LORA_MODULES": "a=/adapters/a,b=/adapters/b", "MAX_LORAS": "4", "MAX_LORA_RANK": "32",
+            "DRAFT_MODEL": "/draft", "SPECULATIVE": "draft"}   # (and the drafts' variables)
 
 
 @pytest.fixture(scope="module", params=[(files, lora) for files in LAYOUTS for lora in (False, True)],
@@ -196,11 +197,12 @@ def rendered_lora(request, tmp_path_factory):
     """Every layout with profile `replicas` (scheduler-b, worker-b-*), with the LoRA variables
     set (LORA_DIR a real directory) or unset: (config, LORA_DIR or None)."""
     files, lora = request.param
-    extra = dict(LORA_ENV, LORA_DIR=str(tmp_path_factory.mktemp("adapters"))) if lora else {}
+    extra = dict(LORA_ENV, LORA_DIR=str(tmp_path_factory.mktemp("adapters")),
+                 DRAFT_DIR=str(tmp_path_factory.mktemp("draft"))) if lora else {}
     proc = compose_config(files, str(tmp_path_factory.mktemp("model")), profiles=["replicas"],
                           extra_env=extra)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout), extra.get("LORA_DIR")
+    return json.loads(proc.stdout), extra.get("LORA_DIR"), extra.get("DRAFT_DIR")
 
 
 def services_running(config: dict, module: str) -> dict[str, dict]:
@@ -215,7 +217,7 @@ def module_argv(svc: dict, module: str) -> list[str]:
 
 
 def test_lora_variables_reach_every_worker_and_scheduler(rendered_lora):
-    config, lora_dir = rendered_lora
+    config, lora_dir, _ = rendered_lora
     workers = services_running(config, "worker_service")
     scheds = services_running(config, "scheduler_service")
     assert {"worker-b-0", "worker-b-1"} <= set(workers) and set(scheds) == {"scheduler", "scheduler-b"}
@@ -239,13 +241,27 @@ def test_rendered_lora_commands_parse_as_the_services_do(rendered_lora):
     """The rendered command lines through the services' own argument parsers (no torch)."""
     from scheduler_service.__main__ import parse_args as scheduler_args
     from worker_service.__main__ import parse_args as worker_args
-    config, lora_dir = rendered_lora
+    config, lora_dir, draft_dir = rendered_lora
     for name, svc in services_running(config, "scheduler_service").items():
         args = scheduler_args(module_argv(svc, "scheduler_service"))
         assert args.adapters == ([("a", "/adapters/a"), ("b", "/adapters/b")] if lora_dir else []), name
+        assert args.speculative == ("draft" if draft_dir else "off"), name
     for name, svc in services_running(config, "worker_service").items():
         args = worker_args(module_argv(svc, "worker_service"))
         assert (args.max_loras, args.max_lora_rank) == ((4, 32) if lora_dir else (0, 16)), name
+        assert args.draft_model == ("/draft" if draft_dir else ""), name
+
+
+def test_draft_directory_reaches_every_worker_read_only(rendered_lora):
+    """DRAFT_DIR at /draft in every worker (an empty named volume when unset)."""
+    config, _, draft_dir = rendered_lora
+    for name, svc in services_running(config, "worker_service").items():
+        (mount,) = [v for v in svc["volumes"] if v["target"] == "/draft"]
+        assert mount["read_only"], name
+        assert (mount["type"], mount["source"]) == (("bind", draft_dir) if draft_dir else
+                                                    ("volume", "nanoserve-no-draft")), name
+    if not draft_dir:
+        assert "nanoserve-no-draft" in config["volumes"]
 
 
 def test_lora_modules_items_may_hold_comma_separated_pairs():
