@@ -106,3 +106,16 @@ def test_top_logprobs_are_sliced_per_seq():
     out = engine._finish_step(batch, resp)
     assert out.seq_ids == [1, 2, 3] and out.token_ids == [10, 20, 30]
     assert out.top_logprobs == [([10, 11], [-0.5, -1.0]), ([], []), ([30, 31, 32], [-0.25, -1.0, -2.0])]
+
+
+def test_a_request_sent_again_is_held_once_without_an_error():
+    """A frontend that resumes its streams twice (a restarted core announced twice) sends
+    the same ids again: the engine keeps the first and reports nothing for the second."""
+    engine, outputs = _engine()
+    for _ in range(2):
+        engine.add_request(7, [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=4),
+                           output=[4])
+    batch, req = _step(engine)
+    assert [w.seq_id for w in req.seqs] == [7] and req.token_ids_i32
+    assert not any(o.errors for o in outputs)
+    assert len(engine.scheduler.running) == 1
