@@ -174,12 +174,6 @@ class Engine:
             self.on_output(rejected)
 
     def _add_now(self, seq: Sequence, rejected: StepOutputs | None = None) -> None:
-        if self.scheduler.holds(seq.seq_id):
-            # Frontends allocate the ids, so a second add is a resend: a frontend that heard
-            # a restarted core announce itself twice resumes its streams twice (seen under
-            # CPU contention in tests/test_chaos.py). The first one stands.
-            log.info("request %d sent again: already held, ignored", seq.seq_id)
-            return
         try:
             self.scheduler.add(seq)
         except ValueError as e:

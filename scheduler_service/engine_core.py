@@ -230,10 +230,14 @@ class EngineCore:
         self.frontends.add(ident)
 
     def _abort_owned_by(self, ident: bytes, why: str) -> None:
+        """Abort every sequence of frontend `ident`: queued, running, held siblings and adds
+        the engine has not taken in yet. (Missing those, a frontend that said HELLO twice
+        while its first resume was still pending resent its streams onto their first
+        copies: 'already scheduled' errors failed them, seen in tests/test_chaos.py under
+        CPU contention; and a restarted frontend, whose ids start over, would meet its
+        earlier incarnation's.)"""
         index = int(ident[2:])
-        stale = [s.seq_id for s in (*self.engine.scheduler.waiting, *self.engine.scheduler.running,
-                                    *self.engine.held_siblings())
-                 if ipc.owner(s.seq_id) == index]
+        stale = [s.seq_id for s in self.engine.sequences() if ipc.owner(s.seq_id) == index]
         for seq_id in stale:
             self.engine.abort(seq_id)
         if stale:

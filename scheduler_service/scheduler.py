@@ -92,10 +92,6 @@ class Scheduler:
 
     # ---- queue management ---------------------------------------------------------
 
-    def holds(self, seq_id: int) -> bool:
-        """Whether seq_id is queued or running here."""
-        return seq_id in self._live
-
     def add(self, seq: Sequence) -> None:
         """Queue a new request. Rejects one that could never run (it would stall the queue)."""
         cfg = self.config

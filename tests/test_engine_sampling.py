@@ -108,14 +108,24 @@ def test_top_logprobs_are_sliced_per_seq():
     assert out.top_logprobs == [([10, 11], [-0.5, -1.0]), ([], []), ([30, 31, 32], [-0.25, -1.0, -2.0])]
 
 
-def test_a_request_sent_again_is_held_once_without_an_error():
-    """A frontend that resumes its streams twice (a restarted core announced twice) sends
-    the same ids again: the engine keeps the first and reports nothing for the second."""
+def test_a_frontends_hello_aborts_its_adds_not_yet_taken_in():
+    """A frontend's HELLO aborts everything it owns, adds the engine has not applied yet
+    included: its streams resent after the INFO then run once. (Missing the pending adds, a
+    frontend that said HELLO twice resent onto their first copies: 'already scheduled'.)"""
+    from scheduler_service import ipc
+    from scheduler_service.engine_core import EngineCore
     engine, outputs = _engine()
-    for _ in range(2):
-        engine.add_request(7, [1, 2, 3], SamplingOptions(temperature=0.0, max_tokens=4),
-                           output=[4])
+    core = EngineCore.__new__(EngineCore)
+    sent = []
+    core.engine, core.info = engine, {}
+    core.sock = type("Sock", (), {"send_multipart": lambda self, parts: sent.append(parts)})()
+    mine, other = 3 << ipc.OWNER_SHIFT | 1, 4 << ipc.OWNER_SHIFT | 1
+    opts = SamplingOptions(temperature=0.0, max_tokens=4)
+    engine.add_request(mine, [1, 2, 3], opts, output=[4])     # a first resume, still pending
+    engine.add_request(other, [5, 6], opts)
+    core._abort_owned_by(ipc.identity(3), "restarted")
+    assert sent and ipc.unpack(sent[0][1])[0] == ipc.INFO
+    engine.add_request(mine, [1, 2, 3], opts, output=[4])     # the resend after that INFO
     batch, req = _step(engine)
-    assert [w.seq_id for w in req.seqs] == [7] and req.token_ids_i32
+    assert sorted(w.seq_id for w in req.seqs) == [mine, other]
     assert not any(o.errors for o in outputs)
-    assert len(engine.scheduler.running) == 1
