@@ -178,20 +178,32 @@ def start_scheduler(model_dir: Path, worker_ports: list[int], block_size: int = 
 
 
 @contextlib.contextmanager
-def generation_stub(model_dir: Path, block_size: int = 8, extra: list[str] = ()):
-    """A real worker and scheduler on loopback for the duration: the Generation stub."""
+def served(model_dir: Path, workers: list[Proc], block_size: int = 8, extra: list[str] = ()):
+    """A scheduler on loopback in front of `workers` (started; the list may be changed on
+    the way, e.g. a worker restarted) for the duration: the Generation stub. Every process
+    is stopped at the end."""
     import grpc
     from nanoserve.v1 import generate_pb2_grpc
-    worker = start_worker(model_dir)
     sched = None
     try:
-        sched = start_scheduler(model_dir, [worker.port], block_size=block_size, extra=extra)
+        sched = start_scheduler(model_dir, [w.port for w in workers], block_size=block_size,
+                                extra=extra)
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
             yield generate_pb2_grpc.GenerationStub(channel)
     finally:
         if sched:
             sched.stop()
-        worker.stop()
+        for w in workers:
+            w.stop()
+
+
+@contextlib.contextmanager
+def generation_stub(model_dir: Path, block_size: int = 8, extra: list[str] = (),
+                    worker_extra: list[str] = ()):
+    """A real worker and scheduler on loopback for the duration: the Generation stub."""
+    with served(model_dir, [start_worker(model_dir, extra=worker_extra)], block_size,
+                extra) as stub:
+        yield stub
 
 
 # What the scheduler logs when kill() took each victim down.

@@ -14,15 +14,14 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
-from services import ROOT, engine_idle, start_null_worker, start_scheduler, start_tp_workers, \
-    start_worker, wait_until
+from nanoserve.v1 import generate_pb2, worker_pb2
+from services import ROOT, engine_idle, served, start_null_worker, start_tp_workers, start_worker, \
+    wait_until
 from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -53,6 +52,16 @@ def hf_target(target_dir):
 
 
 # ---- in-process: the drafter ------------------------------------------------------------------
+
+def _prefill(runner, prompt, blocks):
+    """Step 1: sequence 1's prompt in blocks 0..blocks-1, greedy -> its prompt + sample."""
+    req = worker_pb2.StepRequest(step_id=1)
+    w = req.seqs.add(seq_id=1, num_tokens=len(prompt), start_pos=0, sample=True,
+                     reset_block_table=True, block_table_i32=np.arange(blocks, dtype="<i4").tobytes())
+    w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.array(prompt, "<i4").tobytes()
+    return prompt + np.frombuffer(runner.step(req).sampled_token_ids_i32, "<i4").tolist()
+
 
 def _decode(runner, step_id, tokens, num_samples, num_drafts, kv_len=None):
     """One decode step of sequence 1 (tokens: its rows' inputs, -1 = the last sample;
@@ -88,12 +97,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
         return forward(plan, events, net)
     runner._logits = logits
     prompt = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41]
-    req = worker_pb2.StepRequest(step_id=1)
-    w = req.seqs.add(seq_id=1, num_tokens=len(prompt), start_pos=0, sample=True,
-                     reset_block_table=True, block_table_i32=np.arange(6, dtype="<i4").tobytes())
-    w.sampling.temperature = 0.0
-    req.token_ids_i32 = np.array(prompt, "<i4").tobytes()
-    known = prompt + np.frombuffer(runner.step(req).sampled_token_ids_i32, "<i4").tolist()
+    known = _prefill(runner, prompt, 6)
     # a plain decode step (input: the placeholder) that asks for drafts
     sampled, drafts = _decode(runner, 2, [-1], 1, K)
     known += sampled
@@ -171,19 +175,20 @@ SCHED = ["--speculative", "draft", "--num-speculative-tokens", str(K), "--no-spe
 PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [30 + i for i in range(20)], [7]]
 
 
-def _serve(target_dir, workers):
-    sched = start_scheduler(target_dir, [w.port for w in workers], block_size=BS, extra=SCHED)
-    channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-    return sched, channel, generate_pb2_grpc.GenerationStub(channel)
+def _worker(target_dir, draft):
+    return start_worker(target_dir, extra=["--draft-model", str(draft)])
+
+
+def _serve(target_dir, workers, extra=()):
+    """The Generation stub of a scheduler speculating with the workers' drafts; everything
+    stopped at the end (services.served)."""
+    return served(target_dir, workers, BS, [*SCHED, *extra])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("same", [False, True], ids=["other-draft", "target-as-draft"])
 def test_greedy_and_seeded_output_unchanged(target_dir, draft_dir, hf_target, same):
-    worker = start_worker(target_dir, extra=["--draft-model", str(target_dir if same else draft_dir)])
-    sched = channel = None
-    try:
-        sched, channel, stub = _serve(target_dir, [worker])
+    with _serve(target_dir, [_worker(target_dir, target_dir if same else draft_dir)]) as stub:
         before = stats(stub)
         for p in PROMPTS:   # alone
             out = stub.Complete(request(p, temperature=0.0, max_tokens=30, ignore_eos=True),
@@ -210,42 +215,24 @@ def test_greedy_and_seeded_output_unchanged(target_dir, draft_dir, hf_target, sa
             assert list(a.token_ids) == list(b.token_ids)
             assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-4)
         assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        worker.stop()
 
 
 @pytest.mark.slow
 def test_tp2_with_a_draft_equals_hf(target_dir, draft_dir, hf_target):
     workers = start_tp_workers(target_dir, 2, extra=["--draft-model", str(draft_dir)])
-    sched = channel = None
-    try:
-        sched, channel, stub = _serve(target_dir, workers)
+    with _serve(target_dir, workers) as stub:
         for p in PROMPTS[:2]:
             out = stub.Complete(request(p, temperature=0.0, max_tokens=24, ignore_eos=True),
                                 timeout=180)
             assert list(out.token_ids) == hf_greedy(hf_target, p, 24)
         assert stats(stub).num_verify_steps > 0
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        for w in workers:
-            w.stop()
 
 
 def test_null_worker_drafts_are_all_accepted(target_dir):
     """The control plane alone: the null worker drafts its own next ids, so every verify
     step gives k + 1 tokens, and the streams are the null worker's ids."""
     from worker_service.null_worker import expected_tokens
-    worker = start_null_worker(target_dir)
-    sched = channel = None
-    try:
-        sched, channel, stub = _serve(target_dir, [worker])
+    with _serve(target_dir, [start_null_worker(target_dir)]) as stub:
         prompts = [[3 + i, 4, 5] for i in range(6)]
         with ThreadPoolExecutor(6) as pool:
             futs = [pool.submit(stub.Complete, request(p, temperature=0.0, max_tokens=40,
@@ -258,12 +245,6 @@ def test_null_worker_drafts_are_all_accepted(target_dir):
         assert s.num_spec_proposed_tokens > 0
         assert s.num_spec_accepted_tokens == s.num_spec_proposed_tokens
         assert s.num_decode_steps < 6 * 40 / 2   # most steps give k + 1 tokens
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        worker.stop()
 
 
 def _null_ids(model_dir, prompt, n):
@@ -330,13 +311,8 @@ def test_preemption_and_a_killed_worker_keep_greedy_output(target_dir, draft_dir
     model (its draft KV rebuilt with the target's by re-prefill): every stream is HF
     greedy, and no block stays in use."""
     extra = ["--draft-model", str(draft_dir)]
-    worker = start_worker(target_dir, extra=extra)
-    sched = channel = None
-    try:
-        sched = start_scheduler(target_dir, [worker.port], block_size=BS,
-                                extra=[*SCHED, "--num-kv-blocks", "24"])
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    workers = [start_worker(target_dir, extra=extra)]
+    with _serve(target_dir, workers, ["--num-kv-blocks", "24"]) as stub:
         n = 70
         prompts = [PROMPTS[0], PROMPTS[1], [40 + i for i in range(12)], [9, 8, 7, 6, 5]]
         refs = [hf_greedy(hf_target, p, n) for p in prompts]
@@ -345,9 +321,9 @@ def test_preemption_and_a_killed_worker_keep_greedy_output(target_dir, draft_dir
         got = [[] for _ in streams]
         while len(got[0]) < 25:
             got[0] += next(streams[0]).token_ids
-        port = worker.port
-        worker.stop(sig=9)
-        worker = start_worker(target_dir, port=port, extra=extra)
+        port = workers[0].port
+        workers[0].stop(sig=9)
+        workers[0] = start_worker(target_dir, port=port, extra=extra)
         for i, s in enumerate(streams):
             for chunk in s:
                 got[i] += chunk.token_ids
@@ -355,12 +331,6 @@ def test_preemption_and_a_killed_worker_keep_greedy_output(target_dir, draft_dir
         s = stats(stub)
         assert s.num_preemptions > 0 and s.num_verify_steps > 0
         assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        worker.stop()
 
 
 @pytest.mark.slow
@@ -371,10 +341,7 @@ def test_structured_output_with_drafts(target_dir):
     greedy output equals the same request without speculation, sampled output validates,
     and the engine core's forced tokens never disagree with the worker's samples."""
     from test_structured import FORMATS, judge
-    worker = start_worker(target_dir, extra=["--draft-model", str(target_dir)])
-    sched = channel = None
-    try:
-        sched, channel, stub = _serve(target_dir, [worker])
+    with _serve(target_dir, [_worker(target_dir, target_dir)]) as stub:
         before = stats(stub)
         for kind in ("json_schema", "regex", "grammar"):
             fmt = generate_pb2.StructuredOutput(**FORMATS[kind])
@@ -392,12 +359,6 @@ def test_structured_output_with_drafts(target_dir):
         after = stats(stub)
         assert after.num_spec_proposed_tokens > before.num_spec_proposed_tokens
         assert after.num_fast_forward_mismatches == 0
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        worker.stop()
 
 
 @pytest.mark.slow
@@ -405,10 +366,7 @@ def test_penalties_and_logprobs_with_drafts_equal_no_speculation(target_dir):
     """Penalties count a verify row's proposals before it (the sampling rank's penalty
     state), top logprobs are the raw model's: with the target as its own draft (proposals
     accepted) both equal the request without speculation."""
-    worker = start_worker(target_dir, extra=["--draft-model", str(target_dir)])
-    sched = channel = None
-    try:
-        sched, channel, stub = _serve(target_dir, [worker])
+    with _serve(target_dir, [_worker(target_dir, target_dir)]) as stub:
         for kw in (dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
                    dict(temperature=0.0, frequency_penalty=0.4, logprobs=True, top_logprobs=3),
                    dict(temperature=0.7, seed=5, repetition_penalty=1.2, n=2)):
@@ -422,9 +380,3 @@ def test_penalties_and_logprobs_with_drafts_equal_no_speculation(target_dir):
                 assert [list(t.token_ids) for t in a.top_logprobs] == \
                     [list(t.token_ids) for t in b.top_logprobs]
         assert stats(stub).num_spec_accepted_tokens > 0
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        worker.stop()

@@ -13,21 +13,21 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import grpc
 import numpy as np
 import pytest
 import torch
 import transformers
 
 from eagle3_reference import eagle3_draft_reference, eagle3_forward, eagle3_fuse
-from nanoserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
-from services import ROOT, start_scheduler, start_tp_workers, start_worker
-from test_draft import _decode
+from nanoserve.v1 import generate_pb2
+from services import ROOT, served, start_tp_workers, start_worker
+from test_draft import _decode, _prefill
 from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 from tiny_eagle3 import load_reference_state, make_tiny_eagle3
 
 VOCAB, HIDDEN, LAYERS, K, BS = 389, 64, 8, 3, 8
+SCHED = ["--speculative", "draft", "--num-speculative-tokens", str(K), "--no-speculative-adaptive"]
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +109,13 @@ def test_worker_drafts_equal_the_reference_after_every_step(head_dir, target_dir
         """The reference's drafts; and the head's KV checked against it: a query at the
         newest token's position - 1 over the worker's cache gives the reference's hidden
         output there (argmax drafts of a random head barely depend on its attention)."""
-        from worker_service.drafter import decode_plan
         from worker_service.step_meta import step_metadata
         aux = _aux(hf_target, known[:-1], layers)
         _, ref_h = eagle3_forward(state, cfg, emb[torch.tensor(known[1:])],
                                   eagle3_fuse(state, aux))
         head = runner.drafter.head
         pos = np.array([len(known) - 2])
-        plan = decode_plan(np.array([runner.table.row_of[1]]), pos, runner.table)
+        plan = runner.table.decode_plan(np.array([runner.table.row_of[1]]), pos)
         with torch.no_grad():
             _, h = head(torch.tensor(known[-1:]), head.fuse(aux[-1:]), torch.tensor(pos),
                         step_metadata(plan, torch.device("cpu"), np.array([-1], np.int32)))
@@ -124,12 +123,7 @@ def test_worker_drafts_equal_the_reference_after_every_step(head_dir, target_dir
         return eagle3_draft_reference(state, cfg, torch.tensor(known), aux, K, emb)
 
     prompt = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41]
-    req = worker_pb2.StepRequest(step_id=1)
-    w = req.seqs.add(seq_id=1, num_tokens=len(prompt), start_pos=0, sample=True,
-                     reset_block_table=True, block_table_i32=np.arange(8, dtype="<i4").tobytes())
-    w.sampling.temperature = 0.0
-    req.token_ids_i32 = np.array(prompt, "<i4").tobytes()
-    known = prompt + np.frombuffer(runner.step(req).sampled_token_ids_i32, "<i4").tolist()
+    known = _prefill(runner, prompt, 8)
     sampled, drafts = _decode(runner, 2, [-1], 1, K, len(known) - 1)
     known += sampled
     assert drafts == reference(known)
@@ -161,12 +155,7 @@ def test_both_layouts_of_one_head_draft_alike(tmp_path_factory, target_dir):
                for layout in ("speculators", "eagle")]
     outs = []
     for runner in runners:
-        req = worker_pb2.StepRequest(step_id=1)
-        w = req.seqs.add(seq_id=1, num_tokens=6, start_pos=0, sample=True, reset_block_table=True,
-                         block_table_i32=np.arange(4, dtype="<i4").tobytes())
-        w.sampling.temperature = 0.0
-        req.token_ids_i32 = np.array([3, 1, 4, 1, 5, 9], "<i4").tobytes()
-        runner.step(req)
+        _prefill(runner, [3, 1, 4, 1, 5, 9], 4)
         outs.append(_decode(runner, 2, [-1], 1, K, 6))
     assert outs[0] == outs[1]
 
@@ -192,26 +181,13 @@ def test_greedy_through_the_services_equals_hf(tmp_path_factory, target_dir, hf_
     head = _head(tmp_path_factory, "speculators")
     workers = ([start_worker(target_dir, extra=["--draft-model", str(head)])] if tp == 1 else
                start_tp_workers(target_dir, 2, extra=["--draft-model", str(head)]))
-    sched = channel = None
-    try:
-        sched = start_scheduler(target_dir, [w.port for w in workers], block_size=BS, extra=[
-            "--speculative", "draft", "--num-speculative-tokens", str(K),
-            "--no-speculative-adaptive"])
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    with served(target_dir, workers, BS, SCHED) as stub:
         for p in ([5, 9, 13, 5, 9, 13, 5, 9], [30 + i for i in range(20)]):
             out = stub.Complete(generate_pb2.GenerateRequest(
                 token_ids=generate_pb2.TokenIds(ids=p), sampling=generate_pb2.SamplingParams(
                     temperature=0.0, max_tokens=24, ignore_eos=True)), timeout=180)
             assert list(out.token_ids) == hf_greedy(hf_target, p, 24)
         assert stub.GetStats(generate_pb2.StatsRequest()).num_spec_proposed_tokens > 0
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        for w in workers:
-            w.stop()
 
 
 @pytest.mark.slow
@@ -221,13 +197,7 @@ def test_structured_output_with_a_head(tmp_path_factory, target_dir):
     from test_structured import FORMATS, judge
     head = _head(tmp_path_factory, "eagle")
     worker = start_worker(target_dir, extra=["--draft-model", str(head)])
-    sched = channel = None
-    try:
-        sched = start_scheduler(target_dir, [worker.port], block_size=BS, extra=[
-            "--speculative", "eagle3", "--num-speculative-tokens", str(K),
-            "--no-speculative-adaptive"])
-        channel = grpc.insecure_channel(f"127.0.0.1:{sched.port}")
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    with served(target_dir, [worker], BS, ["--speculative", "eagle3", *SCHED[2:]]) as stub:
         for kind in ("json_schema", "regex"):
             def req(**kw):
                 r = generate_pb2.GenerateRequest(
@@ -243,9 +213,3 @@ def test_structured_output_with_a_head(tmp_path_factory, target_dir):
             judge(kind, stub.Complete(req(temperature=1.0, seed=3), timeout=120).text)
         s = stub.GetStats(generate_pb2.StatsRequest())
         assert s.num_fast_forward_mismatches == 0 and s.num_decode_steps > 0
-    finally:
-        if channel is not None:
-            channel.close()
-        if sched:
-            sched.stop()
-        worker.stop()

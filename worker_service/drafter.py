@@ -10,9 +10,10 @@ own: prefix-cache hits, preemption, rewinds and restarts need nothing more. The 
 shortcut: a verify step's rows that are the drafts of the step before, at the positions
 they were drafted at, already have their draft KV (the draft passes wrote it), so the
 mirror skips them (`skip_rows`), and the last draft's, written by no pass, is computed in
-the next first pass when it was accepted. At batch 1 that saves one draft forward a step. (Blocks restored
-from the host tier are the exception: only the target's bytes travel, so the draft reads
-stale KV there and proposes worse until those positions are recomputed; never wrong output.)
+the next first pass when it was accepted. At batch 1 that saves one draft forward a step.
+(Blocks restored from the host tier are the exception: only the target's bytes travel, so
+the draft reads stale KV there and proposes worse until those positions are recomputed;
+never wrong output.)
 
 After a step whose sequences asked for drafts, `propose` settles each one's proposals by
 the scheduler's rule (accepted while equal to the sample before them), then runs k greedy
@@ -35,8 +36,8 @@ from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
 from kernels.attention import decode_runs
 from worker_service.step_meta import step_metadata
-from worker_service.step_plan import DraftPlan, SeqTable, StepPlan
-from worker_service.transfers import to_device
+from worker_service.step_plan import DraftPlan, SeqTable
+from worker_service.transfers import to_device, to_host
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 
@@ -130,7 +131,7 @@ class Drafter:
                 rows: np.ndarray) -> torch.Tensor:
         """One decode step of the draft, a token a row (a sequence's rows consecutive, at
         consecutive positions) -> logits [n, vocab]."""
-        plan = decode_plan(rows, positions, table)
+        plan = table.decode_plan(rows, positions)
         g = self.graphs
         if g is not None and len(rows) <= g.max_batch and plan.block_tables.shape[1] <= g.max_blocks:
             fill = (torch.arange(len(rows), device=self.device), ids)
@@ -141,8 +142,9 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable) -> torch.Tensor:
-        """The step's drafting sequences' next proposals: [D, max k] int32 on the device, -1
-        past where a sequence's blocks or max_model_len stop it. `samples` are the step's
+        """The step's drafting sequences' next proposals: [D, max k] int32 in host memory
+        (pinned on CUDA, its copy in flight), -1 past where a sequence's blocks or
+        max_model_len stop it. `samples` are the step's
         sampled ids on this rank (every rank has them: the runner broadcasts them), `table`
         its SeqTable before the step's commit (positions are the drafts' own)."""
         newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
@@ -181,9 +183,7 @@ class Drafter:
             else:
                 cur = cur.index_copy(0, idx, nxt)
                 out[:, j].index_copy_(0, idx, nxt)
-        out = out.to(torch.int32)
-        host = torch.empty(out.shape, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        host.copy_(out, non_blocking=True)
+        host = to_host(out.to(torch.int32))
         event = None
         if dev.type == "cuda":
             event = torch.cuda.Event()
@@ -269,7 +269,7 @@ class Eagle3Drafter:
             live = np.flatnonzero(k > j)
             idx = None if len(live) == n else to_device(live, dev)
             pos = start[live] - 1 + j
-            plan = decode_plan(drafts.rows[live], pos, table)
+            plan = table.decode_plan(drafts.rows[live], pos)
             x, h = (ids, hidden) if idx is None else (ids.index_select(0, idx),
                                                       hidden.index_select(0, idx))
             g = self.graphs
@@ -283,21 +283,5 @@ class Eagle3Drafter:
             else:
                 ids, hidden = ids.index_copy(0, idx, nxt), hidden.index_copy(0, idx, h)
                 out[:, j].index_copy_(0, idx, nxt)
-        out = out.to(torch.int32)
-        host = torch.empty(out.shape, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        return host.copy_(out, non_blocking=True)
+        return to_host(out.to(torch.int32))
 
-
-def decode_plan(rows: np.ndarray, positions: np.ndarray, table: SeqTable):
-    """A StepPlan of one token a row at `positions` of the SeqTable rows `rows` (what
-    step_metadata needs; no ids, nothing sampled)."""
-    bs = table.block_size
-    width = max(int(table.table_len[rows].max()), 1)
-    tables = table.tables[rows, :width]
-    slots = (tables[np.arange(len(rows)), positions // bs].astype(np.int64) * bs
-             + positions % bs).astype(np.int32)
-    n = len(rows)
-    return StepPlan(step_id=0, seq_ids=list(range(n)), rows=rows, num_tokens=np.ones(n, np.int64),
-                    start_pos=positions.astype(np.int64), token_ids=np.zeros(n, np.int64),
-                    positions=positions.astype(np.int64), slot_mapping=slots, block_tables=tables,
-                    sample=np.zeros(n, bool), fill=None)

@@ -367,8 +367,7 @@ class SeqTable:
         if (tables >= self.num_blocks).any() or (tables < 0).any():
             raise StepError("block id out of range of the KV cache")
         token_row = np.repeat(np.arange(len(rows_a)), num_tokens)
-        slots = (tables[token_row, positions // self.block_size].astype(np.int64) * self.block_size
-                 + positions % self.block_size).astype(np.int32)
+        slots = self._slots(tables, token_row, positions)
         fill = self._placeholders(token_ids, num_tokens, seq_ids)
         real = token_ids if fill is None else np.delete(token_ids, fill[0])
         if len(real) and (real.min() < 0 or real.max() >= self.vocab_size):
@@ -405,6 +404,25 @@ class SeqTable:
                          position=pos[sel],
                          proposals=[dec_tokens[ends[i] - ns[i] + 1:ends[i]].tolist()
                                     for i in sel.tolist()])
+
+    def _slots(self, tables: np.ndarray, token_row: np.ndarray, positions: np.ndarray
+               ) -> np.ndarray:
+        """Each token's KV slot: its row's block at its position, and the offset in it."""
+        bs = self.block_size
+        return (tables[token_row, positions // bs].astype(np.int64) * bs
+                + positions % bs).astype(np.int32)
+
+    def decode_plan(self, rows: np.ndarray, positions: np.ndarray) -> StepPlan:
+        """A plan of one token a row at `positions` of these rows, nothing sampled, no ids:
+        what a drafter's own decode passes give step_metadata (worker_service/drafter.py)."""
+        n = len(rows)
+        width = max(int(self.table_len[rows].max()), 1)
+        tables = self.tables[rows, :width]
+        positions = positions.astype(np.int64)
+        return StepPlan(step_id=0, seq_ids=list(range(n)), rows=rows, num_tokens=np.ones(n, np.int64),
+                        start_pos=positions, token_ids=np.zeros(n, np.int64), positions=positions,
+                        slot_mapping=self._slots(tables, np.arange(n), positions),
+                        block_tables=tables, sample=np.zeros(n, bool), fill=None)
 
     def _placeholders(self, token_ids: np.ndarray, num_tokens: np.ndarray, seq_ids: list[int]
                       ) -> tuple[np.ndarray, np.ndarray] | None:

@@ -95,6 +95,21 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$GPU"
 python3 -c "import torch, triton, transformers, grpc, google.protobuf as pb; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)"
 rc=0
+batches_1_8() {   # LOG PREFIX TAG: once LOG says listening, client.bench ("${B[@]}") at batch 1 and 8
+  for i in $(seq 400); do grep -q listening "$1" && break; sleep 1; done
+  for n in 1 8; do
+    echo "== $3 batch $n"
+    timeout 150 "${B[@]}" --num-seqs $n --json "$OUT/$2_$3_b$n.json" > "$OUT/$2_$3_b$n.txt" 2>&1 || rc=1
+    grep -h "output tok/s  \|^ITL\|^step wall\|GPU idle\|^speculation" "$OUT/$2_$3_b$n.txt"
+  done
+}
+eagle3_head() {   # DIR LAYOUT HIDDEN HEADS INTERMEDIATE: a random EAGLE-3 head for a Qwen3 target
+  python3 -c "import sys, torch; sys.path.insert(0, 'tests')
+from tiny_eagle3 import make_tiny_eagle3
+make_tiny_eagle3('$1', '$2', target_hidden_size=$3, vocab_size=151936, draft_vocab_size=32000,
+    hidden_size=$3, num_heads=$4, num_kv_heads=8, head_dim=128, intermediate_size=$5, seed=0,
+    dtype=torch.bfloat16)"
+}
 for w in ${*:-kernels model bench}; do
   echo "== $w"
   case $w in
@@ -170,11 +185,7 @@ for w in ${*:-kernels model bench}; do
       [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
       if [ "${DEPLOY_DRAFT:-}" = eagle3 ]; then
         D=/dev/shm/qwen3-0.6b-eagle3
-        [ -f $D/config.json ] || python3 -c "import sys, torch; sys.path.insert(0, 'tests')
-from tiny_eagle3 import make_tiny_eagle3
-make_tiny_eagle3('$D', 'eagle', target_hidden_size=1024, vocab_size=151936,
-    draft_vocab_size=32000, hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
-    intermediate_size=3072, seed=0, dtype=torch.bfloat16)" || rc=1
+        [ -f $D/config.json ] || eagle3_head $D eagle 1024 16 3072 || rc=1
       fi
       python3 tests/gpu/deploy_check.py --model "$NANOSERVE_QWEN06B" --out "$OUT/deploy_draft" \
         --tp 1,2 --skip-compose --worker-args="--draft-model $D" \
@@ -184,11 +195,7 @@ make_tiny_eagle3('$D', 'eagle', target_hidden_size=1024, vocab_size=151936,
       T=/dev/shm/qwen3-8b-count; D=/dev/shm/qwen3-0.6b-count; E=/dev/shm/qwen3-8b-eagle3; K=${DRAFT_K:-4}
       [ -f $T/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $T Qwen3-8B 0 count >/dev/null 2>&1
       [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
-      [ -f $E/config.json ] || python3 -c "import sys, torch; sys.path.insert(0, 'tests')
-from tiny_eagle3 import make_tiny_eagle3
-make_tiny_eagle3('$E', 'speculators', target_hidden_size=4096, vocab_size=151936,
-    draft_vocab_size=32000, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-    intermediate_size=12288, seed=0, dtype=torch.bfloat16)" || rc=1
+      [ -f $E/config.json ] || eagle3_head $E speculators 4096 32 12288 || rc=1
       for P in ${DRAFT_PARTS:-$D $E}; do
         timeout 200 python3 tests/gpu/bench_draft.py --target $T --draft $P -k $K 2>&1 | grep -v "^Loading" \
           | tee -a "$OUT/draft_parts.md" || rc=1
@@ -208,13 +215,7 @@ make_tiny_eagle3('$E', 'speculators', target_hidden_size=4096, vocab_size=151936
         python3 -m scheduler_service --model $T --workers 127.0.0.1:50061 --port 50051 \
           --max-model-len 4096 --log-level WARNING "${SA[@]}" > "$OUT/draft_sched.log" 2>&1 &
         SP=$!
-        for i in $(seq 400); do grep -q listening "$OUT/draft_sched.log" && break; sleep 1; done
-        for n in 1 8; do
-          echo "== $tag batch $n"
-          timeout 150 "${B[@]}" --num-seqs $n --json "$OUT/draft_${tag}_b$n.json" \
-            > "$OUT/draft_${tag}_b$n.txt" 2>&1 || rc=1
-          grep -h "output tok/s  \|^ITL\|^step wall\|GPU idle\|^speculation" "$OUT/draft_${tag}_b$n.txt"
-        done
+        batches_1_8 "$OUT/draft_sched.log" draft "$tag"
         kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null
         tail -n 3 "$OUT/draft_worker.log"
       done ;;
@@ -385,13 +386,7 @@ make_tiny_eagle3('$E', 'speculators', target_hidden_size=4096, vocab_size=151936
           python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
             --max-model-len 4096 --log-level WARNING > "$OUT/small_sched.log" 2>&1 &
           SP=$!
-          for i in $(seq 400); do grep -q listening "$OUT/small_sched.log" && break; sleep 1; done
-          for n in 1 8; do
-            echo "== $tag gemv=$g batch $n"
-            timeout 150 "${B[@]}" --num-seqs $n --json "$OUT/small_${tag}_g${g}_b$n.json" \
-              > "$OUT/small_${tag}_g${g}_b$n.txt" 2>&1 || rc=1
-            grep -h "output tok/s  \|^ITL\|^step wall\|GPU idle" "$OUT/small_${tag}_g${g}_b$n.txt"
-          done
+          batches_1_8 "$OUT/small_sched.log" small "${tag}_g${g}"
           kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null
         done
       done ;;
