@@ -53,12 +53,15 @@ def hf_target(target_dir):
 
 # ---- in-process: the drafter ------------------------------------------------------------------
 
-def _prefill(runner, prompt, blocks):
-    """Step 1: sequence 1's prompt in blocks 0..blocks-1, greedy -> its prompt + sample."""
+def _prefill(runner, prompt, blocks, **sampling):
+    """Step 1: sequence 1's prompt in blocks 0..blocks-1, greedy (or `sampling`) -> its
+    prompt + sample."""
     req = worker_pb2.StepRequest(step_id=1)
     w = req.seqs.add(seq_id=1, num_tokens=len(prompt), start_pos=0, sample=True,
                      reset_block_table=True, block_table_i32=np.arange(blocks, dtype="<i4").tobytes())
     w.sampling.temperature = 0.0
+    for key, value in sampling.items():
+        setattr(w.sampling, key, value)
     req.token_ids_i32 = np.array(prompt, "<i4").tobytes()
     return prompt + np.frombuffer(runner.step(req).sampled_token_ids_i32, "<i4").tolist()
 
@@ -124,6 +127,39 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
     room = 6 * BS - len(known)
     sampled, drafts = _decode(runner, 9, [known[-1]], 1, room + 2, len(known) - 1)
     assert drafts[room:] == [-1, -1] and -1 not in drafts[:room]
+
+
+def test_sampled_drafts_of_the_target_itself_are_all_accepted(target_dir, hf_target):
+    """--draft-sampling sampled: a sampled request's drafts are drawn from the draft's q and
+    its verify rows keep each with probability min(1, p / q). With the target as its own
+    draft q = p, so every draft is kept (the greedy point-mass rule keeps one only where
+    the sample happens to equal it), though the drafts are not the greedy continuation."""
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, draft_model=str(target_dir),
+                                      draft_sampling="sampled"))
+    runner.init_kv(16, BS)
+    checked = []
+    match = runner.drafter.match
+
+    def spy(plan):
+        check = match(plan)
+        checked.append(0 if check is None else len(check.rows))
+        return check
+    runner.drafter.match = spy
+    prompt = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41]
+    known = _prefill(runner, prompt, 8, temperature=1.0, has_seed=True, seed=3)
+    sampled, drafts = _decode(runner, 2, [-1], 1, K)
+    known += sampled
+    greedy_drafts = 0
+    for step in range(3, 9):
+        greedy_drafts += drafts == hf_greedy(hf_target, known, K)
+        sampled, new = _decode(runner, step, [known[-1], *drafts], 1 + K, K, len(known) - 1)
+        assert sampled[:K] == drafts, step   # every draft kept
+        known += sampled
+        drafts = new
+    assert checked == [0, 0] + [K] * 6   # (prefill, first decode; each verify step)
+    assert greedy_drafts < 6
 
 
 def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(target_dir, tmp_path_factory):
@@ -380,3 +416,29 @@ def test_penalties_and_logprobs_with_drafts_equal_no_speculation(target_dir):
                 assert [list(t.token_ids) for t in a.top_logprobs] == \
                     [list(t.token_ids) for t in b.top_logprobs]
         assert stats(stub).num_spec_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_tp2_sampled_drafts_of_the_target_are_all_accepted(target_dir, hf_target):
+    """--draft-sampling sampled at TP=2 (gloo): both ranks draw the same drafts (noise keyed
+    by step and pass, or a seeded request's seed and position), so with the target as its
+    own draft q = p and every sampled draft is kept; greedy output stays HF's, and a seeded
+    request draws the same tokens twice."""
+    workers = start_tp_workers(target_dir, 2, extra=["--draft-model", str(target_dir),
+                                                     "--draft-sampling", "sampled"])
+    with _serve(target_dir, workers) as stub:
+        out = stub.Complete(request(PROMPTS[1], temperature=0.0, max_tokens=16, ignore_eos=True),
+                            timeout=180)
+        assert list(out.token_ids) == hf_greedy(hf_target, PROMPTS[1], 16)
+        before = stats(stub)
+        kw = dict(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True, n=2)
+        first = stub.Complete(request(PROMPTS[0], **kw), timeout=180)
+        again = stub.Complete(request(PROMPTS[0], **kw), timeout=180)
+        assert [list(c.token_ids) for c in first.choices] == \
+            [list(c.token_ids) for c in again.choices]
+        stub.Complete(request(PROMPTS[1], temperature=1.0, max_tokens=24, ignore_eos=True, n=2),
+                      timeout=180)   # (unseeded: noise keyed by the step)
+        after = stats(stub)
+        proposed = after.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+        assert proposed > 30
+        assert after.num_spec_accepted_tokens - before.num_spec_accepted_tokens == proposed

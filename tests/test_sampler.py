@@ -82,3 +82,74 @@ def test_fused_path_agrees_with_the_torch_path():
     assert torch.equal(tokens[:3], ref_tokens[:3])
     expected = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- the rejection rule with a sampled draft's q (speculative decoding) --------------------
+
+def _chain(p_logits, q, params, n, k, check=None):
+    """n independent trials of one sequence's verify step with k sampled drafts: drafts
+    d_j ~ q_j, the step's k + 1 rows sampled with check_drafts on the first k, then the
+    scheduler's rule (a draft is accepted while it equals the sample before it, then that
+    sample). -> [n, k + 1] output tokens (-1 past where a trial's run stopped)."""
+    from worker_service.sampler import DraftCheck, sample_step
+    check = check or DraftCheck
+    v = p_logits.shape[1]
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True) for j in range(k)], 1)
+    rows = n * (k + 1)
+    logits = p_logits.repeat(n, 1)                    # row t of trial i: index i (k + 1) + t
+    batch = SamplingBatch.build([params] * rows, [0] * rows, v, torch.device("cpu"))
+    at = torch.arange(n * (k + 1)).view(n, k + 1)[:, :k].reshape(-1)
+    samples = sample_step(logits, batch, check=check(
+        rows=at, drafts=drafts.reshape(-1), q=q.repeat(n, 1))).tokens.view(n, k + 1)
+    out = torch.full((n, k + 1), -1)
+    alive = torch.ones(n, dtype=torch.bool)
+    for j in range(k + 1):
+        out[alive, j] = samples[alive, j]
+        if j < k:
+            alive &= samples[:, j] == drafts[:, j]
+    return out
+
+
+def _target(p_logits, params):
+    from worker_service.sampler import distribution
+    t = torch.tensor([params.temperature])
+    p = distribution(p_logits[:1], t, torch.tensor([params.top_k or p_logits.shape[1]]),
+                     torch.tensor([params.top_p]), None)[0]
+    return p / p.sum()
+
+
+def test_sampled_drafts_keep_every_token_distributed_as_the_target():
+    """The rejection rule's q path (Leviathan et al.): with drafts drawn from a q far from the
+    target p (and a top-p cut in p), each output position is distributed as p, the first
+    one's acceptance is sum(min(p, q)); a rule that resamples a rejected draft from p instead
+    of max(p - q, 0) fails this."""
+    torch.manual_seed(0)
+    v, k, n = 6, 2, 60_000
+    p_logits = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.0, 1.0]] * (k + 1))
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    q = torch.tensor([[0.05, 0.1, 0.4, 0.2, 0.15, 0.1], [0.5, 0.05, 0.05, 0.1, 0.1, 0.2]])
+    out = _chain(p_logits, q, params, n, k)
+    p = _target(p_logits, params)
+    assert p[3] == 0   # (the cut: a draft of 3 is never accepted, never sampled)
+    for j in range(k + 1):   # (no stop token: every trial's position j is output, or is
+        col = out[:, j]      # a later step's; given the run reached j it is still ~ p)
+        seen = col[col >= 0]
+        freq = torch.bincount(seen, minlength=v).double() / len(seen)
+        sigma = (p.double() * (1 - p.double()) / len(seen)).sqrt()
+        assert ((freq - p.double()).abs() <= 5 * sigma + 1e-9).all(), (j, freq, p)
+    accepted = (out[:, 1] >= 0).double().mean()
+    assert abs(accepted - torch.minimum(p, q[0]).sum()) < 0.01
+
+
+def test_a_rejection_resampled_from_the_target_is_caught(monkeypatch):
+    """The mutation the test above must catch: after a rejected draft, drawing from p
+    instead of max(p - q, 0) over-weights what q over-proposed."""
+    from worker_service import sampler
+    monkeypatch.setattr(sampler, "residual", lambda p, q: p)
+    torch.manual_seed(0)
+    p_logits = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.0, 1.0]] * 2)
+    params = SamplingParams(temperature=0.9)
+    q = torch.tensor([[0.05, 0.1, 0.4, 0.2, 0.15, 0.1]])
+    out = _chain(p_logits, q, params, 60_000, 1)
+    freq = torch.bincount(out[:, 0], minlength=6).double() / len(out)
+    assert (freq - _target(p_logits, params).double()).abs().max() > 0.03

@@ -80,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of a scheduler started with --speculative draft, and the target "
                         "verifies them (output unchanged). Refused at start if its vocabulary, "
                         "tokenizer files or (a head's) hidden size differ from the target's")
+    p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "sampled"],
+                   help="how a draft model drafts for requests with temperature > 0: greedy "
+                        "(a point mass: a seeded request draws exactly what it draws without "
+                        "speculation) or sampled (drawn from the draft's distribution q, kept "
+                        "for the rejection rule: more drafts accepted, the same distribution, "
+                        "other draws). Requests with an output format and EAGLE-3 heads "
+                        "draft greedily")
     tp = p.add_argument_group(
         "tensor parallelism",
         "N > 1 ranks = N worker processes (one per GPU), each started with its --rank and the "
@@ -225,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = runner_class(RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization, draft_model=args.draft_model, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
+        quantization=args.quantization, draft_model=args.draft_model,
+        draft_sampling=args.draft_sampling, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager, max_loras=args.max_loras,

@@ -19,9 +19,15 @@ After a step whose sequences asked for drafts, `propose` settles each one's prop
 the scheduler's rule (accepted while equal to the sample before them), then runs k greedy
 decode steps of the draft from its newest token, writing the draft's KV at the positions
 after it (the scheduler reserved blocks for them). A greedy draft is a point mass, so the
-verify rule keeps every output exact, sampled requests included. The settling needs the
-step's samples on the host: one sync per drafting step, where the scheduler waits for the
-answer anyway.
+verify rule keeps every output exact, sampled requests included, and a seeded request
+draws the tokens it draws without speculation. With `--draft-sampling sampled` a sampled
+request's drafts are drawn from the draft's own distribution q (temperature, top-k, top-p,
+min-p as the request's), q is kept on the sampling rank, and the next step settles those
+rows by the rejection rule (sampler.check_drafts): more drafts accepted where the target
+is not near-deterministic, the same distribution, other draws. A constrained request
+drafts greedily: its format cuts proposals by their value, which the rule's q cannot
+see. The settling needs the step's samples on the host: one sync per drafting step, where
+the scheduler waits for the answer anyway.
 """
 from __future__ import annotations
 
@@ -35,11 +41,13 @@ from models.loader import load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
 from kernels.attention import decode_runs
+from worker_service.sampler import DraftCheck, _mix, distribution
 from worker_service.step_meta import step_metadata
 from worker_service.step_plan import DraftPlan, SeqTable
 from worker_service.transfers import to_device, to_host
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+SAMPLING = ("greedy", "sampled")   # --draft-sampling
 
 
 def _digest(path: str) -> str:
@@ -65,10 +73,15 @@ class Drafter:
     """The draft model of one rank (sharded like the target) and its KV cache."""
 
     def __init__(self, model_dir: str, target_dir: str, target_vocab: int, tp: TPGroup,
-                 dtype: torch.dtype | None, device: torch.device, backend, quantization: str):
+                 dtype: torch.dtype | None, device: torch.device, backend, quantization: str,
+                 sampling: str = "greedy"):
         check_draft(model_dir, target_dir, target_vocab)
+        if sampling not in SAMPLING:
+            raise ValueError(f"draft sampling {sampling!r}: one of {', '.join(SAMPLING)}")
         self.model_dir = model_dir
         self.device = device
+        self.sampled = sampling == "sampled"
+        self.rank = tp.rank
         self.model, self.hf_config = load_model(model_dir, tp=tp, dtype=dtype, device=device,
                                                 attn_backend=backend, quantization=quantization)
         self.layers = kv_cache_layers(self.model)
@@ -80,6 +93,9 @@ class Drafter:
         # the sequences whose mirror was skipped -> the positions below which their KV is in
         self.last: tuple | None = None
         self.valid_end: dict[int, int] = {}
+        self.skip: np.ndarray | None = None   # match's rows for the mirror to skip
+        self.q: tuple | None = None   # sampling rank: ([D, w, V] q of the last drafts, [D]
+                                      # which sequences' drafts were sampled)
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
 
@@ -88,18 +104,22 @@ class Drafter:
         return os.path.basename(os.path.normpath(self.model_dir))
 
     def mirror(self, runner, plan, samples: torch.Tensor | None) -> None:
-        """Run the step's rows through the draft model (its KV), but those skip_rows marks."""
-        skip = self.skip_rows(plan)
+        """Run the step's rows through the draft model (its KV), but those `match` marked."""
+        skip, self.skip = self.skip, None
         rest = plan if skip is None else plan.without(skip)
         if rest is not None:
             runner._logits(rest, net=self)
 
-    def skip_rows(self, plan) -> np.ndarray | None:
-        """Which rows of `plan` the mirror may skip: decode rows of a sequence that drafted
-        in the last step, at the positions its drafts' inputs had, holding those inputs (the
-        drafts' KV is in); None where none."""
+    def match(self, plan) -> DraftCheck | None:
+        """Find the last step's drafts among `plan`'s rows, before its forward: the rows the
+        mirror may skip (self.skip: decode rows of a sequence that drafted in the last step,
+        at the positions its drafts' inputs had, holding those inputs: the drafts' KV is
+        in) and, on the sampling rank, the sampling rows that settle sampled drafts (the row
+        before each such input), with their q."""
         last, self.last = self.last, None
+        q, self.q = self.q, None
         self.valid_end = {}
+        self.skip = None
         if last is None:
             return None
         event, host, seq_ids, start, k = last
@@ -110,6 +130,8 @@ class Drafter:
         skip = np.zeros(len(plan.rows), bool)
         tok = np.cumsum(plan.num_tokens) - 1
         matched: dict[int, int] = {}   # seq -> positions matched so far past its start
+        prev: dict[int, int] = {}      # seq -> its last matched row
+        checks: list[tuple[int, int, int]] = []   # (row, draft's sequence, draft index)
         for r, seq_id in enumerate(plan.seq_ids):
             i = where.get(seq_id)
             if i is None or plan.num_tokens[r] != 1 or not plan.sample[r]:
@@ -120,12 +142,23 @@ class Drafter:
                 continue
             if j and int(plan.token_ids[t]) != drafts[i, j - 1]:
                 continue
+            if j and q is not None and q[1][i]:
+                checks.append((prev[seq_id], i, j - 1))
             matched[seq_id] = j + 1
+            prev[seq_id] = r
             skip[r] = True
         # positions start..start+k-1 were written by the passes (the last draft's by none)
         self.valid_end = {s: int(start[where[s]]) + min(n, int(k[where[s]]))
                           for s, n in matched.items()}
-        return skip if skip.any() else None
+        self.skip = skip if skip.any() else None
+        if not checks:
+            return None
+        r, i, j = (np.array(x, np.int64) for x in zip(*checks))
+        sample_index = np.cumsum(plan.sample) - 1
+        dev = self.device
+        return DraftCheck(rows=to_device(sample_index[r], dev),
+                          drafts=to_device(drafts[i, j].astype(np.int64), dev),
+                          q=q[0][to_device(i, dev), to_device(j, dev)])
 
     def _decode(self, ids: torch.Tensor, positions: np.ndarray, table: SeqTable,
                 rows: np.ndarray) -> torch.Tensor:
@@ -140,17 +173,63 @@ class Drafter:
         hidden = self.model(ids, to_device(positions.astype(np.int64), self.device), meta)
         return self.model.compute_logits(hidden)
 
+    def _sampled(self, drafts: DraftPlan, table: SeqTable) -> np.ndarray:
+        """[D] which sequences draw their drafts from q (the rest: greedy)."""
+        if not self.sampled:
+            return np.zeros(len(drafts.k), bool)
+        return np.array([p.temperature > 0 and not p.constrained
+                         for p in (table.params[r] for r in drafts.rows.tolist())], bool)
+
+    def _pick(self, logits: torch.Tensor, live: np.ndarray, j: int, start: np.ndarray,
+              drafts: DraftPlan, table: SeqTable, sampled: np.ndarray, step_id: int,
+              q_out: torch.Tensor | None) -> torch.Tensor:
+        """Pass j's drafts of the `live` sequences: greedy, or drawn from q where sampled
+        (q kept in q_out on the sampling rank). Every rank draws the same: the noise is
+        keyed by (step, pass), a seeded request's by (seed, the draft's position)."""
+        nxt = logits.argmax(-1)
+        at = np.flatnonzero(sampled[live])
+        if not len(at):
+            return nxt
+        dev = self.device
+        idx = to_device(at, dev)
+        params = [table.params[r] for r in drafts.rows[live[at]].tolist()]
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32).to(dev)
+        cut_k = any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 for p in params)
+        q = distribution(logits.index_select(0, idx), f32([p.temperature for p in params]),
+                         torch.tensor([p.top_k if 0 < p.top_k < logits.shape[1] else
+                                       logits.shape[1] for p in params]).to(dev)
+                         if cut_k else None, f32([p.top_p for p in params]),
+                         f32([p.min_p for p in params]) if any(p.min_p for p in params) else None)
+        q = q / q.sum(-1, keepdim=True)
+        gen = torch.Generator(device=dev).manual_seed(_mix(step_id, j + 1))
+        noise = torch.empty_like(q).exponential_(generator=gen)
+        for a, p in enumerate(params):
+            if p.seed is not None:
+                pos = int(start[live[at[a]]]) + j + 1   # where this draft goes
+                g = torch.Generator(device=dev).manual_seed(_mix(_mix(p.seed, pos), 2))
+                noise[a] = torch.empty(q.shape[1], device=dev).exponential_(generator=g)
+        if q_out is not None:
+            q_out[to_device(live[at], dev), j] = q
+        return nxt.index_copy(0, idx, (q / noise).argmax(-1))
+
     @torch.inference_mode()
-    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable) -> torch.Tensor:
+    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable,
+                step_id: int = 0) -> torch.Tensor:
         """The step's drafting sequences' next proposals: [D, max k] int32 in host memory
         (pinned on CUDA, its copy in flight), -1 past where a sequence's blocks or
         max_model_len stop it. `samples` are the step's
         sampled ids on this rank (every rank has them: the runner broadcasts them), `table`
-        its SeqTable before the step's commit (positions are the drafts' own)."""
+        its SeqTable before the step's commit (positions are the drafts' own), `step_id`
+        keys the noise of sampled drafts."""
         newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
         n, width = len(k), int(drafts.k.max())
         dev = self.device
         out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
+        sampled = self._sampled(drafts, table)
+        q_out = None
+        if sampled.any() and self.rank == 0:
+            q_out = torch.zeros((n, width, self.hf_config.vocab_size), dtype=torch.float32,
+                                device=dev)
         cur = samples.index_select(0, to_device(newest, dev))
         for j in range(int(k.max())):
             live = np.flatnonzero(k > j)
@@ -176,7 +255,7 @@ class Drafter:
                     0, to_device(order, dev))
             else:
                 logits = self._decode(ids, pos, table, rows)
-            nxt = logits.argmax(-1)
+            nxt = self._pick(logits, live, j, start, drafts, table, sampled, step_id, q_out)
             if idx is None:
                 cur = nxt
                 out[:, j] = nxt
@@ -189,6 +268,7 @@ class Drafter:
             event = torch.cuda.Event()
             event.record()
         self.last = (event, host, drafts.seq_ids, start, k)
+        self.q = (q_out, sampled) if q_out is not None else None
         return host
 
 
@@ -219,6 +299,10 @@ class Eagle3Drafter:
         self.kv_scales: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None   # the step's features (ModelRunner.step_aux)
         self.last = None   # (Drafter's record of the last drafts; the head mirrors every row)
+
+    def match(self, plan) -> None:
+        """(Drafter.match: the head mirrors every row and drafts greedily.)"""
+        return None
 
     @property
     def name(self) -> str:
@@ -255,8 +339,9 @@ class Eagle3Drafter:
         self.head(ids, hidden, to_device(plan.positions, self.device), meta)
 
     @torch.inference_mode()
-    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable) -> torch.Tensor:
-        """As Drafter.propose; pass j writes the head's KV at the newest token's position
+    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable,
+                step_id: int = 0) -> torch.Tensor:
+        """As Drafter.propose (greedy drafts only); pass j writes the head's KV at the newest token's position
         - 1 + j."""
         newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
         n, width = len(k), int(drafts.k.max())

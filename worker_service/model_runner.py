@@ -40,7 +40,8 @@ from worker_service.drafter import Drafter, Eagle3Drafter
 from worker_service.grammar import GrammarState
 from worker_service.host_tier import HostTier, check_ops
 from worker_service.penalties import PenaltyState
-from worker_service.sampler import SamplingBatch, StepSamples, compile_fused_sampling, sample_step
+from worker_service.sampler import (DraftCheck, SamplingBatch, StepSamples, compile_fused_sampling,
+                                    sample_step)
 from worker_service.step_meta import step_metadata
 from worker_service.step_plan import SamplingParams, SeqTable, StepError, StepPlan, draft_ids
 from worker_service.transfers import to_device, to_host
@@ -65,6 +66,7 @@ class RunnerConfig:
     max_loras: int = 0                    # LoRA adapters resident at once (0: no LoRA)
     max_lora_rank: int = 16
     draft_model: str = ""                 # speculative decoding's draft model (drafter.py)
+    draft_sampling: str = "greedy"        # or sampled: drafts drawn from q (drafter.py)
 
 
 @dataclass
@@ -180,7 +182,8 @@ class ModelRunner:
                 else:
                     self.drafter = Drafter(config.draft_model, config.model_dir,
                                            self.hf_config.vocab_size, tp, self.dtype,
-                                           self.device, self.backend, config.quantization)
+                                           self.device, self.backend, config.quantization,
+                                           config.draft_sampling)
         # LoRA slots before the profile run, so the KV budget leaves them their room
         self.adapters = (AdapterStore(self.model, config.max_loras, config.max_lora_rank)
                          if config.max_loras else None)
@@ -413,7 +416,8 @@ class ModelRunner:
             self.grammar.update(req)
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        samples = self._forward_and_sample(plan, pending.events)
+        check = self.drafter.match(plan) if self.drafter is not None else None
+        samples = self._forward_and_sample(plan, pending.events, check)
         tokens = samples.tokens if samples is not None else None
         self.table.commit(plan)
         if self.tp.size > 1 and plan.num_samples:   # every rank needs the samples (placeholders)
@@ -425,7 +429,7 @@ class ModelRunner:
         if plan.drafts is not None:
             if self.drafter is None:
                 raise StepError("drafts asked for, but this worker has no --draft-model")
-            drafts = self.drafter.propose(plan.drafts, tokens, self.table)   # (host, copying)
+            drafts = self.drafter.propose(plan.drafts, tokens, self.table, plan.step_id)
             if self.tp.rank == 0:
                 pending.drafts, pending.num_drafts = drafts, plan.drafts.k
         if plan.num_samples:
@@ -490,10 +494,11 @@ class ModelRunner:
         resp.step_ms = (time.perf_counter() - pending.t0) * 1e3
         return resp
 
-    def _forward_and_sample(self, plan: StepPlan, events=None) -> StepSamples | None:
+    def _forward_and_sample(self, plan: StepPlan, events=None, check: DraftCheck | None = None
+                            ) -> StepSamples | None:
         """Run the step's forward and sample its sampling rows (None on ranks that do not
         sample); events[0] is recorded just before the first device work (GPU time
-        excludes host prep)."""
+        excludes host prep); check: rows that settle sampled drafts (Drafter.match)."""
         logits = self._logits(plan, events)
         if logits is None or self.tp.rank != 0:
             return None
@@ -504,7 +509,7 @@ class ModelRunner:
         constrained = self.grammar.rows(plan.sampling_seq_ids) if self.grammar else []
         bias = logit_bias(plan.sampling, ctx, dev)
         if pen is None and not constrained and bias is None:   # the usual case
-            return sample_step(logits, batch)
+            return sample_step(logits, batch, check=check)
         masks = self._grammar_masks(constrained) if constrained else None
 
         def adjust(x: torch.Tensor) -> torch.Tensor:
@@ -518,7 +523,7 @@ class ModelRunner:
                 x = x.clone()
             return apply_token_bitmask(x, *masks) if masks is not None else x
 
-        samples = sample_step(logits, batch, adjust)
+        samples = sample_step(logits, batch, adjust, check)
         if pen is not None:
             self.penalties.record(pen, samples.tokens)
         samples.constrained = constrained

@@ -85,13 +85,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if batch.all_greedy:
         tokens = greedy
     else:
-        temp = batch.temperature.clamp_min(1e-6).unsqueeze(1)
-        probs = torch.softmax(logits / temp, dim=-1)
-        if batch.need_top_k_or_p:
-            probs = _top_k_top_p(probs, batch.top_k, batch.top_p)
-        if batch.need_min_p:
-            keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
+        probs = distribution(logits, batch.temperature, batch.top_k if batch.need_top_k_or_p
+                             else None, batch.top_p, batch.min_p if batch.need_min_p else None)
         noise = torch.empty_like(probs).exponential_()
         for row, seed in batch.seeded_rows:
             gen = torch.Generator(device=probs.device).manual_seed(seed)
@@ -102,6 +97,65 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if batch.want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, logprobs
+
+
+def distribution(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """What a sampled row draws from: softmax(logits / T) cut to its top-k, its top-p
+    nucleus and above min-p (unnormalized after the cuts: the races below need no sum);
+    top_k / min_p None: no row cuts by them."""
+    probs = torch.softmax(logits.float() / temperature.clamp_min(1e-6).unsqueeze(1), dim=-1)
+    if top_k is not None:
+        probs = _top_k_top_p(probs, top_k, top_p)
+    if min_p is not None:
+        keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs * keep
+    return probs
+
+
+@dataclass
+class DraftCheck:
+    """Sampling rows whose next token is a sampled draft: the rejection rule needs the
+    distribution q the draft was drawn from (worker_service/drafter.py, sampled drafting)."""
+    rows: torch.Tensor     # [n] int64 sampling rows
+    drafts: torch.Tensor   # [n] int64 the draft each one checks
+    q: torch.Tensor        # [n, V] float32, normalized
+
+
+def check_drafts(logits: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor,
+                 check: DraftCheck) -> torch.Tensor:
+    """The standard rejection rule on check's rows: the draft x is kept with probability
+    min(1, p(x) / q(x)), otherwise the row's token is drawn from max(p - q, 0), normalized
+    (Leviathan et al. 2023; vLLM's rejection sampler). A kept draft is the row's sample and
+    a replacement never equals it, so the scheduler's rule (a proposal is accepted while it
+    equals the sample before it) settles the step unchanged, and every output token is
+    distributed as p. `tokens` (every row's plain sample) is returned with those rows
+    replaced. Noise of seeded rows is keyed by their (seed, position), as every draw."""
+    rows = check.rows
+    at = rows.tolist()
+    p = distribution(logits.index_select(0, rows), batch.temperature[rows],
+                     batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    p = p / p.sum(-1, keepdim=True)
+    q = check.q
+    x = check.drafts.unsqueeze(1)
+    uniform = torch.rand(len(at), device=p.device)
+    noise = torch.empty_like(p).exponential_()
+    seeded = dict(batch.seeded_rows)
+    for i, row in enumerate(at):
+        if row in seeded:
+            gen = torch.Generator(device=p.device).manual_seed(_mix(seeded[row], 1))
+            uniform[i] = torch.rand(1, device=p.device, generator=gen)[0]
+            noise[i] = torch.empty(p.shape[1], device=p.device).exponential_(generator=gen)
+    keep = uniform * q.gather(1, x).squeeze(1) <= p.gather(1, x).squeeze(1)
+    other = (residual(p, q) / noise).argmax(-1)
+    return tokens.index_copy(0, rows, torch.where(keep, check.drafts, other))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected draft's row draws from: max(p - q, 0) (unnormalized), or p where
+    that is empty (p == q: never rejected but for rounding)."""
+    rest = (p - q).clamp_min(0)
+    return torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)
 
 
 def compile_fused_sampling(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -129,19 +183,24 @@ class StepSamples:
 
 
 def sample_step(logits: torch.Tensor, batch: SamplingBatch,
-                penalize: Callable[[torch.Tensor], torch.Tensor] | None = None) -> StepSamples:
+                penalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                check: DraftCheck | None = None) -> StepSamples:
     """`sample` with the extras: `penalize` (penalties.PenaltyState.apply) changes the logits
-    that are sampled from; log-probabilities, top-K included, are always of the raw logits
-    (the model's own distribution, as vLLM reports them)."""
+    that are sampled from; `check`: rows that settle sampled drafts (check_drafts);
+    log-probabilities, top-K included, are always of the raw logits (the model's own
+    distribution, as vLLM reports them)."""
     raw = logits
     if penalize is not None:
         logits = penalize(logits)
     tokens, logprobs = sample(logits, batch)
+    if check is not None:
+        tokens = check_drafts(logits, batch, tokens, check)
     k = batch.top_logprobs
     log_probs = None
-    if k or (logprobs is not None and penalize is not None):
+    changed = logprobs is not None and (penalize is not None or check is not None)
+    if k or changed:
         log_probs = torch.log_softmax(raw.float(), dim=-1)
-    if logprobs is not None and penalize is not None:
+    if changed:
         logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     out = StepSamples(tokens, logprobs)
     if k:

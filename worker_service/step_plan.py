@@ -62,6 +62,7 @@ class SamplingParams:
     biases: tuple[float, ...] = ()
     banned_ids: tuple[int, ...] = ()   # min_tokens: not sampled at context lengths below
     banned_until: int = 0
+    constrained: bool = False          # an output format (its grammar lives on the sampling rank)
 
     @classmethod
     def from_proto(cls, s: worker_pb2.WorkerSampling, vocab_size: int) -> "SamplingParams":
@@ -79,7 +80,7 @@ class SamplingParams:
                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                    top_logprobs=s.top_logprobs, bias_ids=tuple(bias_ids.tolist()),
                    biases=tuple(biases.tolist()), banned_ids=tuple(banned.tolist()),
-                   banned_until=s.banned_until)
+                   banned_until=s.banned_until, constrained=bool(s.grammar))
 
     @property
     def has_penalty(self) -> bool:

@@ -41,7 +41,7 @@
 #   deploy-draft deploy_check.py at TP=1 and TP=2 through the launcher with --draft-model (the
 #            0.6B "count" model drafting for the random 0.6B: acceptance ~0, the path exercised)
 #            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run;
-#            DEPLOY_DRAFT=eagle3: a random EAGLE-3 head at the 0.6B's shapes instead
+#            DEPLOY_DRAFT=eagle3: a random EAGLE-3 head at the 0.6B's shapes instead; DRAFT_SAMPLING=sampled: sampled drafts
 #   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
 #            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
 #            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
@@ -188,7 +188,7 @@ for w in ${*:-kernels model bench}; do
         [ -f $D/config.json ] || eagle3_head $D eagle 1024 16 3072 || rc=1
       fi
       python3 tests/gpu/deploy_check.py --model "$NANOSERVE_QWEN06B" --out "$OUT/deploy_draft" \
-        --tp 1,2 --skip-compose --worker-args="--draft-model $D" \
+        --tp 1,2 --skip-compose --worker-args="--draft-model $D${DRAFT_SAMPLING:+ --draft-sampling $DRAFT_SAMPLING}" \
         --scheduler-args="--speculative draft --num-speculative-tokens 4" \
         2>&1 | tee "$OUT/deploy_draft.md" || rc=1 ;;
     draft)
