@@ -41,7 +41,8 @@
 #   deploy-draft deploy_check.py at TP=1 and TP=2 through the launcher with --draft-model (the
 #            0.6B "count" model drafting for the random 0.6B: acceptance ~0, the path exercised)
 #            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run;
-#            DEPLOY_DRAFT=eagle3: a random EAGLE-3 head at the 0.6B's shapes instead; DRAFT_SAMPLING=sampled: sampled drafts
+#            DEPLOY_DRAFT=eagle3: a random EAGLE-3 head at the 0.6B's shapes instead;
+#            DRAFT_SAMPLING=sampled: the workers' --draft-sampling sampled
 #   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
 #            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
 #            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
