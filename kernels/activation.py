@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Reference: [..., 2 * d] (gate then up) -> silu(gate) * up, [..., d]."""
@@ -20,7 +22,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -41,5 +44,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(triton.next_power_of_2(d), 1024)
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, D=d, BLOCK=block,
-                                                             num_warps=4)
+                                                             num_warps=4, **pdl.launch(x.device, rows))
     return out

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.interpret import INTERPRET_ENV, cast
 
 # Up to this many tokens the model's linear layers take gemv (NANOSERVE_GEMV_MAX_TOKENS=0
@@ -67,10 +68,11 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
                  T_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr):
+                 EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr, PDL: tl.constexpr):
     """Y[t, n] for every token t and the BLOCK_N channels of this program; HAS_LORA (one
     token): plus its adapter's delta (GemvLora; columns from E0 on are part 1, from E1 on
-    part 2)."""
+    part 2). EVEN_K: the first weight tile is loaded before the PDL wait (kernels/pdl.py):
+    weights are no kernel's output, so they stream while the kernel before finishes."""
     pid = tl.program_id(0)
     offs_t = tl.arange(0, T_PAD)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,20 +82,26 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
     acc = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+    if EVEN_K:
+        w = _load_rows(w_ptrs, n_mask, EVEN_N)
+        pdl.wait(PDL)
+        x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w = _load_rows(w_ptrs, n_mask, EVEN_N)
             x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        else:
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    else:
+        pdl.wait(PDL)
+        for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             x = tl.load(x_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)                                   # [T_PAD, BLOCK_N]
     if HAS_SCALE:
         y = y * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -112,6 +120,14 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
             y = y + (tl.sum(h * b.to(tl.float32), axis=1) * tl.load(LScale + s))[None, :]
     y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     tl.store(y_ptrs, cast(y, Y.dtype.element_ty, RNE_BF16), mask=t_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _load_rows(w_ptrs, n_mask, EVEN_N: tl.constexpr):
+    if EVEN_N:
+        return tl.load(w_ptrs)
+    else:
+        return tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
 
 
 def gemv_config(tokens: int) -> tuple[int, int, int]:
@@ -164,5 +180,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
             HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
             BLOCK_R=triton.next_power_of_2(max(largs[4], 16)), BLOCK_N=bn, BLOCK_K=bk,
             EVEN_N=N % bn == 0, EVEN_K=K % bk == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
-            num_warps=nw)
+            num_warps=nw, **pdl.launch(x.device, T))
     return y.reshape(*shape[:-1], N)

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.interpret import INTERPRET
 from kernels.kv_quant import check_cache
 
@@ -195,7 +196,9 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,   # SPLIT: num_splits > 1
     Q_FP16: tl.constexpr, RUNS: tl.constexpr,   # RUNS > 1: rows per program (see paged_decode)
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     seq = tl.program_id(0)    # the program's (first) row
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -284,9 +287,10 @@ def _emit(out, cols, mask, Out, PartOut, rows, heads, split, num_heads, stride_o
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     Out, PartOut, PartLse, stride_ot, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Combine the splits of one (sequence, query head) by their base-2 log-sum-exp."""
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -474,14 +478,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=cfg.block_n or (32 if head_dim > 128 else 128),
         SPLIT=num_splits > 1, PRECISION=_precision(q.dtype), FP8=fp8,
         Q_FP16=fp8 and q.dtype != torch.float32, RUNS=per_program,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, num_seqs),
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1), num_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d,
             SPLITS_PAD=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),   # one variant
-            num_warps=4,
+            num_warps=4, **pdl.launch(q.device, num_seqs),
         )
     return out
 

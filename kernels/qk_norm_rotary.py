@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
@@ -90,7 +91,9 @@ def _qk_norm_rotary_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -160,5 +163,6 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
             BLOCK_HK=triton.next_power_of_2(num_k_heads),
             HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
             PAGE_SIZE=k_cache.shape[1] if store else 1, STORE=store, FP8=fp8,
+            **pdl.launch(q.device, num_tokens),
         )
     return q, k

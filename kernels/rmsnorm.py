@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
@@ -31,10 +33,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rms_norm_kernel(
     X, Residual, Weight, Out,
     stride_x_outer, stride_x_inner, inner, eps,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     # Row r of x is x[r // inner, r % inner, :] (inner = 1 for 2-D inputs), so strided
     # views such as per-head q/k slices of a fused qkv output are normalized in place of a copy.
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -80,6 +83,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x, residual if residual is not None else x, weight, out,
             stride_outer, stride_inner, inner, eps,
             N=n, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block_n // 256, 1), 8),
+            num_warps=min(max(block_n // 256, 1), 8), **pdl.launch(x.device, rows),
         )
     return out if residual is None else (out, residual)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.interpret import INTERPRET
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -80,13 +81,14 @@ def _fold(best, best_idx, run_max, run_sum, x, offs, mask, u, t, inv_t, NOISE: t
 def _gumbel_chunk_kernel(Logits, stride_row, Temperature, Seeds, PartScore, PartIdx, PartMax,
                          PartSum, Uniform, V, num_chunks, BLOCK: tl.constexpr,
                          CHUNK: tl.constexpr, NOISE: tl.constexpr, LOGPROBS: tl.constexpr,
-                         WRITE_UNIFORM: tl.constexpr):
+                         WRITE_UNIFORM: tl.constexpr, PDL: tl.constexpr):
     """One row's ids [chunk * CHUNK, +CHUNK) -> that piece's best score and its smallest
     index (and, with LOGPROBS, the piece's max and sum of exp(x - max)). NOISE = 0: every
     row is greedy, no Philox. A loop iteration takes BLOCK ids as four quarter tiles that
     share one Philox call (tl.rand4x: four uniforms per counter; the counter is the
     quarter tile's lane, id // 4 past the iteration's start, so each id has its own)."""
     Q: tl.constexpr = BLOCK // 4
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     t = tl.load(Temperature + row)
@@ -138,9 +140,10 @@ def _gumbel_chunk_kernel(Logits, stride_row, Temperature, Seeds, PartScore, Part
 @triton.jit
 def _gumbel_merge_kernel(Logits, stride_row, PartScore, PartIdx, PartMax, PartSum, Tokens,
                          Logprobs, V, num_chunks, CHUNKS_PAD: tl.constexpr,
-                         LOGPROBS: tl.constexpr):
+                         LOGPROBS: tl.constexpr, PDL: tl.constexpr):
     """A row's pieces -> its token (the smallest index among the best scores) and, with
     LOGPROBS, that token's log-probability under the raw logits."""
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS_PAD)
     mask = offs < num_chunks
@@ -184,9 +187,10 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         _gumbel_chunk_kernel[(n, chunks)](
             logits, logits.stride(0), temperature, seeds, scores, idx, maxes, sums, uniform, v,
             chunks, BLOCK=BLOCK, CHUNK=CHUNK, NOISE=not greedy, LOGPROBS=logprobs,
-            WRITE_UNIFORM=return_uniform, num_warps=4)
+            WRITE_UNIFORM=return_uniform, num_warps=4, **pdl.launch(dev, n))
         _gumbel_merge_kernel[(n,)](
             logits, logits.stride(0), scores, idx, maxes, sums, tokens, lp, v, chunks,
-            CHUNKS_PAD=triton.next_power_of_2(chunks), LOGPROBS=logprobs, num_warps=1)
+            CHUNKS_PAD=triton.next_power_of_2(chunks), LOGPROBS=logprobs, num_warps=1,
+            **pdl.launch(dev, n))
     out = (tokens, lp if logprobs else None)
     return out + (uniform,) if return_uniform else out

@@ -9,6 +9,8 @@
 #   linear   decode-sized GEMMs through cuBLAS: weights from HBM vs from L2, cuBLASLt (LINEAR_ARGS)
 #   samplers the fused sampling kernels' GPU time at decode batches (SAMPLERS_ARGS)
 #   profile  per-kernel GPU time of one decode step (with sampling) at batch 131, fused vs unfused
+#   pdl      programmatic dependent launch (kernels/pdl.py): kernel tests on CUDA, then
+#            tests/gpu/bench_pdl.py (decode step from its graph, batch 1 and 8, 0.6B, 8B, 8B FP8)
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
 #   allreduce NCCL vs peer-memory all-reduce, 64 KiB-16 MiB, on every GPU of the host
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3; 0 = skip) then gRPC x GRPC_RUNS (5)
@@ -126,6 +128,20 @@ for w in ${*:-kernels model bench}; do
     linear) python3 tests/gpu/bench_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$OUT/linear.md" || rc=1 ;;
     samplers) python3 tests/gpu/bench_sampling.py ${SAMPLERS_ARGS:-} 2>&1 | tee "$OUT/samplers.md" || rc=1 ;;
     profile) python3 tests/gpu/profile_decode.py 2>&1 | tee "$OUT/profile.md" || rc=1 ;;
+    pdl)  # issue 44: programmatic dependent launch: the chain's kernel tests on CUDA (PDL on
+      # where one row), then bench_pdl.py (graph-replayed decode step,
+      # batch 1 and 8, each setting's logits bit-equal to the base) on the 0.6B, 8B bf16 and
+      # 8B FP8 weights + KV
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      M8=/dev/shm/qwen3-8b
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py \
+        tests/test_kernels_norm_rotary.py tests/test_kernels_activation.py \
+        tests/test_kernels_sampling.py tests/test_kernels_attention.py 2>&1 | tail -4 \
+        | tee "$OUT/pdl_unit.md"
+      { python3 tests/gpu/bench_pdl.py && python3 tests/gpu/bench_pdl.py --model $M8 \
+        && python3 tests/gpu/bench_pdl.py --model $M8 --quantization fp8 --fp8-kv; } 2>&1 \
+        | tee "$OUT/pdl.md" || rc=1 ;;
     bench)
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B
@@ -370,7 +386,8 @@ for w in ${*:-kernels model bench}; do
     small)  # the single caller (issue 44): batch 1 and 8 through gRPC (256-token prompts, 512
       # out, greedy, SMALL_RUNS (3) after 2 warm-ups) for each SMALL_CONFIGS entry
       # (model:worker flags, "_" for spaces) with the decode GEMV off (NANOSERVE_GEMV_MAX_TOKENS=0)
-      # and on (the default); one worker + scheduler per setting
+      # and on (the default), or SMALL_VAR (e.g. NANOSERVE_PDL) 0 and 1; one worker + scheduler
+      # per setting
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M8=/dev/shm/qwen3-8b
       [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
@@ -379,15 +396,17 @@ for w in ${*:-kernels model bench}; do
          --max-output-len 512 --temperature 0 --warmup 2 --runs "${SMALL_RUNS:-3}")
       for cfg in ${SMALL_CONFIGS:-$NANOSERVE_QWEN06B: $M8: $M8:--quantization_fp8_--kv-cache-dtype_fp8}; do
         M=${cfg%%:*}; WA=${cfg#*:}; WA=${WA//_/ }; tag=$(basename "$M")${WA// /}
+        V=${SMALL_VAR:-NANOSERVE_GEMV_MAX_TOKENS}
         for g in 0 1; do
           # shellcheck disable=SC2086
-          NANOSERVE_GEMV_MAX_TOKENS=$g python3 -m worker_service --model "$M" --port 50061 \
+          env "$V=$g" python3 -m worker_service --model "$M" --port 50061 \
             --max-model-len 4096 --log-level WARNING $WA > "$OUT/small_worker.log" 2>&1 &
           WP=$!
           python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
             --max-model-len 4096 --log-level WARNING > "$OUT/small_sched.log" 2>&1 &
           SP=$!
-          batches_1_8 "$OUT/small_sched.log" small "${tag}_g${g}"
+          [ "$V" = NANOSERVE_GEMV_MAX_TOKENS ] && t=g || t=${V#NANOSERVE_}
+          batches_1_8 "$OUT/small_sched.log" small "${tag}_$t$g"
           kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null
         done
       done ;;
