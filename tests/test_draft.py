@@ -129,6 +129,52 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
     assert drafts[room:] == [-1, -1] and -1 not in drafts[:room]
 
 
+@pytest.mark.parametrize("catch_up", [True, False], ids=["caught-up", "mutant-without"])
+def test_recorded_steps_are_caught_up_before_drafting(target_dir, draft_dir, monkeypatch,
+                                                      catch_up):
+    """Steps bigger than MIRROR_ROWS that ask for no drafts are recorded, not mirrored; when
+    a sequence drafts again its recorded positions are run through the draft first (one
+    chunked prefill for both sequences here), so the drafts are the draft model's greedy
+    continuation of the whole context, as if every step had been mirrored. Without the
+    catch-up they are not."""
+    from worker_service import drafter as drafter_module
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    monkeypatch.setattr(drafter_module, "MIRROR_ROWS", 0)
+    if not catch_up:
+        monkeypatch.setattr(drafter_module.Drafter, "_catch_up", lambda self, table, plan: None)
+    runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, draft_model=str(draft_dir)))
+    runner.init_kv(16, BS)
+    hf_draft = _hf(draft_dir)
+    prompts = {1: [5, 9, 13, 5, 9, 13, 5, 9, 40, 41], 2: [30 + i for i in range(13)]}
+    req = worker_pb2.StepRequest(step_id=1)
+    for s, p in prompts.items():
+        w = req.seqs.add(seq_id=s, num_tokens=len(p), start_pos=0, sample=True,
+                         reset_block_table=True,
+                         block_table_i32=np.arange(4 * s - 4, 4 * s, dtype="<i4").tobytes())
+        w.sampling.temperature = 0.0
+    req.token_ids_i32 = np.array(prompts[1] + prompts[2], "<i4").tobytes()
+    known = {s: p + [t] for (s, p), t in zip(prompts.items(),
+             np.frombuffer(runner.step(req).sampled_token_ids_i32, "<i4").tolist())}
+    for step in range(2, 6):   # plain decode steps (placeholders), recorded
+        req = worker_pb2.StepRequest(step_id=step)
+        d = req.decode
+        d.seq_ids_u64 = np.array([1, 2], "<u8").tobytes()
+        d.token_ids_i32 = np.array([-1, -1], "<i4").tobytes()
+        d.num_tokens_i32 = np.array([1, 1], "<i4").tobytes()
+        if step == 5:
+            d.num_samples_i32 = np.array([1, 1], "<i4").tobytes()
+            d.num_drafts_i32 = np.array([K, K], "<i4").tobytes()
+        resp = runner.step(req)
+        for s, t in zip((1, 2), np.frombuffer(resp.sampled_token_ids_i32, "<i4").tolist()):
+            known[s].append(t)
+    assert runner.drafter.written == sum(map(len, prompts.values())) + 2 * 3
+    drafts = np.frombuffer(resp.draft_token_ids_i32, "<i4").reshape(2, K).tolist()
+    right = [drafts[i] == hf_greedy(hf_draft, known[s], K) for i, s in enumerate((1, 2))]
+    assert right == ([True, True] if catch_up else [False, False])
+    assert not runner.drafter.behind or not catch_up
+
+
 def test_sampled_drafts_of_the_target_itself_are_all_accepted(target_dir, hf_target):
     """--draft-sampling sampled: a sampled request's drafts are drawn from the draft's q and
     its verify rows keep each with probability min(1, p / q). With the target as its own
@@ -419,11 +465,14 @@ def test_penalties_and_logprobs_with_drafts_equal_no_speculation(target_dir):
 
 
 @pytest.mark.slow
-def test_tp2_sampled_drafts_of_the_target_are_all_accepted(target_dir, hf_target):
+def test_tp2_sampled_drafts_of_the_target_are_all_accepted(target_dir, hf_target, monkeypatch):
     """--draft-sampling sampled at TP=2 (gloo): both ranks draw the same drafts (noise keyed
     by step and pass, or a seeded request's seed and position), so with the target as its
     own draft q = p and every sampled draft is kept; greedy output stays HF's, and a seeded
-    request draws the same tokens twice."""
+    request draws the same tokens twice. Every step that asks for no drafts (the prefills)
+    is recorded, not mirrored (NANOSERVE_DRAFT_MIRROR_ROWS=0): the catch-up before the
+    first drafts must leave the draft's KV as a mirror would, or drafts are rejected."""
+    monkeypatch.setenv("NANOSERVE_DRAFT_MIRROR_ROWS", "0")
     workers = start_tp_workers(target_dir, 2, extra=["--draft-model", str(target_dir),
                                                      "--draft-sampling", "sampled"])
     with _serve(target_dir, workers) as stub:

@@ -15,6 +15,16 @@ the next first pass when it was accepted. At batch 1 that saves one draft forwar
 the draft reads stale KV there and proposes worse until those positions are recomputed;
 never wrong output.)
 
+The mirror costs a draft forward a step, which pays only while drafts are asked for: the
+scheduler proposes nothing in batches over its --speculative max batch (32), where a
+mirror cost the 0.6B-for-0.6B launcher 44% of its throughput. So a step of more than
+MIRROR_ROWS rows that asks for no drafts is recorded instead (its input ids stay on the
+device in a ring, their sequences and positions on the host), and when a sequence is next
+mirrored or drafts, its recorded positions are run first, as one chunked prefill of the
+draft (`_catch_up`). Sequences that finish under load never cost the draft anything. A
+sequence whose records the ring overwrote keeps stale draft KV there: worse drafts, never
+wrong output.
+
 After a step whose sequences asked for drafts, `propose` settles each one's proposals by
 the scheduler's rule (accepted while equal to the sample before them), then runs k greedy
 decode steps of the draft from its newest token, writing the draft's KV at the positions
@@ -48,6 +58,10 @@ from worker_service.transfers import to_device, to_host
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 SAMPLING = ("greedy", "sampled")   # --draft-sampling
+# Steps of more rows that ask for no drafts are recorded, not mirrored (module docstring)
+MIRROR_ROWS = int(os.environ.get("NANOSERVE_DRAFT_MIRROR_ROWS", "32"))
+RECORD_TOKENS = 1 << 19   # the ring of recorded input ids (4 MiB of device memory)
+CATCH_UP_TOKENS = 4096    # most tokens one catch-up forward takes
 
 
 def _digest(path: str) -> str:
@@ -96,6 +110,15 @@ class Drafter:
         self.skip: np.ndarray | None = None   # match's rows for the mirror to skip
         self.q: tuple | None = None   # sampling rank: ([D, w, V] q of the last drafts, [D]
                                       # which sequences' drafts were sampled)
+        # Recorded steps: input ids (device ring, allocated at the first record), and each
+        # entry's sequence, position and write count; a sequence behind -> (its first
+        # recorded position, the write count then)
+        self.rec_ids: torch.Tensor | None = None
+        self.rec_seq = np.full(RECORD_TOKENS, -1, np.int64)
+        self.rec_pos = np.zeros(RECORD_TOKENS, np.int64)
+        self.rec_stamp = np.full(RECORD_TOKENS, -1, np.int64)
+        self.written = 0
+        self.behind: dict[int, tuple[int, int]] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
 
@@ -104,11 +127,80 @@ class Drafter:
         return os.path.basename(os.path.normpath(self.model_dir))
 
     def mirror(self, runner, plan, samples: torch.Tensor | None) -> None:
-        """Run the step's rows through the draft model (its KV), but those `match` marked."""
+        """Run the step's rows through the draft model (its KV), but those `match` marked;
+        record a big step that asks for no drafts instead."""
         skip, self.skip = self.skip, None
+        if plan.drafts is None and len(plan.rows) > MIRROR_ROWS:
+            self._record(runner, plan)
+            return
+        if self.behind:
+            self._catch_up(runner.table, plan)
         rest = plan if skip is None else plan.without(skip)
         if rest is not None:
             runner._logits(rest, net=self)
+
+    def forget(self, seq_ids) -> None:
+        """Sequences dropped or sent afresh: their records no longer apply."""
+        for s in seq_ids:
+            self.behind.pop(s, None)
+
+    def _record(self, runner, plan) -> None:
+        """Keep the step's input ids (placeholders filled from the last samples, on the
+        device) with their sequences and positions, in place of its mirror."""
+        n = len(plan.token_ids)
+        if n > RECORD_TOKENS:
+            return   # (its sequences' catch-ups find the gap)
+        dev = self.device
+        if self.rec_ids is None:
+            self.rec_ids = torch.zeros(RECORD_TOKENS, dtype=torch.int64, device=dev)
+        at = self.written % RECORD_TOKENS
+        if at + n > RECORD_TOKENS:   # wrap around (the tail keeps its older entries)
+            self.written += RECORD_TOKENS - at
+            at = 0
+        ids = to_device(np.where(plan.token_ids < 0, 0, plan.token_ids), dev)
+        if plan.fill is not None:
+            ids[to_device(plan.fill[0], dev)] = runner.last_sampled.index_select(
+                0, to_device(plan.fill[1], dev))
+        self.rec_ids[at:at + n] = ids
+        self.rec_seq[at:at + n] = np.repeat(np.asarray(plan.seq_ids, np.int64), plan.num_tokens)
+        self.rec_pos[at:at + n] = plan.positions
+        self.rec_stamp[at:at + n] = np.arange(self.written, self.written + n)
+        for s, p in zip(plan.seq_ids, plan.start_pos.tolist()):
+            self.behind.setdefault(s, (p, self.written))
+        self.written += n
+
+    @torch.inference_mode()
+    def _catch_up(self, table: SeqTable, plan) -> None:
+        """Run the recorded positions of the step's sequences that are behind through the
+        draft (chunked prefills over their earlier KV), before the step's rows are."""
+        first: dict[int, int] = {}
+        for s, p in zip(plan.seq_ids, plan.start_pos.tolist()):
+            first.setdefault(s, p)
+        todo = []   # (row, first position, entries)
+        for s, end in first.items():
+            got = self.behind.pop(s, None)
+            if got is None:
+                continue
+            p0, stamp0 = got
+            at = np.flatnonzero((self.rec_seq == s) & (self.rec_stamp >= stamp0))
+            at = at[np.lexsort((self.rec_stamp[at], self.rec_pos[at]))]
+            pos = self.rec_pos[at]
+            newest = np.append(pos[1:] != pos[:-1], True)   # a position computed again: its last
+            at, pos = at[newest], pos[newest]
+            at, pos = at[pos < end], pos[pos < end]
+            if not len(at) or pos[0] != p0 or pos[-1] != end - 1 or len(pos) != end - p0:
+                continue   # overwritten: stale draft KV there (worse drafts, never wrong output)
+            todo.append((table.row_of[s], p0, at))
+        while todo:
+            batch, n = [], 0
+            while todo and (not batch or n + len(todo[0][2]) <= CATCH_UP_TOKENS):
+                batch.append(todo.pop())
+                n += len(batch[-1][2])
+            rows, starts, entries = zip(*batch)
+            counts = np.array([len(e) for e in entries])
+            chunk = table.chunk_plan(np.array(rows), np.array(starts), counts)
+            ids = self.rec_ids.index_select(0, to_device(np.concatenate(entries), self.device))
+            self.model(ids, to_device(chunk.positions, self.device), step_metadata(chunk, self.device))
 
     def match(self, plan) -> DraftCheck | None:
         """Find the last step's drafts among `plan`'s rows, before its forward: the rows the
@@ -303,6 +395,9 @@ class Eagle3Drafter:
     def match(self, plan) -> None:
         """(Drafter.match: the head mirrors every row and drafts greedily.)"""
         return None
+
+    def forget(self, seq_ids) -> None:
+        """(Drafter.forget: the head mirrors every step.)"""
 
     @property
     def name(self) -> str:

@@ -317,6 +317,7 @@ class ModelRunner:
         if self.drafter is not None:   # (its record of the last step's drafts goes too)
             self.drafter.kv_cache = self.drafter.kv_scales = self.drafter.graphs = None
             self.drafter.last = None
+            self.drafter.forget(list(getattr(self.drafter, "behind", ())))
             layers = layers + self.drafter.layers
         for layer in layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -416,7 +417,11 @@ class ModelRunner:
             self.grammar.update(req)
         if self.device.type == "cuda":
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        check = self.drafter.match(plan) if self.drafter is not None else None
+        check = None
+        if self.drafter is not None:
+            self.drafter.forget([*req.drop_seq_ids,
+                                 *(w.seq_id for w in req.seqs if w.reset_block_table)])
+            check = self.drafter.match(plan)
         samples = self._forward_and_sample(plan, pending.events, check)
         tokens = samples.tokens if samples is not None else None
         self.table.commit(plan)

@@ -416,13 +416,21 @@ class SeqTable:
     def decode_plan(self, rows: np.ndarray, positions: np.ndarray) -> StepPlan:
         """A plan of one token a row at `positions` of these rows, nothing sampled, no ids:
         what a drafter's own decode passes give step_metadata (worker_service/drafter.py)."""
+        return self.chunk_plan(rows, positions, np.ones(len(rows), np.int64))
+
+    def chunk_plan(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepPlan:
+        """A plan of counts[i] tokens of rows[i] at positions starts[i] on (what comes before
+        them in the cache), nothing sampled, no ids (a drafter's passes and catch-ups)."""
         n = len(rows)
         width = max(int(self.table_len[rows].max()), 1)
         tables = self.tables[rows, :width]
-        positions = positions.astype(np.int64)
-        return StepPlan(step_id=0, seq_ids=list(range(n)), rows=rows, num_tokens=np.ones(n, np.int64),
-                        start_pos=positions, token_ids=np.zeros(n, np.int64), positions=positions,
-                        slot_mapping=self._slots(tables, np.arange(n), positions),
+        starts, counts = starts.astype(np.int64), counts.astype(np.int64)
+        token_row = np.repeat(np.arange(n), counts)
+        first = np.cumsum(counts) - counts
+        positions = np.arange(int(counts.sum()), dtype=np.int64) - first[token_row] + starts[token_row]
+        return StepPlan(step_id=0, seq_ids=list(range(n)), rows=rows, num_tokens=counts,
+                        start_pos=starts, token_ids=np.zeros(len(positions), np.int64),
+                        positions=positions, slot_mapping=self._slots(tables, token_row, positions),
                         block_tables=tables, sample=np.zeros(n, bool), fill=None)
 
     def _placeholders(self, token_ids: np.ndarray, num_tokens: np.ndarray, seq_ids: list[int]

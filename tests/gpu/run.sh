@@ -44,7 +44,8 @@
 #            0.6B "count" model drafting for the random 0.6B: acceptance ~0, the path exercised)
 #            and --speculative draft; greedy compared across TP, rank 1 SIGKILLed mid-run;
 #            DEPLOY_DRAFT=eagle3: a random EAGLE-3 head at the 0.6B's shapes instead;
-#            DRAFT_SAMPLING=sampled: the workers' --draft-sampling sampled
+#            DEPLOY_DRAFT=self: the model as its own draft; DRAFT_SAMPLING=sampled: the workers'
+#            --draft-sampling sampled; DEPLOY_BENCH: client.bench flags; DEPLOY_ARGS pass through
 #   big      Qwen3-32B shapes (random bf16, built once in /dev/shm: 66 GB) through the launcher at
 #            BIG_TP (2,4: a 4-GPU host) with deploy_check.py (cold start, greedy tokens vs the first
 #            TP, client.bench x BIG_RUNS (2)); BIG_ARGS pass through (e.g. --skip-kill)
@@ -204,10 +205,12 @@ for w in ${*:-kernels model bench}; do
         D=/dev/shm/qwen3-0.6b-eagle3
         [ -f $D/config.json ] || eagle3_head $D eagle 1024 16 3072 || rc=1
       fi
+      [ "${DEPLOY_DRAFT:-}" = self ] && D=$NANOSERVE_QWEN06B
+      # shellcheck disable=SC2086
       python3 tests/gpu/deploy_check.py --model "$NANOSERVE_QWEN06B" --out "$OUT/deploy_draft" \
         --tp 1,2 --skip-compose --worker-args="--draft-model $D${DRAFT_SAMPLING:+ --draft-sampling $DRAFT_SAMPLING}" \
         --scheduler-args="--speculative draft --num-speculative-tokens 4" \
-        2>&1 | tee "$OUT/deploy_draft.md" || rc=1 ;;
+        --bench-args="${DEPLOY_BENCH:-}" ${DEPLOY_ARGS:-} 2>&1 | tee "$OUT/deploy_draft.md" || rc=1 ;;
     draft)
       T=/dev/shm/qwen3-8b-count; D=/dev/shm/qwen3-0.6b-count; E=/dev/shm/qwen3-8b-eagle3; K=${DRAFT_K:-4}
       [ -f $T/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $T Qwen3-8B 0 count >/dev/null 2>&1
