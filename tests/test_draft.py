@@ -175,6 +175,26 @@ def test_recorded_steps_are_caught_up_before_drafting(target_dir, draft_dir, mon
     assert not runner.drafter.behind or not catch_up
 
 
+def test_records_the_ring_lost_leave_stale_draft_kv_not_errors(target_dir, draft_dir,
+                                                               monkeypatch):
+    """A prompt bigger than the ring is not recorded: its sequence's catch-up finds the gap
+    and drafts from stale KV (any ids: the target verifies them), and nothing is left behind."""
+    from worker_service import drafter as drafter_module
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    monkeypatch.setattr(drafter_module, "MIRROR_ROWS", 0)
+    monkeypatch.setattr(drafter_module, "RECORD_TOKENS", 2)
+    runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, draft_model=str(draft_dir)))
+    runner.init_kv(16, BS)
+    known = _prefill(runner, [30 + i for i in range(12)], 6)   # 12 tokens > the ring of 2
+    assert runner.drafter.written == 0 and 1 not in runner.drafter.behind
+    for step in range(2, 5):   # recorded, wrapping the ring
+        known += _decode(runner, step, [-1], 1, 0)[0]
+    sampled, drafts = _decode(runner, 5, [-1], 1, K)
+    assert len(drafts) == K and all(0 <= t < VOCAB for t in drafts)
+    assert not runner.drafter.behind
+
+
 def test_sampled_drafts_of_the_target_itself_are_all_accepted(target_dir, hf_target):
     """--draft-sampling sampled: a sampled request's drafts are drawn from the draft's q and
     its verify rows keep each with probability min(1, p / q). With the target as its own
@@ -206,6 +226,28 @@ def test_sampled_drafts_of_the_target_itself_are_all_accepted(target_dir, hf_tar
         drafts = new
     assert checked == [0, 0] + [K] * 6   # (prefill, first decode; each verify step)
     assert greedy_drafts < 6
+
+
+def test_fp8_weights_quantize_the_draft_too(target_dir, draft_dir):
+    """--quantization fp8 loads the draft as FP8 beside the FP8 target: its drafts are the
+    greedy continuation of the same draft run alone in FP8 (its own runner)."""
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
+                                      kv_cache_gb=0.01, draft_model=str(draft_dir),
+                                      quantization="fp8"))
+    runner.init_kv(16, BS)
+    assert runner.drafter.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    prompt = [5, 9, 13, 5, 9, 13, 5, 9, 40, 41]
+    known = _prefill(runner, prompt, 6)
+    sampled, drafts = _decode(runner, 2, [-1], 1, K)
+    known += sampled
+    alone = ModelRunner(RunnerConfig(str(draft_dir), device="cpu", dtype="float32",
+                                     kv_cache_gb=0.01, quantization="fp8"))
+    alone.init_kv(16, BS)
+    ref = _prefill(alone, known, 6)[len(known):]
+    for step in range(2, K + 1):
+        ref += _decode(alone, step, [-1], 1, 0)[0]
+    assert drafts == ref
 
 
 def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(target_dir, tmp_path_factory):

@@ -51,7 +51,7 @@ from models.loader import load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim, kv_cache_layers
 from kernels.attention import decode_runs
-from worker_service.sampler import DraftCheck, _mix, distribution
+from worker_service.sampler import DraftCheck, SamplingBatch, _mix, distribution
 from worker_service.step_meta import step_metadata
 from worker_service.step_plan import DraftPlan, SeqTable
 from worker_service.transfers import to_device, to_host
@@ -157,11 +157,7 @@ class Drafter:
         if at + n > RECORD_TOKENS:   # wrap around (the tail keeps its older entries)
             self.written += RECORD_TOKENS - at
             at = 0
-        ids = to_device(np.where(plan.token_ids < 0, 0, plan.token_ids), dev)
-        if plan.fill is not None:
-            ids[to_device(plan.fill[0], dev)] = runner.last_sampled.index_select(
-                0, to_device(plan.fill[1], dev))
-        self.rec_ids[at:at + n] = ids
+        self.rec_ids[at:at + n] = runner.input_ids(plan)
         self.rec_seq[at:at + n] = np.repeat(np.asarray(plan.seq_ids, np.int64), plan.num_tokens)
         self.rec_pos[at:at + n] = plan.positions
         self.rec_stamp[at:at + n] = np.arange(self.written, self.written + n)
@@ -285,21 +281,17 @@ class Drafter:
         dev = self.device
         idx = to_device(at, dev)
         params = [table.params[r] for r in drafts.rows[live[at]].tolist()]
-        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32).to(dev)
-        cut_k = any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 for p in params)
-        q = distribution(logits.index_select(0, idx), f32([p.temperature for p in params]),
-                         torch.tensor([p.top_k if 0 < p.top_k < logits.shape[1] else
-                                       logits.shape[1] for p in params]).to(dev)
-                         if cut_k else None, f32([p.top_p for p in params]),
-                         f32([p.min_p for p in params]) if any(p.min_p for p in params) else None)
+        b = SamplingBatch.build(params, (start[live[at]] + j + 1).tolist(),   # (the drafts'
+                                logits.shape[1], dev)                          # positions)
+        q = distribution(logits.index_select(0, idx), b.temperature,
+                         b.top_k if b.need_top_k_or_p else None, b.top_p,
+                         b.min_p if b.need_min_p else None)
         q = q / q.sum(-1, keepdim=True)
         gen = torch.Generator(device=dev).manual_seed(_mix(step_id, j + 1))
         noise = torch.empty_like(q).exponential_(generator=gen)
-        for a, p in enumerate(params):
-            if p.seed is not None:
-                pos = int(start[live[at[a]]]) + j + 1   # where this draft goes
-                g = torch.Generator(device=dev).manual_seed(_mix(_mix(p.seed, pos), 2))
-                noise[a] = torch.empty(q.shape[1], device=dev).exponential_(generator=g)
+        for a, seed in b.seeded_rows:   # (seed, position) -> a stream of the drafts' own
+            g = torch.Generator(device=dev).manual_seed(_mix(seed, 2))
+            noise[a] = torch.empty(q.shape[1], device=dev).exponential_(generator=g)
         if q_out is not None:
             q_out[to_device(live[at], dev), j] = q
         return nxt.index_copy(0, idx, (q / noise).argmax(-1))

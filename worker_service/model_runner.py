@@ -546,6 +546,25 @@ class ModelRunner:
         rows = np.array([i for i, _ in constrained], dtype=np.int64)
         return to_device(rows, self.device), host.to(self.device, non_blocking=True)
 
+    def placeholders(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(indices into the plan's ids, the previous step's samples for them) on the
+        device, where its inputs hold placeholders (-1: the id sampled last step)."""
+        if plan.fill is None:
+            return None
+        dev = self.device
+        return (to_device(plan.fill[0], dev),
+                self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
+
+    def input_ids(self, plan: StepPlan, ids: np.ndarray | None = None, fill=None) -> torch.Tensor:
+        """The plan's input ids on the device, placeholders filled (ids, fill: as built)."""
+        if ids is None:
+            ids = np.where(plan.token_ids < 0, 0, plan.token_ids)
+            fill = self.placeholders(plan)
+        out = to_device(ids, self.device)
+        if fill is not None:
+            out[fill[0]] = fill[1]
+        return out
+
     def _logits(self, plan: StepPlan, events=None, net: Drafter | None = None
                 ) -> torch.Tensor | None:
         """The forward (every rank runs it) -> logits of the sampling rows, None if the step
@@ -559,10 +578,7 @@ class ModelRunner:
         tables = plan.block_tables
         if events is not None:
             events[0].record()
-        fill_dev = None
-        if plan.fill is not None:
-            fill_dev = (to_device(plan.fill[0], dev),
-                        self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
+        fill_dev = self.placeholders(plan)
         sampling = plan.sample
         adapters = self.adapters if net is None else None
         lora = (adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
@@ -586,10 +602,7 @@ class ModelRunner:
         if adapters is not None:
             adapters.set_rows(lora)
         meta = step_metadata(plan, dev)
-        input_ids = to_device(ids, dev)
-        if fill_dev is not None:
-            input_ids[fill_dev[0]] = fill_dev[1]
-        hidden = model(input_ids, to_device(plan.positions, dev), meta)
+        hidden = model(self.input_ids(plan, ids, fill_dev), to_device(plan.positions, dev), meta)
         if net is None:
             self.step_aux = model.model.aux_hidden
         if not plan.num_samples or net is not None:
