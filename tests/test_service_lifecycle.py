@@ -263,3 +263,20 @@ def test_max_waiting_sheds_load_and_recovers(model_dir, worker):
                           + s.num_waiting == 0, timeout=10), "cancelled streams still held"
         out = stub.Complete(request(4), timeout=30)
         assert len(out.token_ids) == 4 and out.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def test_worker_logs_where_its_start_up_went(worker):
+    """One line per worker start names each start-up phase with its seconds and their total
+    (issue 49: where a cold start goes), before the worker says it listens."""
+    log = worker.log
+    at = next(i for i, line in enumerate(log) if "start-up:" in line)
+    assert at < next(i for i, line in enumerate(log) if "listening on" in line)
+    phases, total = log[at].split("start-up:")[1].strip().split("; total ")
+    seconds = {}
+    for part in phases.split(", "):
+        name, value, unit = part.rsplit(" ", 2)
+        assert unit == "s"
+        seconds[name] = float(value)
+    assert {"attention backend", "weights", "profile run"} <= set(seconds), seconds
+    assert total.endswith(" s")
+    assert abs(sum(seconds.values()) - float(total[:-2])) <= 0.05 * len(seconds) + 1e-9
