@@ -129,23 +129,26 @@ def test_drafts_are_the_draft_models_greedy_continuation(target_dir, draft_dir, 
     assert drafts[room:] == [-1, -1] and -1 not in drafts[:room]
 
 
-@pytest.mark.parametrize("catch_up", [True, False], ids=["caught-up", "mutant-without"])
-def test_recorded_steps_are_caught_up_before_drafting(target_dir, draft_dir, monkeypatch,
-                                                      catch_up):
+@pytest.mark.parametrize("catch_up, piece", [(True, 4096), (True, 4), (False, 4096)],
+                         ids=["caught-up", "in-pieces", "mutant-without"])
+def test_recorded_steps_are_caught_up_before_drafting(target_dir, hf_target, monkeypatch,
+                                                      catch_up, piece):
     """Steps bigger than MIRROR_ROWS that ask for no drafts are recorded, not mirrored; when
     a sequence drafts again its recorded positions are run through the draft first (one
-    chunked prefill for both sequences here), so the drafts are the draft model's greedy
-    continuation of the whole context, as if every step had been mirrored. Without the
-    catch-up they are not."""
+    chunked prefill for both sequences here, or pieces of 4 tokens in order), so the drafts
+    are the draft model's greedy continuation of the whole context, as if every step had
+    been mirrored. Without the catch-up they are not. (The target drafts for itself: a
+    draft of two layers, whose KV past the first depends on the positions before.)"""
     from worker_service import drafter as drafter_module
     from worker_service.model_runner import ModelRunner, RunnerConfig
     monkeypatch.setattr(drafter_module, "MIRROR_ROWS", 0)
+    monkeypatch.setattr(drafter_module, "CATCH_UP_TOKENS", piece)
     if not catch_up:
         monkeypatch.setattr(drafter_module.Drafter, "_catch_up", lambda self, table, plan: None)
     runner = ModelRunner(RunnerConfig(str(target_dir), device="cpu", dtype="float32",
-                                      kv_cache_gb=0.01, draft_model=str(draft_dir)))
+                                      kv_cache_gb=0.01, draft_model=str(target_dir)))
     runner.init_kv(16, BS)
-    hf_draft = _hf(draft_dir)
+    hf_draft = hf_target
     prompts = {1: [5, 9, 13, 5, 9, 13, 5, 9, 40, 41], 2: [30 + i for i in range(13)]}
     req = worker_pb2.StepRequest(step_id=1)
     for s, p in prompts.items():

@@ -186,17 +186,25 @@ class Drafter:
             at, pos = at[pos < end], pos[pos < end]
             if not len(at) or pos[0] != p0 or pos[-1] != end - 1 or len(pos) != end - p0:
                 continue   # overwritten: stale draft KV there (worse drafts, never wrong output)
-            todo.append((table.row_of[s], p0, at))
-        while todo:
-            batch, n = [], 0
-            while todo and (not batch or n + len(todo[0][2]) <= CATCH_UP_TOKENS):
-                batch.append(todo.pop())
-                n += len(batch[-1][2])
-            rows, starts, entries = zip(*batch)
-            counts = np.array([len(e) for e in entries])
-            chunk = table.chunk_plan(np.array(rows), np.array(starts), counts)
-            ids = self.rec_ids.index_select(0, to_device(np.concatenate(entries), self.device))
-            self.model(ids, to_device(chunk.positions, self.device), step_metadata(chunk, self.device))
+            c = CATCH_UP_TOKENS   # a long stretch in pieces, one a forward, in order
+            todo.append([(table.row_of[s], p0 + i, at[i:i + c]) for i in range(0, len(at), c)])
+        for r in range(max(map(len, todo), default=0)):   # round r: each one's piece r
+            pieces = [p[r] for p in todo if len(p) > r]
+            while pieces:
+                batch, n = [], 0
+                while pieces and (not batch or n + len(pieces[-1][2]) <= CATCH_UP_TOKENS):
+                    batch.append(pieces.pop())
+                    n += len(batch[-1][2])
+                self._prefill(table, batch)
+
+    def _prefill(self, table: SeqTable, pieces: list) -> None:
+        """One forward of the draft over recorded entries: (row, first position, entries)
+        a piece, its KV written at those positions over what precedes them."""
+        rows, starts, entries = zip(*pieces)
+        chunk = table.chunk_plan(np.array(rows), np.array(starts),
+                                 np.array([len(e) for e in entries]))
+        ids = self.rec_ids.index_select(0, to_device(np.concatenate(entries), self.device))
+        self.model(ids, to_device(chunk.positions, self.device), step_metadata(chunk, self.device))
 
     def match(self, plan) -> DraftCheck | None:
         """Find the last step's drafts among `plan`'s rows, before its forward: the rows the
