@@ -460,6 +460,25 @@ def test_preemption_and_a_killed_worker_keep_greedy_output(target_dir, draft_dir
         assert wait_until(lambda: engine_idle(stub)), "blocks leaked"
 
 
+def formats_unchanged_by_drafts(stub, kinds, prompts, max_tokens: int) -> None:
+    """Each output format's greedy output with drafts equals the request's without
+    speculation, and both validate, as a sampled one does."""
+    from test_structured import FORMATS, judge
+    for kind in kinds:
+        fmt = generate_pb2.StructuredOutput(**FORMATS[kind])
+        for prompt in prompts:
+            def req(**kw):
+                r = request(prompt, max_tokens=max_tokens, **kw)
+                r.sampling.structured.CopyFrom(fmt)
+                r.skip_special_tokens = True
+                return r
+            plain = stub.Complete(req(temperature=0.0, speculative=False), timeout=120)
+            judge(kind, plain.text)
+            out = stub.Complete(req(temperature=0.0), timeout=120)
+            assert list(out.token_ids) == list(plain.token_ids), kind
+            judge(kind, stub.Complete(req(temperature=1.0, seed=3), timeout=120).text)
+
+
 @pytest.mark.slow
 def test_structured_output_with_drafts(target_dir):
     """Constrained requests take drafts too: the engine core cuts what the format forbids
@@ -467,22 +486,10 @@ def test_structured_output_with_drafts(target_dir):
     the proposals are its unconstrained greedy tokens, often right, sometimes forbidden:
     greedy output equals the same request without speculation, sampled output validates,
     and the engine core's forced tokens never disagree with the worker's samples."""
-    from test_structured import FORMATS, judge
     with _serve(target_dir, [_worker(target_dir, target_dir)]) as stub:
         before = stats(stub)
-        for kind in ("json_schema", "regex", "grammar"):
-            fmt = generate_pb2.StructuredOutput(**FORMATS[kind])
-            for prompt in ([3, 5, 11], [3, 9, 11, 20]):
-                def req(**kw):
-                    r = request(prompt, max_tokens=120, **kw)
-                    r.sampling.structured.CopyFrom(fmt)
-                    r.skip_special_tokens = True
-                    return r
-                plain = stub.Complete(req(temperature=0.0, speculative=False), timeout=120)
-                judge(kind, plain.text)
-                out = stub.Complete(req(temperature=0.0), timeout=120)
-                assert list(out.token_ids) == list(plain.token_ids), kind
-                judge(kind, stub.Complete(req(temperature=1.0, seed=3), timeout=120).text)
+        formats_unchanged_by_drafts(stub, ("json_schema", "regex", "grammar"),
+                                    ([3, 5, 11], [3, 9, 11, 20]), 120)
         after = stats(stub)
         assert after.num_spec_proposed_tokens > before.num_spec_proposed_tokens
         assert after.num_fast_forward_mismatches == 0

@@ -21,7 +21,7 @@ import transformers
 from eagle3_reference import eagle3_draft_reference, eagle3_forward, eagle3_fuse
 from nanoserve.v1 import generate_pb2
 from services import ROOT, served, start_tp_workers, start_worker
-from test_draft import _decode, _prefill
+from test_draft import _decode, _prefill, formats_unchanged_by_drafts
 from test_structured import hf_greedy
 from tiny_checkpoint import tiny_qwen3_dir
 from tiny_eagle3 import load_reference_state, make_tiny_eagle3
@@ -194,22 +194,9 @@ def test_greedy_through_the_services_equals_hf(tmp_path_factory, target_dir, hf_
 def test_structured_output_with_a_head(tmp_path_factory, target_dir):
     """A format's forced tokens (fast-forward rows) and masked verify rows with an EAGLE-3
     head drafting: greedy output equals no speculation, sampled output validates."""
-    from test_structured import FORMATS, judge
     head = _head(tmp_path_factory, "eagle")
     worker = start_worker(target_dir, extra=["--draft-model", str(head)])
     with served(target_dir, [worker], BS, ["--speculative", "eagle3", *SCHED[2:]]) as stub:
-        for kind in ("json_schema", "regex"):
-            def req(**kw):
-                r = generate_pb2.GenerateRequest(
-                    token_ids=generate_pb2.TokenIds(ids=[3, 5, 11]),
-                    sampling=generate_pb2.SamplingParams(max_tokens=100, **kw))
-                r.sampling.structured.CopyFrom(generate_pb2.StructuredOutput(**FORMATS[kind]))
-                r.skip_special_tokens = True
-                return r
-            plain = stub.Complete(req(temperature=0.0, speculative=False), timeout=120)
-            judge(kind, plain.text)
-            out = stub.Complete(req(temperature=0.0), timeout=120)
-            assert list(out.token_ids) == list(plain.token_ids), kind
-            judge(kind, stub.Complete(req(temperature=1.0, seed=3), timeout=120).text)
+        formats_unchanged_by_drafts(stub, ("json_schema", "regex"), ([3, 5, 11],), 100)
         s = stub.GetStats(generate_pb2.StatsRequest())
         assert s.num_fast_forward_mismatches == 0 and s.num_decode_steps > 0

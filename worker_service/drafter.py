@@ -144,6 +144,11 @@ class Drafter:
         for s in seq_ids:
             self.behind.pop(s, None)
 
+    def clear(self) -> None:
+        """The KV cache is freed: the last drafts, their q and every record go with it."""
+        self.last = self.q = None
+        self.behind.clear()
+
     def _record(self, runner, plan) -> None:
         """Keep the step's input ids (placeholders filled from the last samples, on the
         device) with their sequences and positions, in place of its mirror."""
@@ -398,6 +403,9 @@ class Eagle3Drafter:
 
     def forget(self, seq_ids) -> None:
         """(Drafter.forget: the head mirrors every step.)"""
+
+    def clear(self) -> None:
+        """(Drafter.clear: the head keeps no record of its drafts.)"""
 
     @property
     def name(self) -> str:

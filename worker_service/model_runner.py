@@ -314,10 +314,9 @@ class ModelRunner:
     def _free_kv(self) -> None:
         self.kv_cache = self.kv_scales = None
         layers = self.attn_layers
-        if self.drafter is not None:   # (its record of the last step's drafts goes too)
+        if self.drafter is not None:
             self.drafter.kv_cache = self.drafter.kv_scales = self.drafter.graphs = None
-            self.drafter.last = None
-            self.drafter.forget(list(getattr(self.drafter, "behind", ())))
+            self.drafter.clear()
             layers = layers + self.drafter.layers
         for layer in layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -555,12 +554,10 @@ class ModelRunner:
         return (to_device(plan.fill[0], dev),
                 self.last_sampled.index_select(0, to_device(plan.fill[1], dev)))
 
-    def input_ids(self, plan: StepPlan, ids: np.ndarray | None = None, fill=None) -> torch.Tensor:
-        """The plan's input ids on the device, placeholders filled (ids, fill: as built)."""
-        if ids is None:
-            ids = np.where(plan.token_ids < 0, 0, plan.token_ids)
-            fill = self.placeholders(plan)
-        out = to_device(ids, self.device)
+    def input_ids(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's input ids on the device, placeholders filled."""
+        out = to_device(np.where(plan.token_ids < 0, 0, plan.token_ids), self.device)
+        fill = self.placeholders(plan)
         if fill is not None:
             out[fill[0]] = fill[1]
         return out
@@ -574,11 +571,9 @@ class ModelRunner:
         self.step_aux ([T, 3 H]: its hidden states before the head's three layers)."""
         dev = self.device
         model, graphs = (self.model, self.graphs) if net is None else (net.model, net.graphs)
-        ids = plan.token_ids if plan.fill is None else np.where(plan.token_ids < 0, 0, plan.token_ids)
         tables = plan.block_tables
         if events is not None:
             events[0].record()
-        fill_dev = self.placeholders(plan)
         sampling = plan.sample
         adapters = self.adapters if net is None else None
         lora = (adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
@@ -586,8 +581,9 @@ class ModelRunner:
         runs = decode_runs(plan.rows) if plan.is_decode else None   # fast-forward rows
         if plan.is_decode and graphs is not None and len(plan.rows) <= graphs.max_batch \
                 and tables.shape[1] <= graphs.max_blocks:
-            logits = graphs.run(ids, plan.positions, plan.slot_mapping, tables, fill_dev, runs,
-                                lora)
+            ids = np.where(plan.token_ids < 0, 0, plan.token_ids)
+            logits = graphs.run(ids, plan.positions, plan.slot_mapping, tables,
+                                self.placeholders(plan), runs, lora)
             if net is None:
                 self.step_aux = graphs.last_aux
             if not plan.num_samples or net is not None:
@@ -602,7 +598,7 @@ class ModelRunner:
         if adapters is not None:
             adapters.set_rows(lora)
         meta = step_metadata(plan, dev)
-        hidden = model(self.input_ids(plan, ids, fill_dev), to_device(plan.positions, dev), meta)
+        hidden = model(self.input_ids(plan), to_device(plan.positions, dev), meta)
         if net is None:
             self.step_aux = model.model.aux_hidden
         if not plan.num_samples or net is not None:
