@@ -6,8 +6,9 @@ calibration) and per output channel for weights, the scheme vLLM's `--quantizati
 uses: y = (x_q @ w_q.T) * sx[token] * sw[channel], the product accumulated in float32.
 On sm_89+ GPUs `torch._scaled_mm` does exactly that in one GEMM; elsewhere
 `fp8_linear_ref` computes the same values from dequantized operands (the tests' and CPU's
-path). For a handful of tokens a Triton weight-only kernel (W8A16: x stays bf16, each
-weight tile is widened in registers) is faster still; `fp8_linear` routes by token count. Checkpoints published in FP8 (Qwen's: 128 x 128 blocks, `weight_scale_inv`) are
+path). For a handful of tokens a Triton kernel with the weight as the dot's left operand
+(`fp8_small_m_linear`) is faster still; `fp8_linear` routes by token count. (One decode token
+takes kernels/gemv.py instead, weight-only: `fp8_weight_only_ref` gives its values.) Checkpoints published in FP8 (Qwen's: 128 x 128 blocks, `weight_scale_inv`) are
 dequantized at load with `dequantize_blocks` and requantized per channel.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interpret import INTERPRET, INTERPRET_ENV, cast, dot
+from kernels.interpret import INTERPRET, INTERPRET_ENV, cast
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -93,7 +94,7 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype)
 
 
-# --- Weight-only FP8 (W8A16): e4m3 weights, activations left in their own dtype ---------
+# --- Weight-only FP8 (W8A16, kernels/gemv.py's one token): activations left in their dtype
 
 def fp8_weight_only_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,79 +106,86 @@ def fp8_weight_only_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     return y.to(x.dtype)
 
 
-def w8a16_block_m(tokens: int) -> int:
-    """Token rows per program: tl.dot's minimum (16) at decode sizes, so that few padded
-    rows are multiplied; taller tiles (fewer re-reads of each weight tile) as T grows."""
-    for block_m in (16, 32, 64):
-        if tokens <= block_m:
-            return block_m
-    return 128
-
+# --- A few tokens (2-16 in the model): W8A8 with the weight as the dot's left operand ---
 
 @triton.jit
-def _w8a16_kernel(X, W, Scale, Bias, Y, T, N, K,
-                  stride_xt, stride_xk, stride_wn, stride_wk, stride_yt, stride_yn,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Y[m, n] = (sum_k X[m, k] * W[n, k]) * Scale[n] (+ Bias[n]) for one BLOCK_M x BLOCK_N
-    tile. Exists because decode GEMMs are bound by the weight bytes read: e4m3 weights
-    halve them, and leaving x unquantized saves its quantize kernel and its rounding error.
-    Each e4m3 tile is widened to x's dtype in registers (exact for bf16/fp16/fp32), fed to
-    tl.dot with float32 accumulation; the per-channel scale is applied once, after the K
-    loop. Program axis 0 walks the output channels, axis 1 the (few) token tiles."""
+def _small_m_kernel(XQ, XScale, W, WScale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_T: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                    RNE_BF16: tl.constexpr):
+    """Y[t, n] = (sum_k XQ[t, k] * W[n, k]) * XScale[t] * WScale[n] (+ Bias[n]) for BLOCK_N
+    channels and BLOCK_T tokens. The weight is the dot's left operand ([BLOCK_N, BLOCK_K],
+    rows contiguous) and the few tokens its right ([BLOCK_K, BLOCK_T]): the token side is
+    padded to the dot's minimum of 16, never the channel side, and both operands are e4m3
+    as they sit in memory, so the tensor cores take them without widening and the loop is
+    the pipelined weight stream (num_stages) alone. Program axis 0 walks the channels, axis
+    1 the token tiles."""
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_t = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < T
     n_mask = offs_n < N
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
-    # The weight tile is read transposed, [BLOCK_K, BLOCK_N], the dot's right operand.
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    dt: tl.constexpr = X.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    t_mask = offs_t < T
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = XQ + offs_t[None, :].to(tl.int64) * stride_xt + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(dt)
-        acc = dot(x, w, acc, PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    acc = acc * tl.load(Scale + offs_n, mask=n_mask, other=0.0)[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=t_mask[None, :], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=k_mask[:, None] & t_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc = acc * tl.load(WScale + offs_n, mask=n_mask, other=0.0)[:, None]
+    acc = acc * tl.load(XScale + offs_t, mask=t_mask, other=0.0)[None, :]
     if HAS_BIAS:
-        acc = acc + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_yt + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, cast(acc, Y.dtype.element_ty, RNE_BF16), mask=m_mask[:, None] & n_mask[None, :])
+        acc = acc + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = Y + offs_t[None, :].to(tl.int64) * stride_yt + offs_n[:, None]
+    tl.store(y_ptrs, cast(acc, Y.dtype.element_ty, RNE_BF16), mask=n_mask[:, None] & t_mask[None, :])
 
 
-def fp8_weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                           bias: torch.Tensor | None = None, *, block_m: int | None = None,
-                           block_n: int = 64, block_k: int = 128, num_warps: int = 4,
-                           num_stages: int = 3) -> torch.Tensor:
-    """fp8_weight_only_ref's values in one Triton launch: x [..., K] (bf16, fp16 or fp32),
-    w_q [N, K] e4m3, w_scale [N, 1] float32, bias [N] or None -> [..., N] in x's dtype.
-    block_m defaults to w8a16_block_m(T); blocks are powers of two >= 16 (tl.dot's
-    minimum). No host sync and a grid from shapes only (CUDA-graph capturable)."""
+# Tiles measured on an H100 at Qwen3-8B's four projection shapes, 1 and 8 tokens
+# (tests/gpu/bench_fp8_gemv.py, 108 tilings; tests/gpu/RESULTS.md): 64 channels x 256
+# columns, 5 stages came within ~4% of each shape's best; 16 token columns is tl.dot's least.
+SMALL_M_TILES = dict(block_n=64, block_k=256, block_t=16, num_warps=4, num_stages=5)
+
+
+def fp8_small_m_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, block_n: int = 64,
+                       block_k: int = 256, block_t: int = 16, num_warps: int = 4,
+                       num_stages: int = 5) -> torch.Tensor:
+    """fp8_linear_ref's values for a few tokens in two launches (x quantized per token,
+    then _small_m_kernel): x [..., K] (any float dtype), w_q [N, K] e4m3, w_scale [N, 1]
+    float32, bias [N] or None -> [..., N] in x's dtype. No host sync and a grid from
+    shapes only (CUDA-graph capturable)."""
     shape = x.shape
     K = shape[-1]
     N = w_q.shape[0]
-    assert w_q.dtype == FP8 and w_q.shape == (N, K), (w_q.dtype, w_q.shape, K)
+    assert w_q.dtype == FP8 and w_q.shape == (N, K) and w_q.stride(1) == 1, (w_q.dtype, w_q.shape, K)
     assert w_scale.numel() == N and w_scale.dtype == torch.float32
     assert bias is None or bias.shape == (N,)
     x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     T = x2.shape[0]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T and N:
+        x_q, x_scale = quantize_rows_(x2)
         scale = w_scale.reshape(-1).contiguous()
-        bm = block_m or w8a16_block_m(T)
-        grid = (triton.cdiv(N, block_n), triton.cdiv(T, bm))
-        _w8a16_kernel[grid](
-            x2, w_q, scale, bias if bias is not None else scale, y, T, N, K,
-            x2.stride(0), x2.stride(1), w_q.stride(0), w_q.stride(1), y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
+        grid = (triton.cdiv(N, block_n), triton.cdiv(T, block_t))
+        _small_m_kernel[grid](
+            x_q, x_scale, w_q, scale, bias if bias is not None else scale, y, T, N, K,
+            x_q.stride(0), w_q.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, EVEN_N=N % block_n == 0,
+            EVEN_K=K % block_k == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
             num_warps=num_warps, num_stages=num_stages)
     return y.reshape(*shape[:-1], N)
 
@@ -189,28 +197,26 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# Routing measured on an H100 at Qwen3-8B shapes (tests/gpu/fp8_check.py gemm / sweep,
-# tests/gpu/RESULTS.md): up to 16 tokens the weight-only kernel reads the e4m3 weights at
-# 1.4-2.5 TB/s where _scaled_mm plus the activation quantization take 1.1-1.6x longer;
-# beyond that _scaled_mm wins (the weight-only kernel turns compute-bound). _scaled_mm's
-# kernel for 129-256 rows is 1.3-1.6x slower than for 256 rows: more than 128 rows are
-# padded to a multiple of 128.
-W8A16_MAX_TOKENS = 16
-W8A16_TILES = dict(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=4)
+# Routing measured on an H100 at Qwen3-8B shapes (tests/gpu/bench_fp8_gemv.py,
+# tests/gpu/RESULTS.md): up to 16 tokens the small-M kernel (activation quantization
+# included) takes 0.80-0.93x the time of the weight-only W8A16 kernel it replaced and
+# 0.6-0.9x of _scaled_mm's; beyond that _scaled_mm. _scaled_mm's kernel for 129-256 rows is
+# 1.3-1.6x slower than for 256 rows: more than 128 rows are padded to a multiple of 128.
+SMALL_M_MAX_TOKENS = 16
 SCALED_MM_ROW_MULTIPLE = 128
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ the e4m3 weight: fp8_linear_ref's values (one `torch._scaled_mm`,
-    rowwise scales) on sm_89+, fp8_weight_only_ref's for up to W8A16_MAX_TOKENS tokens."""
+    """x [..., K] @ the e4m3 weight: fp8_linear_ref's values, from fp8_small_m_linear up to
+    SMALL_M_MAX_TOKENS tokens, else one `torch._scaled_mm` with rowwise scales (sm_89+)."""
     if not scaled_mm_supported(x.device):
         return fp8_linear_ref(x, w_q, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
-    if rows <= W8A16_MAX_TOKENS:
-        return fp8_weight_only_linear(x, w_q, w_scale, bias, **W8A16_TILES)
+    if rows <= SMALL_M_MAX_TOKENS:
+        return fp8_small_m_linear(x, w_q, w_scale, bias, **SMALL_M_TILES)
     x_q, x_scale = quantize_rows_(x2, SCALED_MM_ROW_MULTIPLE if rows > 128 else 1)
     y = torch._scaled_mm(x_q, w_q.T, scale_a=x_scale, scale_b=w_scale.reshape(1, -1),
                          out_dtype=x.dtype, bias=bias)

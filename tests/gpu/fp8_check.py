@@ -1,7 +1,6 @@
 """FP8 weights on a GPU (issue 32 item 2): the GEMM, the model's accuracy, the 8B checkpoint.
 
     python tests/gpu/fp8_check.py gemm                 # _scaled_mm vs its reference and vs bf16
-    python tests/gpu/fp8_check.py sweep                # W8A16 kernel tile configs, decode sizes
     python tests/gpu/fp8_check.py logits DIR           # bf16 vs fp8 weights against HF fp32
     python tests/gpu/fp8_check.py checkpoint DIR [NAME [RESIDUAL_SCALE [echo|count]]]   # random bf16 Qwen3-8B-shaped (or NAME's, test_tp_gpu.SHAPES) checkpoint
 
@@ -35,74 +34,35 @@ def hbm_copies(nbytes: int) -> int:
 
 
 def gemm() -> None:
-    from kernels.fp8_linear import (fp8_linear, fp8_linear_ref, fp8_weight_only_linear,
-                                    fp8_weight_only_ref, quantize_rows, quantize_rows_)
+    from kernels.fp8_linear import fp8_linear, fp8_linear_ref, quantize_rows, quantize_rows_
     print("### FP8 GEMMs at Qwen3-8B shapes, weights streamed from HBM (copies > L2)\n")
     print("x quant + _scaled_mm (rowwise scales) unpadded; fp8_linear = what the model runs "
-          "(W8A16 kernel up to 16 tokens, else x quant + _scaled_mm, > 128 rows padded to a "
-          "multiple of 128); w8a16 = the Triton weight-only kernel at its default tiles\n")
-    print("| layer (N x K) | tokens | rel err fp8_linear / w8a16 vs bf16 | bf16 us | x quant us | "
-          "_scaled_mm us | fp8_linear us | w8a16 us | fp8_linear vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(x quant + the small-M Triton kernel up to 16 tokens, else x quant + _scaled_mm, > 128 "
+          "rows padded to a multiple of 128)\n")
+    print("| layer (N x K) | tokens | rel err fp8_linear vs bf16 | bf16 us | x quant us | "
+          "_scaled_mm us | fp8_linear us | fp8_linear vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
         copies = hbm_copies(w.nbytes)
         ws = [w.clone() for _ in range(copies)]
         qs = [quantize_rows(c) for c in ws]
-        for t in (1, 64, 131, 256, 2048, 8192):
+        for t in (1, 8, 64, 131, 256, 2048, 8192):
             x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
             xq, xs = quantize_rows_(x)
-            y8, y16 = fp8_linear(x, *qs[0]), fp8_weight_only_linear(x, *qs[0])
-            assert rel(y8, (fp8_weight_only_ref if t <= 16 else fp8_linear_ref)(x, *qs[0])) < 0.01
-            assert rel(y16, fp8_weight_only_ref(x, *qs[0])) < 0.01
-            err = f"{rel(y8, x @ w.T):.4f} / {rel(y16, x @ w.T):.4f}"
+            y8 = fp8_linear(x, *qs[0])
+            assert rel(y8, fp8_linear_ref(x, *qs[0])) < 0.01
+            err = f"{rel(y8, x @ w.T):.4f}"
             per = lambda f: graph_us(lambda: [f(i) for i in range(copies)], reps=20) / copies  # noqa: E731
             b16 = per(lambda i: x @ ws[i].T)
             qz = per(lambda i: quantize_rows_(x))
             mm = per(lambda i: torch._scaled_mm(xq, qs[i][0].T, scale_a=xs,
                                                 scale_b=qs[i][1].reshape(1, -1), out_dtype=x.dtype))
             a8 = per(lambda i: fp8_linear(x, *qs[i]))
-            a16 = per(lambda i: fp8_weight_only_linear(x, *qs[i]))
             print(f"| {name} ({n} x {k}) | {t} | {err} | {b16:.1f} | {qz:.1f} | {mm:.1f} | "
-                  f"{a8:.1f} | {a16:.1f} | {b16 / a8:.2f}x |", flush=True)
+                  f"{a8:.1f} | {b16 / a8:.2f}x |", flush=True)
         del ws, qs
-        torch.cuda.empty_cache()
-
-
-def sweep() -> None:
-    """fp8_weight_only_linear's tile configs at decode token counts (weights from HBM)."""
-    import itertools
-    from kernels.fp8_linear import fp8_weight_only_linear, quantize_rows
-    print("### W8A16 tile sweep (us; fp8 weight bytes / us = GB/s)\n")
-    print("| layer | tokens | best (block_m, block_n, block_k, warps, stages) | us | GB/s | "
-          "default us | 2nd best | 3rd best |")
-    print("|---|---|---|---|---|---|---|---|")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-        q0 = quantize_rows(w)
-        copies = hbm_copies(q0[0].nbytes)
-        qs = [(q0[0].clone(), q0[1].clone()) for _ in range(copies)]
-        for t in (1, 64, 131, 256):
-            x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
-            res = []
-            bms = sorted({m for m in (16, 32, 64, 128, 256) if m // 2 < max(t, 16) or m == 16})
-            for bm, bn, bk, nw, ns in itertools.product(bms, (32, 64, 128), (128, 256), (4, 8), (3, 4)):
-                kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-                try:
-                    us = graph_us(lambda: [fp8_weight_only_linear(x, *qs[i], **kw)
-                                           for i in range(copies)], reps=10) / copies
-                except Exception:  # noqa: BLE001 - out of shared memory / registers
-                    continue
-                res.append((us, (bm, bn, bk, nw, ns)))
-            res.sort()
-            dflt = graph_us(lambda: [fp8_weight_only_linear(x, *qs[i]) for i in range(copies)],
-                            reps=10) / copies
-            print(f"| {name} | {t} | {res[0][1]} | {res[0][0]:.1f} | {n * k / res[0][0] / 1e3:.0f} | "
-                  f"{dflt:.1f} | {res[1][1]} {res[1][0]:.1f} | {res[2][1]} {res[2][0]:.1f} |",
-                  flush=True)
-        del qs
         torch.cuda.empty_cache()
 
 
@@ -141,8 +101,6 @@ def main() -> int:
     what = sys.argv[1]
     if what == "gemm":
         gemm()
-    elif what == "sweep":
-        sweep()
     elif what == "logits":
         logits(sys.argv[2])
     elif what == "checkpoint":

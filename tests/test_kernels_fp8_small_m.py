@@ -1,6 +1,6 @@
-"""Weight-only FP8 GEMM (kernels/fp8_linear.py: fp8_weight_only_linear, e4m3 weights with
-per-channel scales, activations unquantized) vs its torch reference, on CPU via the
-interpreter.
+"""FP8 GEMM for a few tokens (kernels/fp8_linear.py: fp8_small_m_linear, e4m3 weights with
+per-channel scales, activations quantized per token, the weight as the dot's left operand)
+vs fp8_linear_ref, on CPU via the interpreter.
 
 Sizes are tiny but ragged: T in {1, 5, 37}, N in {64, 200}, K in {128, 300}, so token,
 channel and reduction tiles are partial; channel scales span two decades, so a scale
@@ -19,8 +19,8 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 import pytest
 import torch
 
-from kernels.fp8_linear import (FP8, fp8_weight_only_linear, fp8_weight_only_ref, quantize_rows,
-                                w8a16_block_m)
+from kernels.fp8_linear import (FP8, fp8_linear_ref, fp8_small_m_linear, fp8_weight_only_ref,
+                                quantize_rows)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -55,42 +55,40 @@ CASES = list(itertools.product([1, 5, 37], [64, 200], [128, 300]))
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t, n, k", CASES)
-def test_weight_only_matches_ref(t: int, n: int, k: int, dtype: torch.dtype) -> None:
+def test_small_m_matches_ref(t: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """Ragged tokens (37: three token tiles), channels (200) and columns (300) with small
+    tiles, so every mask and the loop's last partial step run; bias on and off."""
     for bias in (False, True):
         x, w_q, w_scale, b = make_case(t, n, k, dtype, bias, seed=t * n + k)
-        ref = fp8_weight_only_ref(x, w_q, w_scale, b)
-        assert_matches(fp8_weight_only_linear(x, w_q, w_scale, b), ref)
+        out = fp8_small_m_linear(x, w_q, w_scale, b, block_n=32, block_k=64)
+        assert_matches(out, fp8_linear_ref(x, w_q, w_scale, b))
 
 
-def test_weight_only_3d_input_and_fp16() -> None:
+def test_small_m_default_tiles_3d_input_and_fp16() -> None:
+    """The model's tiles (64 x 256, even N and K: the unmasked loads) on a [2, 3, K] input."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x, w_q, w_scale, b = make_case(0, 72, 160, dtype, bias=True, seed=3, lead=(2, 3))
-        out = fp8_weight_only_linear(x, w_q, w_scale, b)
-        assert out.shape == (2, 3, 72)
-        assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale, b))
-        assert_matches(out[1], fp8_weight_only_linear(x[1], w_q, w_scale, b))
+        x, w_q, w_scale, b = make_case(0, 128, 512, dtype, bias=True, seed=3, lead=(2, 3))
+        out = fp8_small_m_linear(x, w_q, w_scale, b)
+        assert out.shape == (2, 3, 128)
+        assert_matches(out, fp8_linear_ref(x, w_q, w_scale, b))
+        assert_matches(out[1], fp8_small_m_linear(x[1], w_q, w_scale, b))
 
 
-def test_weight_only_several_token_tiles_and_small_blocks() -> None:
-    """block_m 16 over 37 tokens: three token tiles (the default puts them in one)."""
-    x, w_q, w_scale, b = make_case(37, 200, 300, torch.bfloat16, bias=True, seed=4)
-    out = fp8_weight_only_linear(x, w_q, w_scale, b, block_m=16, block_n=32, block_k=32)
-    assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale, b))
-
-
-def test_weight_only_differs_from_wrong_references() -> None:
-    """The comparison can fail: without the scale, or with the scales of other channels."""
+def test_small_m_differs_from_wrong_references() -> None:
+    """The comparison can fail: without a weight scale, with the scales of other channels,
+    or with x left unquantized (the weight-only reference: within bf16 tolerances here,
+    so this checks at float32 output)."""
     x, w_q, w_scale, b = make_case(5, 200, 300, torch.float32, bias=False, seed=5)
-    out = fp8_weight_only_linear(x, w_q, w_scale)
-    assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale))
+    out = fp8_small_m_linear(x, w_q, w_scale, block_n=32, block_k=64)
+    assert_matches(out, fp8_linear_ref(x, w_q, w_scale))
     for wrong in (torch.ones_like(w_scale), w_scale.flip(0)):
         with pytest.raises(AssertionError):
-            assert_matches(out, fp8_weight_only_ref(x, w_q, wrong))
+            assert_matches(out, fp8_linear_ref(x, w_q, wrong))
+    with pytest.raises(AssertionError):
+        assert_matches(out, fp8_weight_only_ref(x, w_q, w_scale))
     assert w_q.dtype == FP8
 
 
-def test_weight_only_empty_batch_and_block_m() -> None:
+def test_small_m_empty_batch() -> None:
     x, w_q, w_scale, _ = make_case(0, 64, 128, torch.bfloat16, bias=False)
-    assert fp8_weight_only_linear(x, w_q, w_scale).shape == (0, 64)
-    assert [w8a16_block_m(t) for t in (1, 16, 17, 32, 33, 64, 65, 512)] == \
-        [16, 16, 32, 32, 64, 64, 128, 128]
+    assert fp8_small_m_linear(x, w_q, w_scale).shape == (0, 64)
