@@ -25,8 +25,15 @@ log = logging.getLogger("nanoserve.scheduler")
 
 MAX_MESSAGE_BYTES = 256 << 20
 INIT_TIMEOUT_S = 600.0
+# A worker that is down (loading, restarting) is retried at most a second apart: gRPC's
+# default backoff grows to 2 minutes, so a worker back after a long reload could wait tens
+# of seconds more for the scheduler to notice it.
+RECONNECT_BACKOFF_MS = (100, 1000)
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
 _STEP = "/nanoserve.v1.Worker/Step"
 
 

@@ -287,3 +287,48 @@ def test_worker_refusing_a_step_fails_it_and_a_reset_stream_is_a_lost_worker():
     assert not step_refused(code.INTERNAL, "Internal error from Core")
     assert not step_refused(code.INTERNAL, "Received RST_STREAM with error code 2")
     assert not step_refused(code.UNAVAILABLE, "Socket closed")
+
+
+def test_a_worker_that_is_down_is_retried_at_least_once_a_second():
+    """The scheduler keeps asking a worker that does not answer (still loading, restarting)
+    at most ~1 s apart (worker_client.RECONNECT_BACKOFF_MS), so a worker back after a long
+    reload is picked up at once. A listener that drops every connection counts the tries:
+    gRPC's default backoff (1 s, then x1.6, up to 2 minutes) makes 3 in 4 s, this 6 or more."""
+    import asyncio
+    import socket
+
+    from nanoserve.worker_group import WorkerGroupError
+    from scheduler_service.worker_client import WorkerGroup
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    tries, stop = [], threading.Event()
+
+    def drop_all() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            tries.append(time.monotonic())
+            conn.close()
+
+    threading.Thread(target=drop_all, daemon=True).start()
+
+    async def connect() -> None:
+        group = WorkerGroup([f"127.0.0.1:{listener.getsockname()[1]}"], connect_timeout=4.0)
+        try:
+            with pytest.raises(WorkerGroupError):
+                await group.connect(block_size=8)
+        finally:
+            await group.close()
+
+    try:
+        asyncio.run(connect())
+    finally:
+        stop.set()
+        listener.close()
+    assert len(tries) >= 6, f"{len(tries)} connection attempts in 4 s"
+    assert max(b - a for a, b in zip(tries, tries[1:])) < 1.6

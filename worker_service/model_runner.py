@@ -148,9 +148,11 @@ class ModelRunner:
         self.phases: dict[str, float] = {}   # start-up (and each Init's) time by phase
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)
+            with phase(self.phases, "cuda context"):   # driver + context: seconds, named apart
+                if self.device.index is None:
+                    self.device = torch.device("cuda", torch.cuda.current_device())
+                torch.cuda.set_device(self.device)
+                torch.empty(1, device=self.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         if config.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r}: expected "
@@ -158,7 +160,8 @@ class ModelRunner:
         self.kv_fp8 = config.kv_cache_dtype == "fp8"
         # auto times flash_attn (when its build covers the model) and triton on this
         # rank's attention shapes and keeps the faster: kernels/backend_choice.py.
-        hf = load_config(config.model_dir)
+        with phase(self.phases, "config"):
+            hf = load_config(config.model_dir)
         kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         shapes = AttentionShapes(num_heads=hf.num_attention_heads // tp.size,
                                  num_kv_heads=max(1, kv_heads // tp.size),
