@@ -64,21 +64,30 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
 
 @triton.jit
 def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
-                 H, LB, LScale, Slot, R, E0, E1, stride_h, stride_bs, stride_bn,
+                 H, LB, LScale, Slot, R, E0, E1, stride_h, stride_bs, stride_bn, HALF,
                  T_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                 HAS_LORA: tl.constexpr, GATED: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr, PDL: tl.constexpr):
     """Y[t, n] for every token t and the BLOCK_N channels of this program; HAS_LORA (one
     token): plus its adapter's delta (GemvLora; columns from E0 on are part 1, from E1 on
     part 2). EVEN_K: the first weight tile is loaded before the PDL wait (kernels/pdl.py):
-    weights are no kernel's output, so they stream while the kernel before finishes."""
+    weights are no kernel's output, so they stream while the kernel before finishes.
+    GATED (W = [gate; up], HALF rows each): the program's rows are BLOCK_N // 2 channels'
+    gate and up rows, interleaved, and it stores silu(gate) * up, rounded as
+    kernels/activation.py rounds it: the SwiGLU without its own launch."""
     pid = tl.program_id(0)
     offs_t = tl.arange(0, T_PAD)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        r = tl.arange(0, BLOCK_N)
+        chan = pid * (BLOCK_N // 2) + r // 2
+        offs_n = chan + (r % 2) * HALF
+        n_mask = chan < HALF
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     t_mask = offs_t < T
-    n_mask = offs_n < N
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
     acc = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -118,8 +127,19 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
             b = tl.load(LB + s.to(tl.int64) * stride_bs + offs_n[:, None].to(tl.int64) * stride_bn
                         + offs_r[None, :], mask=rn_mask, other=0.0)
             y = y + (tl.sum(h * b.to(tl.float32), axis=1) * tl.load(LScale + s))[None, :]
-    y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
-    tl.store(y_ptrs, cast(y, Y.dtype.element_ty, RNE_BF16), mask=t_mask[:, None] & n_mask[None, :])
+    dt: tl.constexpr = Y.dtype.element_ty
+    if GATED:
+        gate, up = tl.split(tl.reshape(y, [T_PAD, BLOCK_N // 2, 2]))
+        gate = cast(gate, dt, RNE_BF16).to(tl.float32)
+        up = cast(up, dt, RNE_BF16).to(tl.float32)
+        silu = cast(gate / (1.0 + tl.exp(-gate)), dt, RNE_BF16).to(tl.float32)
+        offs_c = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_c[None, :]
+        tl.store(y_ptrs, cast(silu * up, dt, RNE_BF16),
+                 mask=t_mask[:, None] & (offs_c < HALF)[None, :])
+    else:
+        y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+        tl.store(y_ptrs, cast(y, dt, RNE_BF16), mask=t_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -142,11 +162,12 @@ def gemv_config(tokens: int) -> tuple[int, int, int]:
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, *, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None,
-         lora: GemvLora | None = None) -> torch.Tensor:
+         lora: GemvLora | None = None, gated: bool = False) -> torch.Tensor:
     """gemv_ref's values in one launch: x [..., K] (bf16 / fp16 / fp32, rows contiguous),
     w [N, K] contiguous in any float dtype or e4m3 with scale [N, 1] float32, bias [N] or
     None -> [..., N] in x's dtype. Meant for a few tokens (GEMV_MAX_TOKENS). lora (one
-    token only) adds that token's adapter delta before the output is rounded."""
+    token only) adds that token's adapter delta before the output is rounded. gated (w is
+    [gate; up], no bias or lora): silu_and_mul_ref of that output, [..., N // 2]."""
     shape = x.shape
     K = shape[-1]
     N = w.shape[0]
@@ -157,7 +178,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T = x2.shape[0]
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    assert not gated or (bias is None and lora is None and N % 2 == 0)
+    out_n = N // 2 if gated else N
+    y = torch.empty(T, out_n, dtype=x.dtype, device=x.device)
     if T and N:
         bn, bk, nw = gemv_config(T)
         bn, bk, nw = block_n or bn, block_k or bk, num_warps or nw
@@ -173,12 +196,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                      lora.h.stride(-1), lora.b.stride(0), lora.b.stride(1))
         else:
             largs = (y, y, y, y, 1, N, N, 0, 0, 0)
-        _gemv_kernel[(triton.cdiv(N, bn),)](
+        _gemv_kernel[(triton.cdiv(out_n, bn // 2 if gated else bn),)](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
-            T, N, K, x2.stride(0), w.stride(0), y.stride(0), *largs,
+            T, N, K, x2.stride(0), w.stride(0), y.stride(0), *largs, out_n,
             T_PAD=triton.next_power_of_2(T), HAS_SCALE=sc is not None,
-            HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+            HAS_BIAS=bias is not None, HAS_LORA=lora is not None, GATED=gated,
             BLOCK_R=triton.next_power_of_2(max(largs[4], 16)), BLOCK_N=bn, BLOCK_K=bk,
-            EVEN_N=N % bn == 0, EVEN_K=K % bk == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
+            EVEN_N=out_n % (bn // 2 if gated else bn) == 0, EVEN_K=K % bk == 0,
+            RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
             num_warps=nw, **pdl.launch(x.device, T))
-    return y.reshape(*shape[:-1], N)
+    return y.reshape(*shape[:-1], out_n)

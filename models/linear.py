@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels.fp8_linear import FP8, fp8_linear, quantize_rows
 from kernels.gemv import GemvLora, gemv, use_gemv
+from models import activation
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -116,6 +117,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard = loaded_weight.narrow(0, self.tp.rank * size, size)
         check_shape(dst, shard, f"merged linear part {shard_id}")
         dst.copy_(shard)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For [gate, up] layers: silu(gate) * up straight from the GEMV's epilogue (one
+        launch less per MLP at one token), or None where the GEMV does not take x, an
+        adapter is in play or fused kernels are off: then the caller runs this layer and
+        the activation apart."""
+        lora = self.lora
+        if (len(self.output_sizes) != 2 or not use_gemv(x) or not activation.FUSED
+                or self.bias is not None or (lora is not None and lora.ctx.rows is not None)):
+            return None
+        fp8 = self.weight.dtype == FP8
+        return gemv(x, self.weight, self.weight_scale if fp8 else None, gated=True)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

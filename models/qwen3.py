@@ -92,7 +92,10 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = self.gate_up_proj.silu_and_mul(x)   # one token: the GEMV's epilogue
+        if h is None:
+            h = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class Qwen3DecoderLayer(nn.Module):

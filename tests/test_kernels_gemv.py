@@ -78,7 +78,8 @@ def test_gemv_scale_applied_per_channel():
 def test_model_decode_through_gemv_equals_without(tmp_path_factory, monkeypatch, quantization):
     """Qwen3's decode step (3 tokens: every linear layer and the LM head take the GEMV)
     gives the logits of the same model on torch's GEMMs (FP8: the weight-only reference,
-    what CUDA ran for a few tokens before); the prefill step (16 tokens) does not take it."""
+    what CUDA ran for a few tokens before), its SwiGLUs from the gate_up GEMV's epilogue;
+    the prefill step (16 tokens) does not take it."""
     import kernels.gemv
     import models.linear
     from kernels.fp8_linear import fp8_weight_only_ref
@@ -106,9 +107,17 @@ def test_model_decode_through_gemv_equals_without(tmp_path_factory, monkeypatch,
             calls.append(grid)
             return real[grid]
     monkeypatch.setattr(kernels.gemv, "_gemv_kernel", Counting())
-    plain, routed = logits(False), logits(True)
+    import models.activation
+    acts, act_forward = [], models.activation.SiluAndMul.forward
+    monkeypatch.setattr(models.activation.SiluAndMul, "forward",
+                        lambda self, x: acts.append(x) or act_forward(self, x))
+    plain = logits(False)
+    plain_acts = len(acts)
+    routed = logits(True)
     layers = sum(1 for m in model.modules() if hasattr(m, "matmul")) + 1   # + the LM head
     assert len(calls) == layers   # the decode step only: the prefill has 16 tokens
+    # the routed decode step's SwiGLUs come from the gate_up GEMVs' epilogue
+    assert plain_acts - (len(acts) - plain_acts) == model.config.num_hidden_layers
     for a, b in zip(routed, plain):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
 
@@ -155,3 +164,25 @@ def test_pdl_launches_only_one_row_kernels_on_hopper(monkeypatch):
     assert pdl.launch(torch.device("cpu"), 1) == {"PDL": False}
     monkeypatch.setattr(pdl, "ENABLED", False)              # NANOSERVE_PDL=0
     assert pdl.launch(cuda0, 1) == {"PDL": False}
+
+
+@pytest.mark.parametrize("w_kind", ["fp8", "same"])
+@pytest.mark.parametrize("t, half, k", [(1, 20, 200), (3, 18, 128), (2, 8, 512)])
+def test_gated_gemv_is_the_unfused_gemv_then_silu_and_mul(t, half, k, w_kind):
+    """gated=True (w = [gate; up]): silu(gate) * up from the GEMV's epilogue, equal bit for
+    bit to the GEMV's rounded output through kernels/activation.py's kernel (the model's
+    two launches; in the interpreter its torch reference), and within tolerance of the float32 references; an 18-channel half
+    leaves the last program's channels masked. A program pairing channel c's gate with
+    another channel's up (the mutation) fails the exact comparison."""
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+    x, w, scale, _ = case(t, 2 * half, k, torch.bfloat16, w_kind, False, seed=half + k)
+    out = gemv(x, w, scale, block_n=8, block_k=64, gated=True)
+    assert out.shape == (t, half)
+    # the interpreter's casts truncate where the activation kernel does not fix them up
+    # (the GEMV does): there the torch reference of the same ops is the exact one
+    act = silu_and_mul_ref if INTERPRET else silu_and_mul
+    unfused = gemv(x, w, scale, block_n=8, block_k=64)
+    torch.testing.assert_close(out, act(unfused), rtol=0, atol=0)
+    check(out, silu_and_mul_ref(gemv_ref(x.float(), w, scale)).to(torch.bfloat16))
+    shifted = torch.cat([unfused[:, :half], unfused[:, half:].roll(1, dims=1)], dim=1)
+    assert not torch.equal(out, act(shifted))
