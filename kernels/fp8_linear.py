@@ -198,9 +198,9 @@ def scaled_mm_supported(device: torch.device) -> bool:
 
 
 # Routing measured on an H100 at Qwen3-8B shapes (tests/gpu/bench_fp8_gemv.py,
-# tests/gpu/RESULTS.md): up to 16 tokens the small-M kernel (activation quantization
-# included) takes 0.80-0.93x the time of the weight-only W8A16 kernel it replaced and
-# 0.6-0.9x of _scaled_mm's; beyond that _scaled_mm. _scaled_mm's kernel for 129-256 rows is
+# tests/gpu/RESULTS.md): at 8 tokens the small-M kernel (activation quantization
+# included) takes 0.81-0.91x the time of the weight-only W8A16 kernel it replaced and
+# 0.60-0.82x of quantization + _scaled_mm's; at 131 tokens 1.5-5x _scaled_mm's. _scaled_mm's kernel for 129-256 rows is
 # 1.3-1.6x slower than for 256 rows: more than 128 rows are padded to a multiple of 128.
 SMALL_M_MAX_TOKENS = 16
 SCALED_MM_ROW_MULTIPLE = 128
