@@ -1,14 +1,14 @@
-"""SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output.
+"""SiLU-and-mul: the SwiGLU gate applied to the merged gate_up projection output
+(MergedColumnParallelLinear.swiglu, which takes it from the GEMV's epilogue at one token).
 
 On CUDA the fused Triton kernel (kernels/activation.py) runs unless
 NANOSERVE_FUSED_KERNELS=0 (kept for before/after comparisons). FUSED is also read by
-models/qwen3.py (fused q/k norm + rotary) and set by tests/gpu/profile_decode.py."""
+models/qwen3.py (fused q/k norm + rotary), models/linear.py (the gated GEMV) and set by tests/gpu/profile_decode.py."""
 from __future__ import annotations
 
 import os
 
 import torch
-from torch import nn
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 
@@ -21,8 +21,6 @@ def use_fused(x: torch.Tensor) -> bool:
     return x.is_cuda and FUSED
 
 
-class SiluAndMul(nn.Module):
+def swiglu(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] (gate then up, as MergedColumnParallelLinear lays them out) -> [..., d]."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x) if use_fused(x) else silu_and_mul_ref(x)
+    return silu_and_mul(x) if use_fused(x) else silu_and_mul_ref(x)

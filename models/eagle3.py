@@ -28,7 +28,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kernels.attention import AttentionMetadata
-from models.activation import SiluAndMul
 from models.attention import Attention
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -111,7 +110,6 @@ class Eagle3Head(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps=eps)
         self.gate_up_proj = MergedColumnParallelLinear(h, [cfg.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, h, bias=False)
-        self.act_fn = SiluAndMul()
         self.norm = RMSNorm(h, eps=eps)
         self.lm_head = RowParallelLinear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -136,7 +134,7 @@ class Eagle3Head(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         attn = self.o_proj(self.attn(q, k, v, meta).reshape(-1, q_size))
         x, h = self.post_attention_layernorm(attn, residual)
-        x, h = self.norm(self.down_proj(self.act_fn(self.gate_up_proj(x))), h)
+        x, h = self.norm(self.down_proj(self.gate_up_proj.swiglu(x)), h)
         draft = self.lm_head(x).argmax(-1)
         return draft + self.d2t[draft], h
 

@@ -118,17 +118,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(dst, shard, f"merged linear part {shard_id}")
         dst.copy_(shard)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For [gate, up] layers: silu(gate) * up straight from the GEMV's epilogue (one
-        launch less per MLP at one token), or None where the GEMV does not take x, an
-        adapter is in play or fused kernels are off: then the caller runs this layer and
-        the activation apart."""
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate, up] layer. Where the GEMV takes x, with no adapter
+        in play and fused kernels on, straight from its epilogue (one launch less per MLP at
+        one token); otherwise this layer, then the activation."""
         lora = self.lora
-        if (len(self.output_sizes) != 2 or not use_gemv(x) or not activation.FUSED
-                or self.bias is not None or (lora is not None and lora.ctx.rows is not None)):
-            return None
-        fp8 = self.weight.dtype == FP8
-        return gemv(x, self.weight, self.weight_scale if fp8 else None, gated=True)
+        if (len(self.output_sizes) == 2 and use_gemv(x) and activation.FUSED
+                and self.bias is None and (lora is None or lora.ctx.rows is None)):
+            fp8 = self.weight.dtype == FP8
+            return gemv(x, self.weight, self.weight_scale if fp8 else None, gated=True)
+        return activation.swiglu(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

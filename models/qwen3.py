@@ -18,7 +18,6 @@ from torch import nn
 from kernels.attention import AttentionMetadata, select_backend
 from kernels.qk_norm_rotary import qk_norm_rotary
 from models import activation
-from models.activation import SiluAndMul
 from models.attention import Attention
 from models.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layernorm import RMSNorm
@@ -89,13 +88,9 @@ class Qwen3MLP(nn.Module):
             config.hidden_size, [config.intermediate_size] * 2, bias=False, tp=tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, tp=tp)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj.silu_and_mul(x)   # one token: the GEMV's epilogue
-        if h is None:
-            h = self.act_fn(self.gate_up_proj(x))
-        return self.down_proj(h)
+        return self.down_proj(self.gate_up_proj.swiglu(x))
 
 
 class Qwen3DecoderLayer(nn.Module):
