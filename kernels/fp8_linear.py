@@ -60,12 +60,14 @@ def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.const
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    # div_rn: IEEE division, as torch's quantize_rows divides (a plain `/` compiles to an
+    # approximate one on CUDA, which rounds a few elements onto the other e4m3 neighbour)
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
     tl.store(Scale + row, scale)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
         tl.store(Q + row * stride_q + offs, _to_e4m3(q), mask=offs < K)
 
 

@@ -4,6 +4,7 @@ applied by hooks, and block-scaled FP8 checkpoints (Qwen's format) loaded."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -191,11 +192,14 @@ def test_worker_with_fp8_weights_streams_hf_fake_quantized_greedy_tokens(model_d
 
 @pytest.mark.parametrize("rows, k", [(1, 64), (5, 1500), (3, 4096)])
 def test_quantize_kernel_matches_reference(rows, k):
-    """The one-launch kernel (the GPU path; Triton's interpreter here) against quantize_rows."""
+    """The one-launch kernel (the GPU path; Triton's interpreter here) against quantize_rows,
+    bit for bit (on CUDA too: its divisions are IEEE ones)."""
     from kernels.fp8_linear import quantize_rows_
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
     x[0, :3] = 0.0
+    if os.environ.get("NANOSERVE_GPU_TESTS") and torch.cuda.is_available():
+        x = x.cuda()   # the GPU host runs the compiled kernel
     q, scale = quantize_rows_(x)
     q_ref, scale_ref = quantize_rows(x)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
