@@ -17,16 +17,15 @@ import glob
 import os
 
 import torch
-import transformers
 from safetensors import safe_open
 from torch import nn
 
 from kernels.fp8_linear import FP8, dequantize_blocks
+from models.config import ModelConfig, load_config
 from models.linear import LinearBase
 from models.parallel import TPGroup
 from models.qwen3 import Qwen3ForCausalLM
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama")
 QUANTIZATIONS = ("auto", "none", "fp8")   # auto: what the checkpoint is (fp8 or none)
 
 
@@ -40,15 +39,6 @@ def config_dtype(config) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"unsupported checkpoint dtype {dtype!r}")
     return dtype
-
-
-def load_config(model_dir: str):
-    """AutoConfig from local files only; rejects model families we cannot build."""
-    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {config.model_type!r} in {model_dir} "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    return config
 
 
 _EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
@@ -149,7 +139,7 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
 
 def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", attn_backend=None, quantization: str = "auto"
-               ) -> tuple[Qwen3ForCausalLM, transformers.PretrainedConfig]:
+               ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """Build the model directly on `device` in `dtype` (default: the checkpoint's) and load
     this TP rank's shards; quantization (QUANTIZATIONS): FP8 linear layers or not. Returns
     (model in eval mode, config)."""

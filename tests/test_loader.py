@@ -175,3 +175,65 @@ def test_tp_rejects_indivisible_heads(tmp_path_factory):
         load_model(str(path), tp=TPGroup(0, 4))
     with pytest.raises(ValueError):
         TPGroup(2, 2)
+
+
+def _as_model_reads(config) -> dict:
+    """Every value models/ takes from a config (directly, through getattr defaults, or
+    through the helpers that interpret it)."""
+    from models.loader import config_dtype
+    from models.moe import is_sparse_layer
+    from models.qwen3 import _head_dim
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+            "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+            "eos_token_id", "model_type")
+    got = {k: getattr(config, k) for k in keys}
+    for k, default in (("tie_word_embeddings", False), ("hidden_act", "silu"),
+                       ("attention_bias", False), ("mlp_bias", False), ("num_experts", 0),
+                       ("use_sliding_window", False), ("layer_types", None)):
+        got[k] = getattr(config, k, default)
+    got["sliding"] = "sliding_attention" in (got.pop("layer_types") or ())
+    got["head_dim"] = _head_dim(config)
+    got["rope_theta"] = rope_theta_from_config(config)
+    got["dtype"] = config_dtype(config)
+    got["sparse"] = [is_sparse_layer(config, i) for i in range(config.num_hidden_layers)]
+    if got["num_experts"]:
+        for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+            got[k] = getattr(config, k)
+    return got
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen2", "llama"])
+@pytest.mark.parametrize("written", ["minimal", "save_pretrained"])
+def test_config_reader_gives_what_transformers_gives(tmp_path, model_type, written):
+    """models/config.py (no transformers) against AutoConfig, field by field as the model
+    reads them: a hand-written config.json with only the shape (transformers' defaults fill
+    the rest), and one written by save_pretrained with non-default values."""
+    import transformers
+
+    from models.config import load_config
+    shape = {"model_type": model_type, "hidden_size": 64, "num_attention_heads": 4,
+             "num_hidden_layers": 3, "intermediate_size": 96}
+    if written == "minimal":
+        (tmp_path / "config.json").write_text(json.dumps(shape))
+    else:
+        extra = {"num_key_value_heads": 2, "vocab_size": 300, "rms_norm_eps": 1e-5,
+                 "max_position_embeddings": 4096, "tie_word_embeddings": True,
+                 "rope_theta": 5e5, "eos_token_id": 7, "torch_dtype": "bfloat16",
+                 "head_dim": 32}
+        if model_type == "qwen3_moe":
+            extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                         norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[0])
+        cfg = transformers.AutoConfig.for_model(**{**shape, **extra})
+        cfg.save_pretrained(tmp_path)
+    ours = _as_model_reads(load_config(str(tmp_path)))
+    theirs = _as_model_reads(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert ours == theirs
+
+
+def test_worker_model_code_does_not_import_transformers():
+    """The worker's start pays for torch, not for transformers (models/config.py)."""
+    import subprocess
+    import sys
+    code = ("import sys, worker_service.model_runner, worker_service.drafter, models.loader; "
+            "sys.exit('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
