@@ -147,7 +147,10 @@ def test_chaos_kills_lose_nothing_but_a_killed_frontends_streams(tmp_path_factor
     try:
         t0 = time.monotonic()
         run, kills = asyncio.run(chaos(sched, worker_box, model_dir, eos, seed=33))
-        resume = sorted(resumed_after(sorted(run.token_times), k) for k in run.core_kills)
+        times = sorted(run.token_times)
+        # A kill after the last token (the last streams only closing) has nothing to resume.
+        mid_run = [k for k in run.core_kills if k < times[-1]]
+        resume = sorted(resumed_after(times, k) for k in mid_run)
         counts = {o: run.outcomes.count(o) for o in set(run.outcomes)}
         print(f"\nchaos: {STREAMS} streams in {time.monotonic() - t0:.1f}s, kills {kills}, "
               f"outcomes {counts}, engine core kill -> next token: "
@@ -157,9 +160,10 @@ def test_chaos_kills_lose_nothing_but_a_killed_frontends_streams(tmp_path_factor
         assert not bad, bad[:5]
         assert kills.count("ns-engine-core") == 3 and kills.count("worker") == 2 \
             and kills.count("ns-frontend-1") == 2, kills
-        # The core kills landed while streams ran (tokens resumed after each of them), and
-        # streams that no frontend kill touched finished untouched.
-        assert all(math.isfinite(r) for r in resume), resume
+        # The core kills landed while streams ran (tokens resumed within 30 s after each of
+        # them; a kill racing the last token aside), and streams that no frontend kill
+        # touched finished untouched.
+        assert len(mid_run) >= 2 and all(math.isfinite(r) for r in resume), (resume, run.core_kills)
         assert counts.get("ok", 0) > 0, counts
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
             stub = generate_pb2_grpc.GenerationStub(ch)
