@@ -173,19 +173,30 @@ class DistGroup:
     def __init__(self, cfg: DistConfig, device: torch.device, fingerprint: str):
         self.cfg = cfg
         self._closing = threading.Event()
+        steps, t = [], time.perf_counter()
+
+        def done(what: str) -> None:   # the rendezvous phase, step by step, in the log
+            nonlocal t
+            steps.append(f"{what} {time.perf_counter() - t:.1f} s")
+            t = time.perf_counter()
+
         store = _rendezvous(cfg, fingerprint)
+        done("store and peers' checks")
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         dist.init_process_group(cfg.backend, store=store, rank=cfg.rank,
                                 world_size=cfg.world_size, timeout=timeout)
+        done("process group")
         # Warm up: NCCL builds its communicators on the first collective; better here,
         # with a clear error, than inside the memory-profiling forward.
         all_ranks_meet(device, cfg.world_size, "all-reduce warm-up")
+        done("first all-reduce")
         fast = fast_all_reduce.create(device) if cfg.all_reduce == "auto" else None
+        done("peer memory")
         self.tp = TPGroup(rank=cfg.rank, size=cfg.world_size, fast=fast)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-        log.info("rank %d/%d joined %s over %s%s", cfg.rank, cfg.world_size, cfg.init_method,
-                 cfg.backend, " (peer-memory all-reduce up to "
-                 f"{fast.two_shot_max >> 20} MiB)" if fast else "")
+        log.info("rank %d/%d joined %s over %s%s (%s)", cfg.rank, cfg.world_size,
+                 cfg.init_method, cfg.backend, " (peer-memory all-reduce up to "
+                 f"{fast.two_shot_max >> 20} MiB)" if fast else "", ", ".join(steps))
 
     def _watch(self) -> None:
         """Exit when rank 0's store disappears, a replacement rank abandons this group or a
