@@ -178,6 +178,8 @@ class Usage:
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
     accepted_prediction_tokens: int = 0   # of SamplingParams.prediction
     rejected_prediction_tokens: int = 0
+    host_cached_tokens: int = 0   # of cached_tokens, those copied back from the host tier
+    queue_ms: float = 0.0         # arrival at the engine core -> first scheduled step
 
 
 @dataclass

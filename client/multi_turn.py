@@ -6,8 +6,10 @@ earlier prompt and answer), and a new user message (--min/max-input-len tokens);
 answer is --min/max-output-len tokens (ignore_eos). A turn's history is exactly what the
 server computed at the previous turn, so it can come from the prefix cache, on the device
 or in its host tier (workers' --host-kv-cache-gb), or is recomputed when evicted. Printed:
-per turn, TTFT p50 / p90 and the share of prompt tokens served from the cache; overall
-output tok/s and the host tier's blocks moved (GetStats).
+per turn, TTFT p50 / p90, the queue's part of it (arrival at the engine core to the first
+step that scheduled the request: the server's usage.queue_ms) and the share of prompt tokens
+served from the cache, from the host tier among them; overall output tok/s and the host
+tier's blocks moved (GetStats).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ class Turn:
     turn: int
     prompt_tokens: int
     cached_tokens: int
+    host_cached_tokens: int
+    queue_s: float
     output_tokens: int
     ttft_s: float
     e2e_s: float
@@ -52,16 +56,19 @@ async def _conversation(client: Any, i: int, args: Any, system: list[int], vocab
         params = SamplingParams(temperature=args.temperature, max_tokens=n_out, ignore_eos=True,
                                 seed=rng.randrange(1 << 31))
         out: list[int] = []
-        cached, first = 0, None
+        usage, first = None, None
         t0 = time.perf_counter()
         async for chunk in client.generate(prompt, params):
             if chunk.token_ids and first is None:
                 first = time.perf_counter()
             out.extend(chunk.token_ids)
             if chunk.usage is not None:
-                cached = chunk.usage.cached_tokens
+                usage = chunk.usage
         end = time.perf_counter()
-        turns.append(Turn(i, t, len(prompt), cached, len(out), (first or end) - t0, end - t0))
+        turns.append(Turn(i, t, len(prompt), usage.cached_tokens if usage else 0,
+                          usage.host_cached_tokens if usage else 0,
+                          usage.queue_ms / 1e3 if usage else 0.0, len(out),
+                          (first or end) - t0, end - t0))
         history = prompt + out
 
 
@@ -89,10 +96,14 @@ async def _run(args: Any) -> dict:
                 "prompt_tokens": statistics.mean(x.prompt_tokens for x in rows),
                 "ttft_p50_ms": _p([x.ttft_s for x in rows], 0.5) * 1e3,
                 "ttft_p90_ms": _p([x.ttft_s for x in rows], 0.9) * 1e3,
-                "cached": sum(x.cached_tokens for x in rows) / sum(x.prompt_tokens for x in rows)})
+                "queue_p50_ms": _p([x.queue_s for x in rows], 0.5) * 1e3,
+                "cached": sum(x.cached_tokens for x in rows) / sum(x.prompt_tokens for x in rows),
+                "host_cached": sum(x.host_cached_tokens for x in rows) / sum(x.prompt_tokens
+                                                                              for x in rows)})
     return {"model": info.model, "wall_s": wall,
             "output_tok_per_s": sum(x.output_tokens for x in turns) / wall,
             "ttft_p50_ms": _p([x.ttft_s for x in turns], 0.5) * 1e3,
+            "queue_p50_ms": _p([x.queue_s for x in turns], 0.5) * 1e3,
             "cached": sum(x.cached_tokens for x in turns) / max(1, sum(x.prompt_tokens for x in turns)),
             "host_kv_blocks": after.num_host_kv_blocks,
             "host_offloaded_blocks": after.num_host_kv_offloaded_blocks - before.num_host_kv_offloaded_blocks,
@@ -105,14 +116,16 @@ def run(args: Any) -> int:
     print(f"model          {report['model']}   {args.num_seqs} conversations x {args.multi_turn} "
           f"turns, system prompt {args.system_prompt_len} tokens")
     print(f"output tok/s   {report['output_tok_per_s']:,.1f}   wall {report['wall_s']:.2f} s")
-    print(f"TTFT p50 ms    {report['ttft_p50_ms']:.1f}   prompt tokens from the cache "
-          f"{report['cached']:.1%}")
+    print(f"TTFT p50 ms    {report['ttft_p50_ms']:.1f} (queued p50 {report['queue_p50_ms']:.1f})   "
+          f"prompt tokens from the cache {report['cached']:.1%}")
     print(f"host tier      {report['host_kv_blocks']} blocks; moved out "
           f"{report['host_offloaded_blocks']}, back {report['host_restored_blocks']}")
-    print("turn  requests  prompt tokens  TTFT p50 ms  TTFT p90 ms  cached")
+    print("turn  requests  prompt tokens  TTFT p50 ms  TTFT p90 ms  queued p50 ms  cached  "
+          "from host")
     for r in report["per_turn"]:
         print(f"{r['turn']:4d}  {r['requests']:8d}  {r['prompt_tokens']:13.0f}  "
-              f"{r['ttft_p50_ms']:11.1f}  {r['ttft_p90_ms']:11.1f}  {r['cached']:6.1%}")
+              f"{r['ttft_p50_ms']:11.1f}  {r['ttft_p90_ms']:11.1f}  {r['queue_p50_ms']:13.1f}  "
+              f"{r['cached']:6.1%}  {r['host_cached']:9.1%}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -155,15 +155,18 @@ class BlockManager:
             seq.block_table.append(block.block_id)
             parent = block
             num_hits += 1
+        restored = 0
         if self.host:   # the host tier takes over where the GPU tier missed
             for held in self._host_chain(seq, num_hits, parent, root):
                 block = self._restore(held)
                 seq.block_table.append(block.block_id)
                 num_hits += 1
+                restored += 1
                 self.restoring.add(seq.seq_id)
         for _ in range(num_hits, seq.num_blocks(bs)):
             seq.block_table.append(self._take_fresh_block())
         seq.num_cached_tokens = num_hits * bs
+        seq.num_host_cached_tokens = restored * bs
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.num_hashed_blocks = num_hits
 

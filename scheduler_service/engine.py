@@ -41,6 +41,13 @@ from scheduler_service.worker_client import wait_for_group
 log = logging.getLogger("nanoserve.scheduler")
 
 
+def usage(seq: Sequence) -> tuple:
+    """A finished seq's usage after its id and reason (ipc.py's finished entries): cached,
+    accepted, rejected, host-cached prompt tokens, queue ms."""
+    return (seq.usage_cached_tokens or 0, *spec_usage(seq), seq.usage_host_cached_tokens,
+            seq.queue_ms)
+
+
 @dataclass
 class StepOutputs:
     """What one step produced: one token for each sequence listed, in order."""
@@ -50,8 +57,8 @@ class StepOutputs:
     # Aligned with token_ids when any seq asked for top_logprobs: (ids, logprobs) of its
     # k alternatives, empty lists for a seq that did not ask.
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    # (seq_id, reason, cached prompt tokens, accepted / rejected prediction tokens)
-    finished: list[tuple[int, str, int, int, int]] = field(default_factory=list)
+    # (seq_id, reason, *usage(seq)): what the request's usage reports
+    finished: list[tuple] = field(default_factory=list)
     errors: list[tuple[int, str, str]] = field(default_factory=list)    # (seq_id, status code, message)
 
     def __bool__(self) -> bool:
@@ -290,6 +297,7 @@ class Engine:
         for seq, samples in zip(batch.seqs, batch.sample):
             if seq.arrival_time:
                 self.queue_times.append(now - seq.arrival_time)
+                seq.queue_ms = (now - seq.arrival_time) * 1e3
                 seq.arrival_time = 0.0
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
             tokens.extend(seq.token_ids[start:start + n])
@@ -364,7 +372,7 @@ class Engine:
             out.top_logprobs = self._top_logprobs(batch, resp, done, rows)
         if rows is not None:
             done = list(dict.fromkeys(done))   # a seq per token: finished once
-        out.finished = [(s.seq_id, s.finish_reason, s.usage_cached_tokens or 0, *spec_usage(s))
+        out.finished = [(s.seq_id, s.finish_reason, *usage(s))
                         for s in done if s.status is SequenceStatus.FINISHED]
         if self.fast_forward is not None:
             self._fast_forward(done, out)
@@ -388,8 +396,7 @@ class Engine:
             token_ids += known
             if seq.status is SequenceStatus.FINISHED:
                 ff.drop(seq.seq_id)
-                out.finished.append((seq.seq_id, seq.finish_reason, seq.usage_cached_tokens or 0,
-                                     *spec_usage(seq)))
+                out.finished.append((seq.seq_id, seq.finish_reason, *usage(seq)))
         if not seq_ids:
             return
         # out.seq_ids may be the batch's own list: extended as a copy, once per step

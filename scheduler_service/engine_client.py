@@ -54,7 +54,7 @@ class RequestStream:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[tuple[list[int], list[float]]] = []  # one per token when asked
-        self.finish: tuple[str, int] | None = None   # (reason, cached prompt tokens)
+        self.finish: tuple | None = None   # (reason, *engine.usage(seq))
         self.error: tuple[str, str] | None = None    # (status code name, message)
         self._waiter: asyncio.Future | None = None
         self._first = True    # nothing handed out yet: the next delta carries the TTFT
@@ -200,9 +200,9 @@ class EngineClient:
                             s._wake()
                 if top:
                     self._add_top_logprobs(ids, top)
-                for seq_id, reason, cached, accepted, rejected in finished:
+                for seq_id, reason, *usage in finished:
                     if (s := streams.get(seq_id)) is not None:
-                        s.finish = (reason, cached, accepted, rejected)
+                        s.finish = (reason, *usage)
                         s._wake()
                 for seq_id, code, message in errors:
                     if (s := streams.get(seq_id)) is not None:
@@ -250,10 +250,10 @@ class EngineClient:
         last = s.generated[-1]
         if (len(s.generated) >= opts.max_tokens
                 or len(s.prompt_ids) + len(s.generated) >= self.info["max_model_len"]):
-            s.finish = ("length", 0, 0, 0)
+            s.finish = ("length", 0, 0, 0, 0, 0.0)
         elif last in opts.stop_token_ids or (not opts.ignore_eos
                                               and last == self.info.get("eos_token_id")):
-            s.finish = ("stop", 0, 0, 0)
+            s.finish = ("stop", 0, 0, 0, 0, 0.0)
         else:
             return False
         s._wake()

@@ -156,7 +156,8 @@ def _usage(u: Usage | None) -> generate_pb2.Usage | None:
     return None if u is None else generate_pb2.Usage(
         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
         cached_tokens=u.cached_tokens, accepted_prediction_tokens=u.accepted_prediction_tokens,
-        rejected_prediction_tokens=u.rejected_prediction_tokens)
+        rejected_prediction_tokens=u.rejected_prediction_tokens,
+        host_cached_tokens=u.host_cached_tokens, queue_ms=u.queue_ms)
 
 
 _STATS_FIELDS = frozenset(f.name for f in generate_pb2.Stats.DESCRIPTOR.fields)

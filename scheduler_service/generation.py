@@ -63,6 +63,8 @@ class Usage:
     cached_tokens: int            # prompt tokens served from the prefix cache
     accepted_prediction_tokens: int = 0   # of the request's prediction, proposed tokens the
     rejected_prediction_tokens: int = 0   # model confirmed / did not (speculation.py)
+    host_cached_tokens: int = 0   # of cached_tokens, those copied back from the host tier
+    queue_ms: float = 0.0         # arrival at the engine core -> first scheduled (longest of n)
 
 
 @dataclass
@@ -280,7 +282,8 @@ class Generation:
         released = [False] * n    # the handle is given back (the core forgot it or was told to)
         waits: dict[asyncio.Future, int] = {}   # n > 1: each live completion's next()
         left = n
-        completion = cached = accepted = rejected = 0
+        completion = cached = accepted = rejected = host_cached = 0
+        queue_ms = 0.0
         first = 0.0
         outcome = ("abort", "CANCELLED")   # unless it finishes or fails: the client left
         try:
@@ -314,7 +317,10 @@ class Generation:
                     cached += finish[1]
                     accepted += finish[2]
                     rejected += finish[3]
-                usage = None if left else Usage(len(ids), completion, cached, accepted, rejected)
+                    host_cached += finish[4]
+                    queue_ms = max(queue_ms, finish[5])
+                usage = None if left else Usage(len(ids), completion, cached, accepted, rejected,
+                                                host_cached, queue_ms)
                 if usage is not None:
                     outcome = (reason, "OK")
                     self._finished(start, first, usage)

@@ -28,7 +28,8 @@ core -> frontend
     [OUT, seq_ids_u64, token_ids_i32, logprobs_f32, finished, errors, top]
         one step: a token for each listed sequence (little-endian arrays, logprobs empty
         when nobody asked), finished = [[seq_id, reason, cached_tokens, accepted,
-        rejected]] (the last two: prediction tokens), errors =
+        rejected, host_cached_tokens, queue_ms]] (accepted / rejected: prediction tokens;
+        engine.usage), errors =
         [[seq_id, status code name, message]], top = [] when nobody asked for
         top_logprobs, else [k_u8 (one per listed sequence, 0 = none), ids_i32, logprobs_f32]
         with each sequence's k alternatives in turn

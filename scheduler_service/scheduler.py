@@ -204,6 +204,7 @@ class Scheduler:
                 bm.allocate(seq)
                 if seq.usage_cached_tokens is None:
                     seq.usage_cached_tokens = seq.num_cached_tokens
+                    seq.usage_host_cached_tokens = seq.num_host_cached_tokens
                 if seq.seq_id in bm.restoring and (seqs or self.running):
                     break   # its KV comes back from the host tier beside this step: next one
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)

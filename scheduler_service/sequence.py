@@ -84,6 +84,9 @@ class Sequence:
     # Prompt tokens served from the prefix cache at first admission: what usage reports
     # (a re-prefill after preemption hitting its own old blocks is not the client's saving).
     usage_cached_tokens: int | None = None
+    num_host_cached_tokens: int = 0    # of num_cached_tokens, those the host tier restored
+    usage_host_cached_tokens: int = 0  # ... at first admission (usage, as above)
+    queue_ms: float = 0.0              # arrival -> first scheduled step (usage)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)  # one per generated token if asked
     # Set by Scheduler.add, so the per-token finish checks are a set lookup and a compare:

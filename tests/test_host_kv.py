@@ -101,6 +101,7 @@ def test_block_manager_saves_on_free_and_restores_a_step_ahead():
     bm = BlockManager(4, 4, num_host_blocks=5)   # a's two blocks and c's three
     a = _seq(1, range(100, 109))        # 2 full blocks + 1 token
     bm.allocate(a)
+    assert a.num_host_cached_tokens == 0
     _commit_all(bm, a)
     a_full = a.block_table[:2]
     bm.deallocate(a)
@@ -118,6 +119,7 @@ def test_block_manager_saves_on_free_and_restores_a_step_ahead():
     again = _seq(3, list(range(100, 109)) + [7])
     bm.allocate(again)
     assert again.num_cached_tokens == 8 and again.seq_id in bm.restoring
+    assert again.num_host_cached_tokens == 8   # what its usage reports as host_cached_tokens
     ops, sync = bm.take_transfers()
     restores = [(src, dst) for k, src, dst in ops if k == RESTORE]
     assert [src for src, _ in restores] == [slot_of[b] for b in a_full]
@@ -238,20 +240,23 @@ def _hf_greedy(model, prompt, n):
 
 def _conversations(stub, hf):
     """Four two-turn conversations of ~60-token histories over a 12-block (96-token) device
-    cache: each second turn's history was evicted by the others' first turns."""
+    cache: each second turn's history was evicted by the others' first turns. Returns the
+    stats, the second turns' cached and host-cached prompt tokens (usage)."""
     gen = torch.Generator().manual_seed(1)
     firsts = [torch.randint(0, 389, (48,), generator=gen).tolist() for _ in range(4)]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda p: _greedy(stub, p, 8)[0], firsts))
-    cached = 0
+    cached = host_cached = 0
     for p, a in zip(firsts, answers):
         assert a == _hf_greedy(hf, p, 8)
         second = p + a + [5, 6, 7, 8, 9]
         got, usage = _greedy(stub, second, 8)
         assert got == _hf_greedy(hf, second, 8)
-        cached += usage.cached_tokens if usage else 0
+        assert usage.host_cached_tokens <= usage.cached_tokens and usage.queue_ms >= 0
+        cached += usage.cached_tokens
+        host_cached += usage.host_cached_tokens
     stats = stub.GetStats(generate_pb2.StatsRequest())
-    return stats, cached
+    return stats, cached, host_cached
 
 
 def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
@@ -264,7 +269,7 @@ def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
         sched = start_scheduler(model_dir, [worker.port], block_size=BS,
                                 extra=["--num-kv-blocks", "12", "--max-num-seqs", "2"])
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
-            stats, cached = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+            stats, cached, host_cached = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
         import urllib.request
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
         moved = {d: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(
@@ -277,6 +282,9 @@ def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
         assert stats.num_host_kv_blocks > 12
         assert stats.num_host_kv_offloaded_blocks > 0 and stats.num_host_kv_restored_blocks >= 4
         assert cached >= 4 * 48 // BS * BS * 3 // 4   # most of each history came back
+        # ... from the host tier (usage.host_cached_tokens), block for block as restored
+        assert host_cached > 0 and host_cached % BS == 0
+        assert host_cached <= stats.num_host_kv_restored_blocks * BS
         # client.bench --multi-turn against the same server: later turns hit the cache
         out = tmp_path / "mt.json"
         r = subprocess.run([sys.executable, "-m", "client.bench", "--target",
@@ -289,6 +297,8 @@ def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
         report = json.loads(out.read_text())
         assert [t["requests"] for t in report["per_turn"]] == [3, 3, 3]
         assert report["per_turn"][2]["cached"] > 0.3 and "TTFT p90 ms" in r.stdout
+        assert all(0 <= t["host_cached"] <= t["cached"] and t["queue_p50_ms"] >= 0
+                   for t in report["per_turn"]) and "queued p50 ms" in r.stdout
     finally:
         if sched:
             sched.stop()
@@ -303,7 +313,7 @@ def test_services_tp2_host_tier(model_dir):
         sched = start_scheduler(model_dir, [w.port for w in workers], block_size=BS,
                                 extra=["--num-kv-blocks", "12", "--max-num-seqs", "2"])
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
-            stats, _ = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+            stats, _, _ = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
         assert stats.num_host_kv_restored_blocks >= 4
     finally:
         if sched:
@@ -428,7 +438,7 @@ def test_services_host_tier_with_a_draft_model(model_dir):
             "--num-kv-blocks", "12", "--max-num-seqs", "2", "--speculative", "draft",
             "--num-speculative-tokens", "3", "--no-speculative-adaptive"])
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
-            stats, _ = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
+            stats, _, _ = _conversations(generate_pb2_grpc.GenerationStub(ch), hf)
         assert stats.num_host_kv_restored_blocks >= 4 and stats.num_spec_proposed_tokens > 0
     finally:
         if sched:
