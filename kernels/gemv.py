@@ -2,8 +2,8 @@
 
 Why: at batch 1 a decode step is a chain of matrix-vector products whose cost is the
 weight bytes they read. On an H100 at Qwen3-8B shapes cuBLAS reads bf16 weights at
-1.9-2.8 TB/s of the 3.35 peak and the tl.dot weight-only FP8 kernel e4m3 ones at 1.4-2.2
-(tests/gpu/bench_gemv.py): a dot pads one token to 16 rows, and few programs stream long
+1.9-2.8 TB/s of the 3.35 peak and a tl.dot weight-only FP8 kernel (since replaced by
+kernels/fp8_linear.py's small-M one) e4m3 ones at 1.4-2.2 (tests/gpu/bench_gemv.py): a dot pads one token to 16 rows, and few programs stream long
 rows each. Here each program owns BLOCK_N output channels over all of K and reads its rows
 once in wide, contiguous loads; many small programs in flight per SM hide the memory
 latency. The products run on CUDA cores in float32 (bf16 and e4m3 widen exactly) into a

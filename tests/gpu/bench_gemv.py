@@ -3,7 +3,7 @@
     python tests/gpu/bench_gemv.py [--sweep] [--hbm-tbs 3.35]
 
 For Qwen3-8B's and Qwen3-0.6B's linear shapes and LM head, bf16 and e4m3 weights, 1, 2 and
-4 tokens: cuBLAS (F.linear; bf16) or fp8_linear (the W8A16 Triton kernel; fp8) vs gemv at
+4 tokens: cuBLAS (F.linear; bf16) or fp8_linear (quantization + the small-M kernel; fp8) vs gemv at
 its default tiles, each checked against gemv_ref, timed from CUDA graph replays over
 enough weight copies that every call streams its weight from HBM. GB/s = weight bytes / us;
 % = of --hbm-tbs. --sweep adds the best (block_n, block_k, warps) over a grid at 1 token.

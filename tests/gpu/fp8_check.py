@@ -5,9 +5,9 @@
     python tests/gpu/fp8_check.py checkpoint DIR [NAME [RESIDUAL_SCALE [echo|count]]]   # random bf16 Qwen3-8B-shaped (or NAME's, test_tp_gpu.SHAPES) checkpoint
 
 gemm: at Qwen3-8B's linear shapes (qkv, o, gate_up, down) and token counts from decode to
-prefill, W8A8 (per-token quantization + one torch._scaled_mm with rowwise scales) and W8A16
-(the Triton weight-only kernel) against their references and the bf16 product, and their
-times from CUDA graph replays over enough weight copies that each call reads HBM, not L2.
+prefill, fp8_linear (per-token quantization, then the small-M Triton kernel up to 16 tokens
+or one torch._scaled_mm with rowwise scales) against its reference and the bf16 product, and
+its times from CUDA graph replays over enough weight copies that each call reads HBM, not L2.
 logits: a prefill of three prompts through our model with bf16 and with fp8 weights: rel.
 L2 of the logits against HF fp32, and how often the argmax agrees with fp32's.
 """
