@@ -43,7 +43,7 @@ def _p(values: list[float], q: float) -> float:
 
 async def _conversation(client: Any, i: int, args: Any, system: list[int], vocab: int,
                         max_model_len: int, turns: list[Turn]) -> None:
-    from client.client import SamplingParams
+    from client.client import SamplingParams, Usage
     rng = random.Random(args.seed * 1_000_003 + i)
     history = list(system)
     for t in range(args.multi_turn):
@@ -56,7 +56,7 @@ async def _conversation(client: Any, i: int, args: Any, system: list[int], vocab
         params = SamplingParams(temperature=args.temperature, max_tokens=n_out, ignore_eos=True,
                                 seed=rng.randrange(1 << 31))
         out: list[int] = []
-        usage, first = None, None
+        usage, first = Usage(), None
         t0 = time.perf_counter()
         async for chunk in client.generate(prompt, params):
             if chunk.token_ids and first is None:
@@ -65,10 +65,8 @@ async def _conversation(client: Any, i: int, args: Any, system: list[int], vocab
             if chunk.usage is not None:
                 usage = chunk.usage
         end = time.perf_counter()
-        turns.append(Turn(i, t, len(prompt), usage.cached_tokens if usage else 0,
-                          usage.host_cached_tokens if usage else 0,
-                          usage.queue_ms / 1e3 if usage else 0.0, len(out),
-                          (first or end) - t0, end - t0))
+        turns.append(Turn(i, t, len(prompt), usage.cached_tokens, usage.host_cached_tokens,
+                          usage.queue_ms / 1e3, len(out), (first or end) - t0, end - t0))
         history = prompt + out
 
 

@@ -22,6 +22,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu(g):
+    """silu of float32 g as every kernel computes it (kernels/gemv.py's gated epilogue too:
+    the same expression gives the same bits)."""
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -30,8 +37,8 @@ def _silu_and_mul_kernel(X, Out, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.c
     gate = tl.load(X + row * 2 * D + offs, mask=mask, other=0.0)
     up = tl.load(X + row * 2 * D + D + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(Out.dtype.element_ty)
+    act = silu(g).to(gate.dtype)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(Out.dtype.element_ty)
     tl.store(Out + row * D + offs, out, mask=mask)
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.activation import silu
 from kernels.interpret import INTERPRET_ENV, cast
 
 # Up to this many tokens the model's linear layers take gemv (NANOSERVE_GEMV_MAX_TOKENS=0
@@ -132,10 +133,10 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
         gate, up = tl.split(tl.reshape(y, [T_PAD, BLOCK_N // 2, 2]))
         gate = cast(gate, dt, RNE_BF16).to(tl.float32)
         up = cast(up, dt, RNE_BF16).to(tl.float32)
-        silu = cast(gate / (1.0 + tl.exp(-gate)), dt, RNE_BF16).to(tl.float32)
+        act = cast(silu(gate), dt, RNE_BF16).to(tl.float32)
         offs_c = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_c[None, :]
-        tl.store(y_ptrs, cast(silu * up, dt, RNE_BF16),
+        tl.store(y_ptrs, cast(act * up, dt, RNE_BF16),
                  mask=t_mask[:, None] & (offs_c < HALF)[None, :])
     else:
         y_ptrs = Y + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
@@ -196,13 +197,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                      lora.h.stride(-1), lora.b.stride(0), lora.b.stride(1))
         else:
             largs = (y, y, y, y, 1, N, N, 0, 0, 0)
-        _gemv_kernel[(triton.cdiv(out_n, bn // 2 if gated else bn),)](
+        per_program = bn // 2 if gated else bn   # output columns a program stores
+        _gemv_kernel[(triton.cdiv(out_n, per_program),)](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
             T, N, K, x2.stride(0), w.stride(0), y.stride(0), *largs, out_n,
             T_PAD=triton.next_power_of_2(T), HAS_SCALE=sc is not None,
             HAS_BIAS=bias is not None, HAS_LORA=lora is not None, GATED=gated,
             BLOCK_R=triton.next_power_of_2(max(largs[4], 16)), BLOCK_N=bn, BLOCK_K=bk,
-            EVEN_N=out_n % (bn // 2 if gated else bn) == 0, EVEN_K=K % bk == 0,
+            EVEN_N=out_n % per_program == 0, EVEN_K=K % bk == 0,
             RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
             num_warps=nw, **pdl.launch(x.device, T))
     return y.reshape(*shape[:-1], out_n)

@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
 import torch  # noqa: E402
+from bench_gemv import SHAPES as GEMV_SHAPES  # noqa: E402
 from fp8_check import hbm_copies  # noqa: E402
 from moe_check import graph_us  # noqa: E402
 
@@ -28,8 +29,8 @@ from kernels.fp8_linear import (fp8_linear, fp8_linear_ref, fp8_small_m_linear, 
                                 fp8_weight_only_ref, quantize_rows, quantize_rows_)
 from kernels.gemv import gemv  # noqa: E402
 
-SHAPES = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096),
-          "8B down": (4096, 12288)}
+# Qwen3-8B's projections (its LM head stays bf16 under --quantization fp8)
+SHAPES = {k: v for k, v in GEMV_SHAPES.items() if k.startswith("8B") and "lm_head" not in k}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
