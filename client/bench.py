@@ -930,6 +930,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prints TTFT per turn and the prefix cache's hit rate (gRPC only)")
     w.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
                    help="--multi-turn: a system prompt of N tokens shared by every conversation")
+    w.add_argument("--concurrency", type=int, default=0, metavar="C",
+                   help="--multi-turn: at most C turns in flight, conversations taking turns "
+                        "round-robin so each history idles between its turns (vLLM's "
+                        "--num-clients); 0 = every conversation at once")
     w.add_argument("--adapters", metavar="NAMES", default=None,
                    help="comma-separated LoRA adapter names (the server's --lora-modules): "
                         "requests name them in turn (gRPC modes)")
@@ -1065,8 +1069,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.multi_turn:
         if args.in_process or args.null_worker:
             parser.error("--multi-turn needs a server (--target)")
+        if args.concurrency < 0:
+            parser.error("--concurrency must be >= 0 (0: every conversation at once)")
         from client import multi_turn
         return multi_turn.run(args)
+    if args.concurrency:
+        parser.error("--concurrency is for --multi-turn")
     if args.adapters and (args.in_process or args.null_worker):
         parser.error("--adapters needs a server (--target)")
     if args.client_procs > 1 and args.in_process:

@@ -1,15 +1,23 @@
 """`client.bench --multi-turn T`: chat-like traffic whose prompts resend the conversation.
 
-N conversations (--num-seqs) run at once, each T turns in a row: turn t's prompt is a
-system prompt shared by all (--system-prompt-len tokens), the conversation so far (every
-earlier prompt and answer), and a new user message (--min/max-input-len tokens); the
-answer is --min/max-output-len tokens (ignore_eos). A turn's history is exactly what the
-server computed at the previous turn, so it can come from the prefix cache, on the device
-or in its host tier (workers' --host-kv-cache-gb), or is recomputed when evicted. Printed:
-per turn, TTFT p50 / p90, the queue's part of it (arrival at the engine core to the first
-step that scheduled the request: the server's usage.queue_ms) and the share of prompt tokens
-served from the cache, from the host tier among them; overall output tok/s and the host
-tier's blocks moved (GetStats).
+N conversations (--num-seqs) of T turns each: turn t's prompt is a system prompt shared by
+all (--system-prompt-len tokens), the conversation so far (every earlier prompt and answer),
+and a new user message (--min/max-input-len tokens); the answer is --min/max-output-len
+tokens (ignore_eos). A turn's history is exactly what the server computed at the previous
+turn, so it can come from the prefix cache, on the device or in its host tier (workers'
+--host-kv-cache-gb), or is recomputed when evicted.
+
+--concurrency C (default N: every conversation at once) sends at most C turns at a time,
+as vLLM's multi-turn benchmark does (--num-clients): conversations take turns round-robin,
+so each one's history sits idle while the others' turns run, the way a chat user reads and
+types between turns. That idle history is what a device cache smaller than the live
+histories evicts and a host tier keeps; with C = N every conversation is always in flight
+and the device cache instead bounds the running batch.
+
+Printed: per turn, TTFT p50 / p90, the queue's part of it (arrival at the engine core to
+the first step that scheduled the request: the server's usage.queue_ms) and the share of
+prompt tokens served from the cache, from the host tier among them; overall output tok/s
+and the host tier's blocks moved (GetStats).
 """
 from __future__ import annotations
 
@@ -41,33 +49,52 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-async def _conversation(client: Any, i: int, args: Any, system: list[int], vocab: int,
-                        max_model_len: int, turns: list[Turn]) -> None:
+@dataclass
+class Conversation:
+    """One conversation's state between its turns."""
+    index: int
+    rng: random.Random
+    history: list[int]
+    turn: int = 0
+
+
+async def _turn(client: Any, c: Conversation, args: Any, vocab: int, max_model_len: int,
+                turns: list[Turn]) -> bool:
+    """Send c's next turn; False once the conversation is over (or outgrew the context)."""
     from client.client import SamplingParams, Usage
-    rng = random.Random(args.seed * 1_000_003 + i)
-    history = list(system)
-    for t in range(args.multi_turn):
-        user = [rng.randrange(vocab) for _ in range(rng.randint(args.min_input_len,
-                                                               args.max_input_len))]
-        n_out = rng.randint(args.min_output_len, args.max_output_len)
-        prompt = history + user
-        if len(prompt) + n_out > max_model_len:
-            return   # the conversation outgrew the context
-        params = SamplingParams(temperature=args.temperature, max_tokens=n_out, ignore_eos=True,
-                                seed=rng.randrange(1 << 31))
-        out: list[int] = []
-        usage, first = Usage(), None
-        t0 = time.perf_counter()
-        async for chunk in client.generate(prompt, params):
-            if chunk.token_ids and first is None:
-                first = time.perf_counter()
-            out.extend(chunk.token_ids)
-            if chunk.usage is not None:
-                usage = chunk.usage
-        end = time.perf_counter()
-        turns.append(Turn(i, t, len(prompt), usage.cached_tokens, usage.host_cached_tokens,
-                          usage.queue_ms / 1e3, len(out), (first or end) - t0, end - t0))
-        history = prompt + out
+    rng = c.rng
+    user = [rng.randrange(vocab) for _ in range(rng.randint(args.min_input_len,
+                                                           args.max_input_len))]
+    n_out = rng.randint(args.min_output_len, args.max_output_len)
+    prompt = c.history + user
+    if len(prompt) + n_out > max_model_len:
+        return False
+    params = SamplingParams(temperature=args.temperature, max_tokens=n_out, ignore_eos=True,
+                            seed=rng.randrange(1 << 31))
+    out: list[int] = []
+    usage, first = Usage(), None
+    t0 = time.perf_counter()
+    async for chunk in client.generate(prompt, params):
+        if chunk.token_ids and first is None:
+            first = time.perf_counter()
+        out.extend(chunk.token_ids)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    end = time.perf_counter()
+    turns.append(Turn(c.index, c.turn, len(prompt), usage.cached_tokens,
+                      usage.host_cached_tokens, usage.queue_ms / 1e3, len(out),
+                      (first or end) - t0, end - t0))
+    c.history, c.turn = prompt + out, c.turn + 1
+    return c.turn < args.multi_turn
+
+
+async def _client(client: Any, ready: asyncio.Queue, args: Any, vocab: int,
+                  max_model_len: int, turns: list[Turn]) -> None:
+    """One of --concurrency clients: advance the longest-waiting conversation, one turn."""
+    while not ready.empty():
+        c = ready.get_nowait()
+        if await _turn(client, c, args, vocab, max_model_len, turns):
+            ready.put_nowait(c)   # to the back: every other waiting conversation goes first
 
 
 async def _run(args: Any) -> dict:
@@ -81,8 +108,13 @@ async def _run(args: Any) -> dict:
         before = await client.stats()
         turns: list[Turn] = []
         t0 = time.perf_counter()
-        await asyncio.gather(*(_conversation(client, i, args, system, vocab, info.max_model_len,
-                                             turns) for i in range(args.num_seqs)))
+        ready: asyncio.Queue = asyncio.Queue()
+        for i in range(args.num_seqs):
+            ready.put_nowait(Conversation(i, random.Random(args.seed * 1_000_003 + i),
+                                          list(system)))
+        clients = min(args.concurrency or args.num_seqs, args.num_seqs)
+        await asyncio.gather(*(_client(client, ready, args, vocab, info.max_model_len, turns)
+                               for _ in range(clients)))
         wall = time.perf_counter() - t0
         after = await client.stats()
     per_turn = []
@@ -112,7 +144,8 @@ async def _run(args: Any) -> dict:
 def run(args: Any) -> int:
     report = asyncio.run(_run(args))
     print(f"model          {report['model']}   {args.num_seqs} conversations x {args.multi_turn} "
-          f"turns, system prompt {args.system_prompt_len} tokens")
+          f"turns, system prompt {args.system_prompt_len} tokens, "
+          f"{min(args.concurrency or args.num_seqs, args.num_seqs)} at a time")
     print(f"output tok/s   {report['output_tok_per_s']:,.1f}   wall {report['wall_s']:.2f} s")
     print(f"TTFT p50 ms    {report['ttft_p50_ms']:.1f} (queued p50 {report['queue_p50_ms']:.1f})   "
           f"prompt tokens from the cache {report['cached']:.1%}")

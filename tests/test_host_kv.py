@@ -289,6 +289,7 @@ def test_services_second_turns_hit_the_host_tier(model_dir, tmp_path):
         out = tmp_path / "mt.json"
         r = subprocess.run([sys.executable, "-m", "client.bench", "--target",
                             f"127.0.0.1:{sched.port}", "--multi-turn", "3", "--num-seqs", "3",
+                            "--concurrency", "2",
                             "--system-prompt-len", "16", "--min-input-len", "8",
                             "--max-input-len", "16", "--min-output-len", "4",
                             "--max-output-len", "8", "--json", str(out)],

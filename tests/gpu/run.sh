@@ -54,9 +54,12 @@
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
 #            find-links, no index: these hosts have no internet); a client streams an answer
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
-#            (tests/gpu/bench_host_kv.py), then client.bench --multi-turn (HOSTKV_CONVS 32 x
-#            HOSTKV_TURNS 6) with a device cache cut to HOSTKV_BLOCKS (128; ~20% of the live
-#            histories) and nano-vllm's workload (whole cache), the tier off and at HOSTKV_GB (48)
+#            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
+#            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
+#            all at once) with a device cache cut to HOSTKV_BLOCKS (128; ~20% of the live
+#            histories); big = nano-vllm's workload (whole cache); paced = 32 conversations x 8
+#            turns of 800-1000 new tokens, --concurrency HOSTKV_CONC (4) so histories idle
+#            between turns, device cache HOSTKV_PACED_BLOCKS (218; ~20% of the final histories)
 #   lora     multi-LoRA through the launcher at Qwen3-8B shapes (LORA_MODEL): the base model vs
 #            LORA_N (16) random rank-16 adapters on all seven projections (tests/gpu/make_adapters.py),
 #            nano-vllm's workload x LORA_RUNS (2) and batch 1 (256-token prompt, 512 out) x 3
@@ -363,19 +366,25 @@ for w in ${*:-kernels model bench}; do
       MT=(--multi-turn "${HOSTKV_TURNS:-6}" --num-seqs "${HOSTKV_CONVS:-32}" --system-prompt-len 512
           --min-input-len 500 --max-input-len 700 --min-output-len 100 --max-output-len 150)
       for tier in 0 ${HOSTKV_GB:-48}; do
-        python3 -m worker_service --model $M8 --port 50061 --max-model-len 8192 --log-level WARNING \
+        python3 -m worker_service --model $M8 --port 50061 --max-model-len 16384 --log-level WARNING \
           --host-kv-cache-gb $tier > "$OUT/hostkv_worker_$tier.log" 2>&1 &
         WP=$!
-        for part in chat big; do   # chat: the device cache cut to HOSTKV_BLOCKS; big: all of it
-          L=()
-          [ $part = chat ] && L=(--num-kv-blocks "${HOSTKV_BLOCKS:-128}")
+        for part in ${HOSTKV_PARTS:-chat big paced}; do
+          L=(--max-model-len 8192)
+          [ $part = chat ] && L+=(--num-kv-blocks "${HOSTKV_BLOCKS:-128}")
+          [ $part = paced ] && L=(--max-model-len 16384 --num-kv-blocks "${HOSTKV_PACED_BLOCKS:-218}")
           python3 -m scheduler_service --model $M8 --workers 127.0.0.1:50061 --port 50051 \
-            --max-model-len 8192 --log-level WARNING "${L[@]}" > "$OUT/hostkv_sched_${part}_$tier.log" 2>&1 &
+            --log-level WARNING "${L[@]}" > "$OUT/hostkv_sched_${part}_$tier.log" 2>&1 &
           SP=$!
           for i in $(seq 400); do grep -q listening "$OUT/hostkv_sched_${part}_$tier.log" && break; sleep 1; done
           if [ $part = chat ]; then
             timeout 240 "${B[@]}" "${MT[@]}" --json "$OUT/hostkv_chat_$tier.json" \
               > "$OUT/hostkv_chat_$tier.txt" 2>&1 || rc=1
+          elif [ $part = paced ]; then
+            timeout 300 "${B[@]}" --multi-turn 8 --num-seqs 32 --concurrency "${HOSTKV_CONC:-4}" \
+              --system-prompt-len 512 --min-input-len 800 --max-input-len 1000 --min-output-len 100 \
+              --max-output-len 150 --json "$OUT/hostkv_paced_$tier.json" \
+              > "$OUT/hostkv_paced_$tier.txt" 2>&1 || rc=1
           else
             timeout 200 "${B[@]}" --client-procs 4 --runs 1 --json "$OUT/hostkv_big_$tier.json" \
               > "$OUT/hostkv_big_$tier.txt" 2>&1 || rc=1
@@ -384,8 +393,8 @@ for w in ${*:-kernels model bench}; do
         done
         kill $WP 2>/dev/null; wait $WP 2>/dev/null
       done
-      cat "$OUT/hostkv_copies.md"; cat "$OUT"/hostkv_chat_*.txt
-      grep -H "output tok/s  " "$OUT"/hostkv_big_*.txt ;;
+      cat "$OUT/hostkv_copies.md"; cat "$OUT"/hostkv_chat_*.txt "$OUT"/hostkv_paced_*.txt 2>/dev/null
+      grep -H "output tok/s  " "$OUT"/hostkv_big_*.txt 2>/dev/null ;;
     small)  # the single caller (issue 44): batch 1 and 8 through gRPC (256-token prompts, 512
       # out, greedy, SMALL_RUNS (3) after 2 warm-ups) for each SMALL_CONFIGS entry
       # (model:worker flags, "_" for spaces) with the decode GEMV off (NANOSERVE_GEMV_MAX_TOKENS=0)
