@@ -120,10 +120,12 @@ def _small_m_kernel(XQ, XScale, W, WScale, Bias, Y, T, N, K, stride_xt, stride_w
     rows contiguous) and the few tokens its right ([BLOCK_K, BLOCK_T]): the token side is
     padded to the dot's minimum of 16, never the channel side, and both operands are e4m3
     as they sit in memory, so the tensor cores take them without widening and the loop is
-    the pipelined weight stream (num_stages) alone. Program axis 0 walks the channels, axis
-    1 the token tiles."""
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    the pipelined weight stream (num_stages) alone. Programs walk the token tiles fastest:
+    those sharing a weight tile run side by side, so past BLOCK_T tokens the weight is
+    read from HBM once and from L2 by the rest."""
+    num_t = tl.cdiv(T, BLOCK_T)
+    pid_n = tl.program_id(0) // num_t
+    pid_t = tl.program_id(0) % num_t
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
@@ -186,7 +188,7 @@ def fp8_small_m_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
     if T and N:
         x_q, x_scale = quantize_rows_(x2)
         scale = w_scale.reshape(-1).contiguous()
-        grid = (triton.cdiv(N, block_n), triton.cdiv(T, block_t))
+        grid = (triton.cdiv(N, block_n) * triton.cdiv(T, block_t),)
         _small_m_kernel[grid](
             x_q, x_scale, w_q, scale, bias if bias is not None else scale, y, T, N, K,
             x_q.stride(0), w_q.stride(0), y.stride(0), HAS_BIAS=bias is not None,

@@ -7,7 +7,8 @@ from CUDA graph replays over enough weight copies that every call streams its we
 HBM: kernels/gemv.py (one token, weight-only), fp8_small_m_linear (x quantized per token +
 the small-M kernel: the model's path for 2-16 tokens) at its default tiles, x quant +
 torch._scaled_mm (the path above 16 tokens), and fp8_linear (what the model runs at that
-token count). --sweep adds the best small-M tilings. GB/s = weight bytes / us; % of
+token count). --sweep adds the best small-M tilings (past 16 tokens also the token tile
+and warps: the kernel walks token tiles fastest, so a weight tile is read once). GB/s = weight bytes / us; % of
 --hbm-tbs.
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main() -> None:
     print(f"### e4m3 weights at decode sizes, {torch.cuda.get_device_name()} (us, % of "
           f"{args.hbm_tbs} TB/s)\n")
     print("| layer (N x K) | tokens | gemv | small-M (quant incl.) | quant + _scaled_mm | "
-          "fp8_linear (model) | best small-M tiles (bn, bk, stages): us |")
+          "fp8_linear (model) | best small-M tiles (bn, bk[, bt], stages[, warps]): us |")
     print("|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
@@ -83,12 +84,18 @@ def main() -> None:
             best = ""
             if args.sweep:
                 res = []
-                for bn, bk, ns in itertools.product((32, 64, 128), (128, 256, 512), (3, 4, 5)):
-                    kw = dict(block_n=bn, block_k=bk, num_stages=ns)
+                if t <= 16:
+                    grid = [dict(block_n=bn, block_k=bk, num_stages=ns) for bn, bk, ns in
+                            itertools.product((32, 64, 128), (128, 256, 512), (3, 4, 5))]
+                else:   # past 16 tokens: wider token tiles, more warps
+                    grid = [dict(block_n=bn, block_k=bk, block_t=bt, num_stages=ns, num_warps=nw)
+                            for bn, bk, bt, ns, nw in itertools.product(
+                                (64, 128), (128, 256), (32, 64, 128), (3, 4), (4, 8))]
+                for kw in grid:
                     try:
                         assert rel(fp8_small_m_linear(x, q, s, **kw), ref) < 1e-2
                         res.append((per(lambda i: fp8_small_m_linear(x, *mats[i], **kw)),
-                                    (bn, bk, ns)))
+                                    tuple(kw.values())))
                     except Exception:  # noqa: BLE001 - out of shared memory / registers
                         continue
                 res.sort()
