@@ -50,25 +50,43 @@ def _to_e4m3(q):
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.constexpr):
-    """One row: its amax, then every element / (amax / 448) as e4m3; two passes over the row.
-    Rows from R on are padding: they come out zero."""
+def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                          ONE_BLOCK: tl.constexpr):
+    """One row: its amax, then every element / (amax / 448) as e4m3. A row of up to BLOCK
+    elements (ONE_BLOCK) is loaded once and kept in registers; a longer one is read twice,
+    BLOCK at a time. Rows from R on are padding: they come out zero."""
     row = tl.program_id(0).to(tl.int64)
     real = row < R
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if ONE_BLOCK:
         x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.max(tl.abs(x), axis=0)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(X + row * stride_x + k0 + offs, mask=(k0 + offs < K) & real,
+                        other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x))
+        amax = tl.max(acc, axis=0)
     # div_rn: IEEE division, as torch's quantize_rows divides (a plain `/` compiles to an
     # approximate one on CUDA, which rounds a few elements onto the other e4m3 neighbour)
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
     tl.store(Scale + row, scale)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
+    if ONE_BLOCK:
         q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
         tl.store(Q + row * stride_q + offs, _to_e4m3(q), mask=offs < K)
+    else:
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(X + row * stride_x + k0 + offs, mask=(k0 + offs < K) & real,
+                        other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+            tl.store(Q + row * stride_q + k0 + offs, _to_e4m3(q), mask=k0 + offs < K)
+
+
+# A row of up to this many elements is quantized from one load held in registers: the
+# two-pass loop of 1,024-wide blocks was latency-bound at decode sizes (8.8 us a call at
+# 131 tokens of Qwen3-8B, 1.26 ms of its FP8 step; tests/gpu/RESULTS.md).
+ONE_BLOCK_MAX = 16384
 
 
 def quantize_rows_(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +99,10 @@ def quantize_rows_(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor,
     q = torch.empty(padded, k, dtype=FP8, device=x.device)
     scale = torch.empty(padded, 1, dtype=torch.float32, device=x.device)
     if padded:
-        _quantize_rows_kernel[(padded,)](x, q, scale, rows, k, x.stride(0), q.stride(0), BLOCK=1024)
+        block = min(triton.next_power_of_2(max(k, 1)), ONE_BLOCK_MAX)
+        _quantize_rows_kernel[(padded,)](x, q, scale, rows, k, x.stride(0), q.stride(0),
+                                         BLOCK=block, ONE_BLOCK=k <= block,
+                                         num_warps=min(16, max(4, block // 1024)))
     return q, scale
 
 
@@ -205,26 +226,30 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# Routing measured on an H100 at Qwen3-8B shapes (tests/gpu/bench_fp8_gemv.py,
+# Routing measured on an H100 at Qwen3-8B shapes (tests/gpu/bench_fp8_gemv.py --sweep,
 # tests/gpu/RESULTS.md): at 8 tokens the small-M kernel (activation quantization
-# included) takes 0.81-0.91x the time of the weight-only W8A16 kernel it replaced and
-# 0.60-0.82x of quantization + _scaled_mm's; at 131 tokens 1.5-5x _scaled_mm's. _scaled_mm's kernel for 129-256 rows is
-# 1.3-1.6x slower than for 256 rows: more than 128 rows are padded to a multiple of 128.
+# included) takes 0.60-0.82x the time of quantization + _scaled_mm; at 32 and 64 tokens,
+# with 32-token tiles walked fastest (a weight tile read from HBM once), 0.77-0.91x; at
+# 131 tokens it is 0.95-1.14x, so _scaled_mm takes over past MID_M_MAX_TOKENS. Its kernel
+# for 129-256 rows is 1.3-1.6x slower than for 256: more than 128 rows are padded to 128s.
 SMALL_M_MAX_TOKENS = 16
+MID_M_MAX_TOKENS = 64
+MID_M_TILES = dict(block_n=64, block_k=256, block_t=32, num_warps=8, num_stages=4)
 SCALED_MM_ROW_MULTIPLE = 128
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ the e4m3 weight: fp8_linear_ref's values, from fp8_small_m_linear up to
-    SMALL_M_MAX_TOKENS tokens, else one `torch._scaled_mm` with rowwise scales (sm_89+)."""
+    MID_M_MAX_TOKENS tokens, else one `torch._scaled_mm` with rowwise scales (sm_89+)."""
     if not scaled_mm_supported(x.device):
         return fp8_linear_ref(x, w_q, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
-    if rows <= SMALL_M_MAX_TOKENS:
-        return fp8_small_m_linear(x, w_q, w_scale, bias, **SMALL_M_TILES)
+    if rows <= MID_M_MAX_TOKENS:
+        tiles = SMALL_M_TILES if rows <= SMALL_M_MAX_TOKENS else MID_M_TILES
+        return fp8_small_m_linear(x, w_q, w_scale, bias, **tiles)
     x_q, x_scale = quantize_rows_(x2, SCALED_MM_ROW_MULTIPLE if rows > 128 else 1)
     y = torch._scaled_mm(x_q, w_q.T, scale_a=x_scale, scale_b=w_scale.reshape(1, -1),
                          out_dtype=x.dtype, bias=bias)

@@ -190,7 +190,7 @@ def test_worker_with_fp8_weights_streams_hf_fake_quantized_greedy_tokens(model_d
     assert list(got) == ids[len(prompt):]
 
 
-@pytest.mark.parametrize("rows, k", [(1, 64), (5, 1500), (3, 4096)])
+@pytest.mark.parametrize("rows, k", [(1, 64), (5, 1500), (3, 4096), (2, 20000)])
 def test_quantize_kernel_matches_reference(rows, k):
     """The one-launch kernel (the GPU path; Triton's interpreter here) against quantize_rows,
     bit for bit (on CUDA too: its divisions are IEEE ones)."""

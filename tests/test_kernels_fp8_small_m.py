@@ -19,8 +19,8 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 import pytest
 import torch
 
-from kernels.fp8_linear import (FP8, fp8_linear_ref, fp8_small_m_linear, fp8_weight_only_ref,
-                                quantize_rows)
+from kernels.fp8_linear import (FP8, MID_M_TILES, fp8_linear_ref, fp8_small_m_linear,
+                                fp8_weight_only_ref, quantize_rows)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -72,6 +72,15 @@ def test_small_m_default_tiles_3d_input_and_fp16() -> None:
         assert out.shape == (2, 3, 128)
         assert_matches(out, fp8_linear_ref(x, w_q, w_scale, b))
         assert_matches(out[1], fp8_small_m_linear(x[1], w_q, w_scale, b))
+
+
+@pytest.mark.parametrize("t", [17, 40, 64])
+def test_mid_m_tiles(t: int) -> None:
+    """fp8_linear's tiles for 17-64 tokens (32-token tiles, walked fastest: several token
+    tiles share each weight tile, the last one partial at 17 and 40) on a ragged shape."""
+    x, w_q, w_scale, b = make_case(t, 200, 300, torch.bfloat16, bias=True, seed=t)
+    assert_matches(fp8_small_m_linear(x, w_q, w_scale, b, **MID_M_TILES),
+                   fp8_linear_ref(x, w_q, w_scale, b))
 
 
 def test_small_m_differs_from_wrong_references() -> None:
