@@ -14,6 +14,7 @@ dequantized at load with `dequantize_blocks` and requantized per channel.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,6 +51,19 @@ def _to_e4m3(q):
 
 
 @triton.jit
+def quantize_store(y, Q, Scale, row, offs, mask):
+    """One row y (float32 [BLOCK], zeros where ~mask) -> e4m3 at Q + offs and its scale at
+    Scale + row: quantize_rows' values. Shared by the kernels that hand an FP8 GEMM its
+    input already quantized (kernels/rmsnorm.py, kernels/activation.py).
+    div_rn: IEEE division, as torch's quantize_rows divides (a plain `/` compiles to an
+    approximate one on CUDA, which rounds a few elements onto the other e4m3 neighbour)."""
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12), 448.0)
+    tl.store(Scale + row, scale)
+    q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
+    tl.store(Q + offs, _to_e4m3(q), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.constexpr,
                           ONE_BLOCK: tl.constexpr):
     """One row: its amax, then every element / (amax / 448) as e4m3. A row of up to BLOCK
@@ -60,22 +74,15 @@ def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.const
     offs = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         x = tl.load(X + row * stride_x + offs, mask=(offs < K) & real, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
+        quantize_store(x, Q + row * stride_q, Scale, row, offs, offs < K)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(X + row * stride_x + k0 + offs, mask=(k0 + offs < K) & real,
                         other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x))
-        amax = tl.max(acc, axis=0)
-    # div_rn: IEEE division, as torch's quantize_rows divides (a plain `/` compiles to an
-    # approximate one on CUDA, which rounds a few elements onto the other e4m3 neighbour)
-    scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
-    tl.store(Scale + row, scale)
-    if ONE_BLOCK:
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
-        tl.store(Q + row * stride_q + offs, _to_e4m3(q), mask=offs < K)
-    else:
+        scale = tl.div_rn(tl.maximum(tl.max(acc, axis=0), 1e-12), 448.0)   # quantize_store's
+        tl.store(Scale + row, scale)
         for k0 in range(0, K, BLOCK):
             x = tl.load(X + row * stride_x + k0 + offs, mask=(k0 + offs < K) & real,
                         other=0.0).to(tl.float32)
@@ -83,9 +90,10 @@ def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.const
             tl.store(Q + row * stride_q + k0 + offs, _to_e4m3(q), mask=k0 + offs < K)
 
 
-# A row of up to this many elements is quantized from one load held in registers: the
-# two-pass loop of 1,024-wide blocks was latency-bound at decode sizes (8.8 us a call at
-# 131 tokens of Qwen3-8B, 1.26 ms of its FP8 step; tests/gpu/RESULTS.md).
+# A row of up to this many elements is quantized from one load held in registers; the
+# two-pass loop of 1,024-wide blocks (longer rows) is latency-bound at decode sizes: Qwen3-8B's
+# down projection at 131 tokens, quantization + GEMM, 50.0 -> 43.0 us on an H100
+# (tests/gpu/RESULTS.md).
 ONE_BLOCK_MAX = 16384
 
 
@@ -99,11 +107,37 @@ def quantize_rows_(x: torch.Tensor, pad_rows_to: int = 1) -> tuple[torch.Tensor,
     q = torch.empty(padded, k, dtype=FP8, device=x.device)
     scale = torch.empty(padded, 1, dtype=torch.float32, device=x.device)
     if padded:
-        block = min(triton.next_power_of_2(max(k, 1)), ONE_BLOCK_MAX)
+        one = k <= ONE_BLOCK_MAX
+        block = triton.next_power_of_2(max(k, 1)) if one else 1024
         _quantize_rows_kernel[(padded,)](x, q, scale, rows, k, x.stride(0), q.stride(0),
-                                         BLOCK=block, ONE_BLOCK=k <= block,
+                                         BLOCK=block, ONE_BLOCK=one,
                                          num_warps=min(16, max(4, block // 1024)))
     return q, scale
+
+
+@dataclass
+class QuantizedRows:
+    """An activation x [T, K] with its per-token e4m3 copy (quantize_rows' values), made by
+    the kernel that produced x (the RMSNorm or SiLU-and-mul before an FP8 GEMM) so the GEMM
+    needs no quantize launch of its own. q and scale have fp8_rows(T) rows, zero past T."""
+    x: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def fp8_rows(tokens: int) -> int:
+    """How many rows fp8_linear quantizes x into: _scaled_mm's padding past 128 tokens."""
+    if tokens > 128:
+        return -(-tokens // SCALED_MM_ROW_MULTIPLE) * SCALED_MM_ROW_MULTIPLE
+    return tokens
+
+
+def quantized_rows_ref(x: torch.Tensor) -> QuantizedRows:
+    """QuantizedRows of x [T, K] in torch (the CPU path; the kernels' reference)."""
+    q, scale = quantize_rows(x)
+    pad = fp8_rows(x.shape[0]) - x.shape[0]
+    return QuantizedRows(x, torch.cat([q, torch.zeros(pad, x.shape[1], dtype=FP8, device=x.device)]),
+                         torch.cat([scale, torch.full((pad, 1), 1e-12 / FP8_MAX, device=x.device)]))
 
 
 def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -190,11 +224,12 @@ SMALL_M_TILES = dict(block_n=64, block_k=256, block_t=16, num_warps=4, num_stage
 def fp8_small_m_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *, block_n: int = 64,
                        block_k: int = 256, block_t: int = 16, num_warps: int = 4,
-                       num_stages: int = 5) -> torch.Tensor:
+                       num_stages: int = 5, xq: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> torch.Tensor:
     """fp8_linear_ref's values for a few tokens in two launches (x quantized per token,
-    then _small_m_kernel): x [..., K] (any float dtype), w_q [N, K] e4m3, w_scale [N, 1]
-    float32, bias [N] or None -> [..., N] in x's dtype. No host sync and a grid from
-    shapes only (CUDA-graph capturable)."""
+    then _small_m_kernel; one where xq = (e4m3 x, scales) comes with x): x [..., K] (any
+    float dtype), w_q [N, K] e4m3, w_scale [N, 1] float32, bias [N] or None -> [..., N] in
+    x's dtype. No host sync and a grid from shapes only (CUDA-graph capturable)."""
     shape = x.shape
     K = shape[-1]
     N = w_q.shape[0]
@@ -207,7 +242,7 @@ def fp8_small_m_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
     T = x2.shape[0]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T and N:
-        x_q, x_scale = quantize_rows_(x2)
+        x_q, x_scale = xq if xq is not None else quantize_rows_(x2)
         scale = w_scale.reshape(-1).contiguous()
         grid = (triton.cdiv(N, block_n) * triton.cdiv(T, block_t),)
         _small_m_kernel[grid](
@@ -239,18 +274,21 @@ SCALED_MM_ROW_MULTIPLE = 128
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, quantized: QuantizedRows | None = None
+               ) -> torch.Tensor:
     """x [..., K] @ the e4m3 weight: fp8_linear_ref's values, from fp8_small_m_linear up to
-    MID_M_MAX_TOKENS tokens, else one `torch._scaled_mm` with rowwise scales (sm_89+)."""
+    MID_M_MAX_TOKENS tokens, else one `torch._scaled_mm` with rowwise scales (sm_89+).
+    `quantized` (x's QuantizedRows, x 2-D) saves quantizing x here."""
     if not scaled_mm_supported(x.device):
         return fp8_linear_ref(x, w_q, w_scale, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
+    xq = (quantized.q, quantized.scale) if quantized is not None else None
     if rows <= MID_M_MAX_TOKENS:
         tiles = SMALL_M_TILES if rows <= SMALL_M_MAX_TOKENS else MID_M_TILES
-        return fp8_small_m_linear(x, w_q, w_scale, bias, **tiles)
-    x_q, x_scale = quantize_rows_(x2, SCALED_MM_ROW_MULTIPLE if rows > 128 else 1)
+        return fp8_small_m_linear(x, w_q, w_scale, bias, xq=xq, **tiles)
+    x_q, x_scale = xq or quantize_rows_(x2, SCALED_MM_ROW_MULTIPLE if rows > 128 else 1)
     y = torch._scaled_mm(x_q, w_q.T, scale_a=x_scale, scale_b=w_scale.reshape(1, -1),
                          out_dtype=x.dtype, bias=bias)
     return y[:rows].reshape(*shape[:-1], w_q.shape[0])

@@ -11,6 +11,7 @@ import os
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fp8_linear import quantized_rows_ref
 
 FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 
@@ -21,6 +22,10 @@ def use_fused(x: torch.Tensor) -> bool:
     return x.is_cuda and FUSED
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * d] (gate then up, as MergedColumnParallelLinear lays them out) -> [..., d]."""
-    return silu_and_mul(x) if use_fused(x) else silu_and_mul_ref(x)
+def swiglu(x: torch.Tensor, fp8: bool = False):
+    """[..., 2 * d] (gate then up, as MergedColumnParallelLinear lays them out) -> [..., d];
+    fp8: as QuantizedRows for the FP8 GEMM it feeds (LinearBase.takes_fp8_rows)."""
+    if use_fused(x):
+        return silu_and_mul(x, fp8=fp8)
+    out = silu_and_mul_ref(x)
+    return quantized_rows_ref(out) if fp8 else out

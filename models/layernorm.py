@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fp8_linear import quantized_rows_ref
 from kernels.rmsnorm import rms_norm, rms_norm_ref
 from models.parallel import replicated_weight_loader
 
@@ -20,12 +21,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = replicated_weight_loader
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
         """x_normed, or (x_normed, x + residual) when a residual is given (on GPU the sum
-        is written into `residual` in place)."""
-        norm = rms_norm if x.is_cuda else rms_norm_ref
-        return norm(x, self.weight, self.eps, residual)
+        is written into `residual` in place). fp8: x_normed comes as QuantizedRows for the
+        FP8 GEMM it feeds (LinearBase.takes_fp8_rows), quantized in the norm's own pass."""
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual, fp8=fp8)
+        out = rms_norm_ref(x, self.weight, self.eps, residual)
+        if not fp8:
+            return out
+        return ((quantized_rows_ref(out[0]), out[1]) if residual is not None
+                else quantized_rows_ref(out))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8_linear import FP8, fp8_linear, quantize_rows
+from kernels.fp8_linear import (FP8, QuantizedRows, fp8_linear, quantize_rows,
+                                scaled_mm_supported)
 from kernels.gemv import GemvLora, gemv, use_gemv
 from models import activation
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
@@ -47,29 +48,40 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether matmul(x) would quantize x per token (e4m3 weight, more tokens than the
+        GEMV takes, fused kernels on a GPU with _scaled_mm): then the kernel that makes x
+        (RMSNorm, SiLU-and-mul) hands it over as QuantizedRows, one launch less."""
+        return (self.weight.dtype == FP8 and not use_gemv(x) and activation.use_fused(x)
+                and scaled_mm_supported(x.device))
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-               lora: GemvLora | None = None) -> torch.Tensor:
+               lora: GemvLora | None = None, quantized: QuantizedRows | None = None
+               ) -> torch.Tensor:
         fp8 = self.weight.dtype == FP8
         if use_gemv(x):
             return gemv(x, self.weight, self.weight_scale if fp8 else None, bias, lora=lora)
         assert lora is None
         if fp8:
-            return fp8_linear(x, self.weight, self.weight_scale, bias)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, quantized)
         return F.linear(x, self.weight, bias)
 
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """x W^T (+ bias) plus each row's adapter delta (models/lora.py): one token on the
         GEMV gets it in the GEMV's epilogue (no expand launch), others after the GEMM."""
+        quantized = x if isinstance(x, QuantizedRows) else None
+        x = quantized.x if quantized is not None else x
         lora = self.lora
         if lora is None or lora.ctx.rows is None:
-            return self.matmul(x, bias)
+            return self.matmul(x, bias, quantized=quantized)
         if use_gemv(x) and lora.kernels(x):
             return self.matmul(x, bias, lora.shrink(x))
-        y = self.matmul(x, bias)
+        y = self.matmul(x, bias, quantized=quantized)
         lora.apply(x, y)
         return y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return self.project(x, self.bias)
 
 
@@ -118,16 +130,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(dst, shard, f"merged linear part {shard_id}")
         dst.copy_(shard)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this [gate, up] layer. Where the GEMV takes x, with no adapter
-        in play and fused kernels on, straight from its epilogue (one launch less per MLP at
-        one token); otherwise this layer, then the activation."""
+    def swiglu(self, x: torch.Tensor | QuantizedRows, fp8: bool = False):
+        """silu(gate) * up of this [gate, up] layer (as QuantizedRows where fp8). Where the
+        GEMV takes x, with no adapter in play and fused kernels on, straight from its
+        epilogue (one launch less per MLP at one token); otherwise this layer, then the
+        activation."""
         lora = self.lora
-        if (len(self.output_sizes) == 2 and use_gemv(x) and activation.FUSED
-                and self.bias is None and (lora is None or lora.ctx.rows is None)):
-            fp8 = self.weight.dtype == FP8
-            return gemv(x, self.weight, self.weight_scale if fp8 else None, gated=True)
-        return activation.swiglu(self(x))
+        if (not fp8 and len(self.output_sizes) == 2 and not isinstance(x, QuantizedRows)
+                and use_gemv(x) and activation.FUSED and self.bias is None
+                and (lora is None or lora.ctx.rows is None)):
+            w8 = self.weight.dtype == FP8
+            return gemv(x, self.weight, self.weight_scale if w8 else None, gated=True)
+        return activation.swiglu(self(x), fp8=fp8)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

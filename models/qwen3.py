@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata, select_backend
+from kernels.fp8_linear import QuantizedRows
 from kernels.qk_norm_rotary import qk_norm_rotary
 from models import activation
 from models.attention import Attention
@@ -89,8 +90,14 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.swiglu(x))
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return self.gate_up_proj.takes_fp8_rows(x)
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        # x may come quantized from the norm; the activation quantizes for down_proj alike
+        plain = x.x if isinstance(x, QuantizedRows) else x
+        return self.down_proj(self.gate_up_proj.swiglu(
+            x, fp8=self.down_proj.takes_fp8_rows(plain)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -107,12 +114,16 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Before FP8 GEMMs of several tokens the norms also write their output as e4m3
+        # (QuantizedRows), saving the GEMMs' quantize launches
+        fp8 = self.self_attn.qkv_proj.takes_fp8_rows(hidden)
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, fp8=fp8), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, fp8=fp8)
         hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        fp8 = isinstance(self.mlp, Qwen3MLP) and self.mlp.takes_fp8_rows(hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8=fp8)
         return self.mlp(hidden), residual
 
 

@@ -208,3 +208,36 @@ def test_quantize_kernel_matches_reference(rows, k):
     assert padded.shape == (-(-rows // 4) * 4, k) and padded_scale.shape == (padded.shape[0], 1)
     assert torch.equal(padded[:rows].float(), q_ref.float())
     assert not padded[rows:].float().any()
+
+
+def test_norms_and_activation_hand_fp8_gemms_their_quantized_input(model_dir, monkeypatch):
+    """Where the FP8 GEMMs take several tokens on the small-M kernel (Triton interpreter
+    here, as if on a GPU with _scaled_mm), the RMSNorms and SiLU-and-mul before them hand
+    over QuantizedRows: three of each layer's four quantize launches go, logits unchanged."""
+    import kernels.fp8_linear
+    import models.activation
+    import models.linear
+    monkeypatch.setattr(kernels.fp8_linear, "scaled_mm_supported", lambda device: True)
+    monkeypatch.setattr(models.linear, "scaled_mm_supported", lambda device: True)
+    monkeypatch.setattr(models.activation, "use_fused", lambda x: True)
+    launches = []
+    quantize = kernels.fp8_linear.quantize_rows_
+    monkeypatch.setattr(kernels.fp8_linear, "quantize_rows_",
+                        lambda *a, **kw: launches.append(1) or quantize(*a, **kw))
+    prompts = random_prompts(389, [6, 17], seed=3)
+    model, config = load_model(str(model_dir), quantization="fp8")
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(models.linear.LinearBase, "takes_fp8_rows",
+                            lambda self, x, f=fused: f and self.weight.dtype == FP8)
+        launches.clear()
+        cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
+        runs.append(run_step(model, cache, prompts, [(i, 0, len(p)) for i, p in enumerate(prompts)]))
+        assert len(launches) == (1 if fused else 4) * config.num_hidden_layers
+    for unfused, fused in zip(*runs):
+        assert torch.equal(fused, unfused)
+    hf = hf_fake_quantized(model_dir)
+    with torch.no_grad():
+        for p, logits in zip(prompts, runs[1]):
+            ref = hf(p[None]).logits[0]
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())

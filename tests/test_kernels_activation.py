@@ -32,3 +32,21 @@ def test_silu_and_mul_3d_and_empty() -> None:
     x = torch.randn(2, 3, 64).to(DEVICE)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), atol=1e-5, rtol=1e-5)
     assert silu_and_mul(torch.empty(0, 64, device=DEVICE)).shape == (0, 32)
+
+
+@pytest.mark.parametrize("rows", [3, 130])        # 130: _scaled_mm's zero padding to 256 rows
+def test_silu_and_mul_fp8_rows(rows: int) -> None:
+    """fp8=True: the same output, plus its e4m3 copy bit for bit as quantize_rows makes it
+    from that output (what an FP8 GEMM would quantize), zero rows past the tokens."""
+    from kernels.fp8_linear import QuantizedRows, fp8_rows, quantize_rows
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 2 * 96, generator=g)).bfloat16().to(DEVICE)
+    rows_q = silu_and_mul(x, fp8=True)
+    assert isinstance(rows_q, QuantizedRows)
+    plain = silu_and_mul(x)
+    assert torch.equal(rows_q.x, plain)
+    q, scale = quantize_rows(plain)
+    assert rows_q.q.shape == (fp8_rows(rows), 96) and rows_q.scale.shape == (fp8_rows(rows), 1)
+    assert torch.equal(rows_q.q[:rows].float(), q.float())
+    assert torch.equal(rows_q.scale[:rows], scale)
+    assert not rows_q.q[rows:].float().any()

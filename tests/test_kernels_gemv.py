@@ -83,7 +83,8 @@ def test_model_decode_through_gemv_equals_without(tmp_path_factory, monkeypatch,
     import kernels.gemv
     import models.linear
     from kernels.fp8_linear import fp8_weight_only_ref
-    monkeypatch.setattr(models.linear, "fp8_linear", fp8_weight_only_ref)
+    monkeypatch.setattr(models.linear, "fp8_linear",
+                        lambda x, w, s, b=None, quantized=None: fp8_weight_only_ref(x, w, s, b))
     from models.loader import load_model
     from paged_kv import PagedKV
     from test_qwen3_vs_hf import random_prompts, run_step
@@ -109,7 +110,7 @@ def test_model_decode_through_gemv_equals_without(tmp_path_factory, monkeypatch,
     monkeypatch.setattr(kernels.gemv, "_gemv_kernel", Counting())
     import models.activation
     acts, act = [], models.activation.swiglu
-    monkeypatch.setattr(models.activation, "swiglu", lambda x: acts.append(x) or act(x))
+    monkeypatch.setattr(models.activation, "swiglu", lambda x, **kw: acts.append(x) or act(x, **kw))
     plain = logits(False)
     plain_acts = len(acts)
     routed = logits(True)

@@ -43,6 +43,29 @@ def test_rms_norm_matches_ref(hidden: int, with_residual: bool) -> None:
     torch.testing.assert_close(res, ref_res)
 
 
+@pytest.mark.parametrize("rows", [5, 130])        # 130: _scaled_mm's zero padding to 256 rows
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_rows(rows: int, with_residual: bool) -> None:
+    """fp8=True: the same output and residual, plus the output's e4m3 copy bit for bit as
+    quantize_rows makes it (what an FP8 GEMM would quantize), zero rows past the tokens."""
+    from kernels.fp8_linear import QuantizedRows, fp8_rows, quantize_rows
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).bfloat16().to(DEVICE)
+    w = torch.randn(64, generator=g).bfloat16().to(DEVICE)
+    res = torch.randn(rows, 64, generator=g).bfloat16().to(DEVICE) if with_residual else None
+    if with_residual:
+        plain, plain_res = rms_norm(x, w, 1e-6, res.clone())
+        got, got_res = rms_norm(x, w, 1e-6, res, fp8=True)
+        assert torch.equal(got_res, plain_res)
+    else:
+        plain, got = rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6, fp8=True)
+    assert isinstance(got, QuantizedRows) and torch.equal(got.x, plain)
+    q, scale = quantize_rows(plain)
+    assert got.q.shape == (fp8_rows(rows), 64)
+    assert torch.equal(got.q[:rows].float(), q.float()) and torch.equal(got.scale[:rows], scale)
+    assert not got.q[rows:].float().any()
+
+
 def test_rms_norm_fp16_and_per_head_strided_view() -> None:
     """Per-head q/k norm (Qwen3) on a strided slice of a fused qkv tensor, in fp16."""
     g = torch.Generator().manual_seed(1)

@@ -3,7 +3,8 @@ worker replays: its CUDA graph, at batch 1 and 8.
 
     python tests/gpu/bench_pdl.py [--model DIR] [--quantization fp8 --fp8-kv] [--batches 1,8]
 
-For each setting (pdl off / on; --max-rows: kernels of more rows launch without) the step (forward, LM head, greedy
+For each setting (pdl off / on; --max-rows: kernels of more rows launch without; unfused-quant:
+FP8 GEMMs quantize their input themselves) the step (forward, LM head, greedy
 sampling) is captured and replayed: ms per step over --replays replays, --sets times
 (min / median / max), and the step's logits checked against the first setting's: the
 settings change when kernels start and how a loop is scheduled, never a value, so the
@@ -22,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-SETTINGS = {"base": False, "pdl": True}
+# name -> (PDL on, norms / SiLU hand FP8 GEMMs their input quantized: models/linear.py)
+SETTINGS = {"base": (False, True), "pdl": (True, True), "unfused-quant": (True, False)}
 
 
 def main() -> None:
@@ -42,9 +44,11 @@ def main() -> None:
     from bench_decode_attention import capture_graph
     from kernels.attention import select_backend
     from kernels.sampling import gumbel_sample
+    from models.linear import LinearBase
     from models.loader import load_model
     from paged_kv import PagedKV
     from test_model_gpu import main_checkpoint
+    takes = LinearBase.takes_fp8_rows
     path = args.model or str(main_checkpoint())
     model, _ = load_model(path, dtype=torch.bfloat16, device="cuda",
                           attn_backend=select_backend("triton", "cuda"),
@@ -76,7 +80,8 @@ def main() -> None:
 
         base = None
         for name in args.settings.split(","):
-            kernels.pdl.ENABLED = SETTINGS[name]
+            kernels.pdl.ENABLED, fused_quant = SETTINGS[name]
+            LinearBase.takes_fp8_rows = takes if fused_quant else lambda self, x: False
             with torch.inference_mode():
                 graph = capture_graph(step)
                 graph.replay()
