@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8_linear import (FP8, QuantizedRows, fp8_linear, quantize_rows,
+from kernels.fp8_linear import (FP8, ONE_BLOCK_MAX, QuantizedRows, fp8_linear, quantize_rows,
                                 scaled_mm_supported)
 from kernels.gemv import GemvLora, gemv, use_gemv
 from models import activation
@@ -51,9 +51,10 @@ class LinearBase(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether matmul(x) would quantize x per token (e4m3 weight, more tokens than the
         GEMV takes, fused kernels on a GPU with _scaled_mm): then the kernel that makes x
-        (RMSNorm, SiLU-and-mul) hands it over as QuantizedRows, one launch less."""
-        return (self.weight.dtype == FP8 and not use_gemv(x) and activation.use_fused(x)
-                and scaled_mm_supported(x.device))
+        (RMSNorm, SiLU-and-mul; rows of up to ONE_BLOCK_MAX) hands it over as
+        QuantizedRows, one launch less."""
+        return (self.weight.dtype == FP8 and self.weight.shape[1] <= ONE_BLOCK_MAX
+                and not use_gemv(x) and activation.use_fused(x) and scaled_mm_supported(x.device))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                lora: GemvLora | None = None, quantized: QuantizedRows | None = None
