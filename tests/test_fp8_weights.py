@@ -192,8 +192,9 @@ def test_worker_with_fp8_weights_streams_hf_fake_quantized_greedy_tokens(model_d
 
 @pytest.mark.parametrize("rows, k", [(1, 64), (5, 1500), (3, 4096), (2, 20000)])
 def test_quantize_kernel_matches_reference(rows, k):
-    """The one-launch kernel (the GPU path; Triton's interpreter here) against quantize_rows,
-    bit for bit (on CUDA too: its divisions are IEEE ones)."""
+    """The one-launch kernel (the GPU path; Triton's interpreter here) against quantize_rows
+    on CPU, bit for bit (on CUDA too: the kernel's divisions are IEEE ones, as CPU torch's
+    are; CUDA torch divides by 448 as a multiply by its reciprocal, 1 ulp off at times)."""
     from kernels.fp8_linear import quantize_rows_
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
@@ -201,15 +202,18 @@ def test_quantize_kernel_matches_reference(rows, k):
     if os.environ.get("NANOSERVE_GPU_TESTS") and torch.cuda.is_available():
         x = x.cuda()   # the GPU host runs the compiled kernel
     q, scale = quantize_rows_(x)
-    q_ref, scale_ref = quantize_rows(x)
-    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
-    assert torch.equal(q.float(), q_ref.float())
+    q_ref, scale_ref = quantize_rows(x.cpu())
+    assert torch.equal(scale.cpu(), scale_ref)
+    assert torch.equal(q.float().cpu(), q_ref.float())
     padded, padded_scale = quantize_rows_(x, pad_rows_to=4)   # _scaled_mm's row padding
     assert padded.shape == (-(-rows // 4) * 4, k) and padded_scale.shape == (padded.shape[0], 1)
-    assert torch.equal(padded[:rows].float(), q_ref.float())
+    assert torch.equal(padded[:rows].float().cpu(), q_ref.float())
     assert not padded[rows:].float().any()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the model's kernels on CPU in Triton's interpreter; on a GPU "
+                           "tests/gpu/bench_pdl.py --settings unfused-quant,pdl compares them")
 def test_norms_and_activation_hand_fp8_gemms_their_quantized_input(model_dir, monkeypatch):
     """Where the FP8 GEMMs take several tokens on the small-M kernel (Triton interpreter
     here, as if on a GPU with _scaled_mm), the RMSNorms and SiLU-and-mul before them hand
