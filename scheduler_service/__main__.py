@@ -225,14 +225,22 @@ class ControlPlane:
 
     # ---- children ---------------------------------------------------------------------
 
-    def _spawn(self, name: str, target, config):
-        """Start a child and wait until it says it is ready: (process, what it sent)."""
+    def _spawn(self, name: str, target, config, needs_core: bool = False):
+        """Start a child and wait until it says it is ready: (process, what it sent).
+
+        needs_core (a frontend: ready only once the engine core answers it): give up at
+        once if the core dies meanwhile, so that watch() restarts the core next; waiting
+        would hold the core's restart up for the frontend's whole connect timeout (60 s)."""
         parent, child = self.mp.Pipe(duplex=False)
         proc = self.mp.Process(target=target, args=(config, child), name=name)
         proc.start()
         child.close()
         while True:
             ready = multiprocessing.connection.wait([parent, proc.sentinel], timeout=0.5)
+            if needs_core and not ready and (self.core is None or not self.core.is_alive()):
+                proc.terminate()
+                proc.join(5)
+                raise ChildFailed(f"{name}: the engine core died while it started")
             if parent in ready:
                 try:
                     status, payload = parent.recv()
@@ -259,7 +267,8 @@ class ControlPlane:
         """(gRPC port, HTTP port or None) the frontend bound."""
         from scheduler_service import frontend
         self.frontends[i], (port, http_port) = self._spawn(f"frontend {i}", frontend.run,
-                                                           self.frontend_configs[i])
+                                                           self.frontend_configs[i],
+                                                           needs_core=True)
         for cfg in self.frontend_configs:   # every restart and sibling binds these ports
             cfg.port, cfg.http_port = port, http_port
         return port, http_port

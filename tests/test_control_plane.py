@@ -203,6 +203,37 @@ def test_frontend_killed_is_restarted_on_the_same_port_and_its_requests_aborted(
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_core_dying_while_a_frontend_restarts_is_restarted_at_once(stack, eos):
+    """A frontend is ready only once the engine core answers it; if the core dies while a
+    frontend restarts, the supervisor must restart the core now, not after the frontend's
+    60 s connect timeout (the chaos test's minute without tokens). The core is stopped
+    (SIGSTOP) so the new frontend is surely waiting on it, then killed."""
+    worker, sched = stack
+    kids = named_children(sched.popen.pid)
+    core, frontend = kids["ns-engine-core"], kids["ns-frontend-0"]
+    os.kill(core, signal.SIGSTOP)
+    try:
+        os.kill(frontend, signal.SIGKILL)
+        assert wait_until(lambda: named_children(sched.popen.pid).get("ns-frontend-0") not in
+                          (None, frontend), timeout=30), sched.output()
+        time.sleep(1.0)   # the new frontend now waits for the stopped core's answer
+    finally:
+        os.kill(core, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def serves() -> bool:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+                out = generate_pb2_grpc.GenerationStub(ch).Complete(request([9], 10), timeout=5)
+            return list(out.token_ids) == expected_tokens([9], 10, VOCAB, eos)
+        except grpc.RpcError:
+            return False
+    assert wait_until(serves, timeout=30), sched.output()
+    print(f"engine core SIGKILL during a frontend restart -> serving: "
+          f"{time.monotonic() - killed:.1f}s")
+    assert "the engine core died while it started" in sched.output()
+
+
 def test_sigterm_stops_every_process_and_sigkill_leaves_no_orphans(model_dir):
     worker = start_null_worker(model_dir, step_ms=1)
     try:
