@@ -245,3 +245,62 @@ def test_norms_and_activation_hand_fp8_gemms_their_quantized_input(model_dir, mo
         for p, logits in zip(prompts, runs[1]):
             ref = hf(p[None]).logits[0]
             torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def hf_fake_quantized_tp(model_dir, size: int) -> transformers.PreTrainedModel:
+    """hf_fake_quantized as `size` tensor-parallel ranks compute it: column-parallel
+    layers (q/k/v, gate/up) quantize as one process does (weight rows and each token over
+    all of K), but each rank of a row-parallel layer (o_proj, down_proj) holds a K/size
+    slice and quantizes its weight rows and its tokens over that slice alone; the ranks'
+    partial products are summed (the all-reduce)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager")
+    for name, module in hf.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("o_proj", "down_proj"):
+            k = module.weight.shape[1] // size
+            parts = [fake_quant(module.weight.data[:, r * k:(r + 1) * k]) for r in range(size)]
+            module.forward = (lambda x, parts=parts, k=k: sum(
+                fake_quant(x[..., r * k:(r + 1) * k]) @ w.T for r, w in enumerate(parts)))
+        elif leaf in LINEARS:
+            module.weight.data = fake_quant(module.weight.data)
+            module.register_forward_pre_hook(lambda m, args: (fake_quant(args[0]),))
+    return hf
+
+
+def test_fp8_tp2_quantizes_each_ranks_row_parallel_slice(model_dir):
+    """FP8 weights at TP=2 (thread collectives): each rank quantizes its own slice of the
+    row-parallel layers, so its logits are the per-slice reference's, not TP=1's (why a
+    TP=2 FP8 deployment's greedy tokens part from TP=1's on a random model)."""
+    import threading
+
+    from test_qwen3_vs_hf import ThreadTPGroup
+    prompts = random_prompts(389, [6, 17], seed=3)
+    size, hub = 2, {"slots": [None] * 2, "barrier": threading.Barrier(2)}
+    results, errors = [None] * size, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            model, _ = load_model(str(model_dir), tp=ThreadTPGroup(rank, size, hub),
+                                  quantization="fp8")
+            cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
+            results[rank] = run_step(model, cache, prompts,
+                                     [(i, 0, len(p)) for i, p in enumerate(prompts)])
+        except BaseException as e:     # surface in the main thread; unblock the peer
+            errors.append(e)
+            hub["barrier"].abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    tp_ref, one_ref = hf_fake_quantized_tp(model_dir, size), hf_fake_quantized(model_dir)
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            ref, one = tp_ref(p[None]).logits[0], one_ref(p[None]).logits[0]
+            tol = 1e-4 * ref.abs().max().item()
+            for rank in range(size):
+                torch.testing.assert_close(results[rank][i], ref, rtol=1e-4, atol=tol)
+            assert (one - ref).abs().max() > 10 * tol   # TP=1's arithmetic is another
