@@ -49,6 +49,11 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def clients(args: Any) -> int:
+    """Turns in flight at most: --concurrency, 0 meaning every conversation."""
+    return min(args.concurrency or args.num_seqs, args.num_seqs)
+
+
 @dataclass
 class Conversation:
     """One conversation's state between its turns."""
@@ -112,9 +117,8 @@ async def _run(args: Any) -> dict:
         for i in range(args.num_seqs):
             ready.put_nowait(Conversation(i, random.Random(args.seed * 1_000_003 + i),
                                           list(system)))
-        clients = min(args.concurrency or args.num_seqs, args.num_seqs)
         await asyncio.gather(*(_client(client, ready, args, vocab, info.max_model_len, turns)
-                               for _ in range(clients)))
+                               for _ in range(clients(args))))
         wall = time.perf_counter() - t0
         after = await client.stats()
     per_turn = []
@@ -145,7 +149,7 @@ def run(args: Any) -> int:
     report = asyncio.run(_run(args))
     print(f"model          {report['model']}   {args.num_seqs} conversations x {args.multi_turn} "
           f"turns, system prompt {args.system_prompt_len} tokens, "
-          f"{min(args.concurrency or args.num_seqs, args.num_seqs)} at a time")
+          f"{clients(args)} at a time")
     print(f"output tok/s   {report['output_tok_per_s']:,.1f}   wall {report['wall_s']:.2f} s")
     print(f"TTFT p50 ms    {report['ttft_p50_ms']:.1f} (queued p50 {report['queue_p50_ms']:.1f})   "
           f"prompt tokens from the cache {report['cached']:.1%}")

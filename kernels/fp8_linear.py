@@ -51,16 +51,28 @@ def _to_e4m3(q):
 
 
 @triton.jit
+def _row_scale(amax):
+    """A row's e4m3 scale from its largest magnitude. div_rn: IEEE division, as torch's
+    quantize_rows divides on CPU (a plain `/` compiles to an approximate one on CUDA, which
+    rounds a few elements onto the other e4m3 neighbour)."""
+    return tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit
+def _store_e4m3(y, scale, Q, offs, mask):
+    """y / scale, clamped to e4m3's range, stored at Q + offs."""
+    q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
+    tl.store(Q + offs, _to_e4m3(q), mask=mask)
+
+
+@triton.jit
 def quantize_store(y, Q, Scale, row, offs, mask):
     """One row y (float32 [BLOCK], zeros where ~mask) -> e4m3 at Q + offs and its scale at
     Scale + row: quantize_rows' values. Shared by the kernels that hand an FP8 GEMM its
-    input already quantized (kernels/rmsnorm.py, kernels/activation.py).
-    div_rn: IEEE division, as torch's quantize_rows divides (a plain `/` compiles to an
-    approximate one on CUDA, which rounds a few elements onto the other e4m3 neighbour)."""
-    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12), 448.0)
+    input already quantized (kernels/rmsnorm.py, kernels/activation.py)."""
+    scale = _row_scale(tl.max(tl.abs(y), axis=0))
     tl.store(Scale + row, scale)
-    q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
-    tl.store(Q + offs, _to_e4m3(q), mask=mask)
+    _store_e4m3(y, scale, Q, offs, mask)
 
 
 @triton.jit
@@ -81,13 +93,12 @@ def _quantize_rows_kernel(X, Q, Scale, R, K, stride_x, stride_q, BLOCK: tl.const
             x = tl.load(X + row * stride_x + k0 + offs, mask=(k0 + offs < K) & real,
                         other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x))
-        scale = tl.div_rn(tl.maximum(tl.max(acc, axis=0), 1e-12), 448.0)   # quantize_store's
+        scale = _row_scale(tl.max(acc, axis=0))
         tl.store(Scale + row, scale)
         for k0 in range(0, K, BLOCK):
             x = tl.load(X + row * stride_x + k0 + offs, mask=(k0 + offs < K) & real,
                         other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
-            tl.store(Q + row * stride_q + k0 + offs, _to_e4m3(q), mask=k0 + offs < K)
+            _store_e4m3(x, scale, Q + row * stride_q + k0, offs, k0 + offs < K)
 
 
 # A row of up to this many elements is quantized from one load held in registers; the

@@ -16,7 +16,7 @@ from kernels.fp8_linear import FP8, dequantize_blocks, fp8_linear_ref, quantize_
 from models.linear import LinearBase
 from models.loader import load_model
 from paged_kv import PagedKV
-from test_qwen3_vs_hf import random_prompts, run_step
+from test_qwen3_vs_hf import random_prompts, run_step, thread_tp_logits
 from tiny_checkpoint import tiny_qwen3_dir
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -272,30 +272,9 @@ def test_fp8_tp2_quantizes_each_ranks_row_parallel_slice(model_dir):
     """FP8 weights at TP=2 (thread collectives): each rank quantizes its own slice of the
     row-parallel layers, so its logits are the per-slice reference's, not TP=1's (why a
     TP=2 FP8 deployment's greedy tokens part from TP=1's on a random model)."""
-    import threading
-
-    from test_qwen3_vs_hf import ThreadTPGroup
     prompts = random_prompts(389, [6, 17], seed=3)
-    size, hub = 2, {"slots": [None] * 2, "barrier": threading.Barrier(2)}
-    results, errors = [None] * size, []
-
-    def rank_main(rank: int) -> None:
-        try:
-            model, _ = load_model(str(model_dir), tp=ThreadTPGroup(rank, size, hub),
-                                  quantization="fp8")
-            cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
-            results[rank] = run_step(model, cache, prompts,
-                                     [(i, 0, len(p)) for i, p in enumerate(prompts)])
-        except BaseException as e:     # surface in the main thread; unblock the peer
-            errors.append(e)
-            hub["barrier"].abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    size = 2
+    results = thread_tp_logits(model_dir, prompts, size, quantization="fp8")
     tp_ref, one_ref = hf_fake_quantized_tp(model_dir, size), hf_fake_quantized(model_dir)
     with torch.no_grad():
         for i, p in enumerate(prompts):

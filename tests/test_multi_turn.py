@@ -39,9 +39,8 @@ async def _drive(args, server):
     for i in range(args.num_seqs):
         ready.put_nowait(multi_turn.Conversation(i, random.Random(i), [7, 7]))
     turns: list = []
-    clients = min(args.concurrency or args.num_seqs, args.num_seqs)
     await asyncio.gather(*(multi_turn._client(server, ready, args, 100, 10_000, turns)
-                           for _ in range(clients)))
+                           for _ in range(multi_turn.clients(args))))
     return turns
 
 

@@ -187,19 +187,15 @@ class ThreadTPGroup(TPGroup):
         return torch.cat(self._exchange(x), dim=dim)
 
 
-def test_tp2_forward_matches_hf_with_thread_collectives(checkpoint):
-    path, prompts, refs = checkpoint
-    size = 2
-    if num_kv_heads_of(path) % size:
-        with pytest.raises(ValueError, match="num_key_value_heads"):
-            load_model(str(path), tp=TPGroup(0, size))
-        return
+def thread_tp_logits(path, prompts, size: int, **load_kw) -> list[list[torch.Tensor]]:
+    """Each rank's prefill logits of the prompts, `size` threads running the TP model over
+    ThreadTPGroup collectives (load_kw: load_model's, e.g. quantization)."""
     hub = {"slots": [None] * size, "barrier": threading.Barrier(size)}
     results, errors = [None] * size, []
 
     def rank_main(rank: int) -> None:
         try:
-            model, _ = load_model(str(path), tp=ThreadTPGroup(rank, size, hub))
+            model, _ = load_model(str(path), tp=ThreadTPGroup(rank, size, hub), **load_kw)
             cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
             results[rank] = run_step(model, cache, prompts,
                                      [(i, 0, len(p)) for i, p in enumerate(prompts)])
@@ -211,8 +207,19 @@ def test_tp2_forward_matches_hf_with_thread_collectives(checkpoint):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=120)
     assert not errors, errors
+    return results
+
+
+def test_tp2_forward_matches_hf_with_thread_collectives(checkpoint):
+    path, prompts, refs = checkpoint
+    size = 2
+    if num_kv_heads_of(path) % size:
+        with pytest.raises(ValueError, match="num_key_value_heads"):
+            load_model(str(path), tp=TPGroup(0, size))
+        return
+    results = thread_tp_logits(path, prompts, size)
     for rank in range(size):
         for i, (ours, ref) in enumerate(zip(results[rank], refs)):
             assert_close(ours, ref, f"tp rank {rank} seq {i}")
