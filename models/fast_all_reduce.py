@@ -62,9 +62,27 @@ class FastAllReduce:
         return staged.view(x.shape).clone()
 
 
+def allocate(device: torch.device, size: int = TWO_SHOT_MAX) -> torch.Tensor | None:
+    """This rank's symmetric buffer (None where there is none: CPU, or the allocation fails).
+
+    Local, no collective: the first symmetric allocation of a process sets up torch's
+    symmetric memory, 2-3 s on 2x H100, so a worker runs this in a thread beside NCCL's
+    set-up and the weights load and hands the buffer to `create`."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+        torch.cuda.set_device(device)
+        return symm_mem.empty(size, dtype=torch.uint8, device=device)
+    except Exception as e:  # noqa: BLE001 - any failure means: not here
+        log.warning("peer memory unavailable (%s)", e)
+        return None
+
+
 def create(device: torch.device, group: dist.ProcessGroup | None = None,
-           size: int = TWO_SHOT_MAX) -> FastAllReduce | None:
+           size: int = TWO_SHOT_MAX, buffer: torch.Tensor | None = None) -> FastAllReduce | None:
     """Set up peer buffers for every rank of `group` (default: the world); a collective.
+    `buffer`: this rank's, from `allocate` (else allocated here).
 
     Returns None, on every rank alike, where peer memory cannot work: CPU or gloo; ranks on
     different hosts; a process that cannot see its peers' GPUs (one GPU visible per
@@ -86,17 +104,15 @@ def create(device: torch.device, group: dist.ProcessGroup | None = None,
     reachable = (len(hosts) == 1 and len(set(gpus)) == world
                  and max(gpus) < torch.cuda.device_count()
                  and all(g == mine or torch.cuda.can_device_access_peer(mine, g) for g in gpus))
-    buffer = None
-    if _all_agree(reachable, device, group):
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-            buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        except Exception as e:  # noqa: BLE001 - any failure means: not here
-            log.warning("peer memory unavailable (%s)", e)
+    if not _all_agree(reachable, device, group):
+        buffer = None
+    elif buffer is None:
+        buffer = allocate(device, size)
     if not _all_agree(buffer is not None, device, group):
         log.info("all-reduce: NCCL for all sizes (no peer memory between these ranks)")
         return None
     try:
+        from torch.distributed import _symmetric_memory as symm_mem
         symm_mem.rendezvous(buffer, group.group_name)
         ok = True
     except Exception as e:  # noqa: BLE001

@@ -27,6 +27,12 @@ class TPGroup:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"invalid TP rank/size {self.rank}/{self.size}")
 
+    def use_peer_memory(self, fast) -> None:
+        """Attach the peer-memory all-reduce. The group sets it up beside the weights load
+        (worker_service/distributed.py), after the layers took this TPGroup, so it is filled
+        in place, once, before the first forward."""
+        object.__setattr__(self, "fast", fast)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over ranks; identity for size 1. Use the result: decode-sized tensors
         return a new tensor from peer memory (`fast`), others are summed in place by NCCL."""

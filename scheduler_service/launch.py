@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             log(f"the {u.name} {which}exited ({_describe(dead)}); restarting "
                 f"{'all ranks ' if len(u.procs) > 1 else ''}in {delay:.1f}s")
-            u.stop(grace=5.0)
+            u.stop(grace=1.0)   # a broken group has nothing to drain: its ranks restart
             u.restart_at = time.monotonic() + delay
         time.sleep(0.1)
     # Scheduler first (it drains requests), then the workers.

@@ -204,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import torch  # after --help, which should not pay for importing torch
 
-    from models.parallel import TPGroup
     from worker_service import distributed
     from worker_service.model_runner import ModelRunner, RunnerConfig, phase, phases_line
     from worker_service.server import serve
@@ -214,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
                              if torch.cuda.is_available() else "cpu")
     assert distributed.EXIT_GROUP_BROKEN == EXIT_GROUP_BROKEN
     group = None
-    tp, runner_class = TPGroup(), ModelRunner
     if args.world_size > 1:
         try:
             with open(os.path.join(args.model, "config.json")) as f:
@@ -228,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.device(device), distributed.model_fingerprint(args.model))
         except (OSError, ValueError, RuntimeError) as e:
             raise SystemExit(f"nanoserve worker rank {args.rank}: {e}") from e
-        tp, runner_class = group.tp, distributed.TPModelRunner
-    runner = runner_class(RunnerConfig(
+    runner_config = RunnerConfig(
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization, draft_model=args.draft_model,
@@ -238,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager, max_loras=args.max_loras,
         host_kv_cache_gb=args.host_kv_cache_gb,
-        max_lora_rank=args.max_lora_rank), tp)
+        max_lora_rank=args.max_lora_rank)
+    runner = (distributed.TPModelRunner(runner_config, group) if group is not None
+              else ModelRunner(runner_config))
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)
     serve_metrics(args)

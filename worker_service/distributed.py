@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from models import fast_all_reduce
 from models.parallel import TPGroup
-from worker_service.model_runner import ModelRunner, StepError
+from worker_service.model_runner import ModelRunner, StepError, phase
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -168,35 +168,71 @@ def _rendezvous(cfg: DistConfig, fingerprint: str) -> dist.TCPStore:
 
 
 class DistGroup:
-    """The joined process group of this worker plus its liveness watcher."""
+    """The joined process group of this worker plus its liveness watcher.
+
+    Joining is split so start-up overlaps it with the weights load: the constructor meets
+    the peers (store, checks, process group: fail fast on a bad config) and starts the
+    watcher; then, while the main thread loads weights, a thread builds NCCL's
+    communicators (the first all-reduce, ~1-1.5 s on 2x H100) as another allocates the
+    peer-memory buffer (torch's one-time symmetric-memory set-up, ~2.5-3.5 s), and the
+    ranks agree on peer memory. `wait_joined` returns once that is done; the runner calls
+    it before its first forward."""
 
     def __init__(self, cfg: DistConfig, device: torch.device, fingerprint: str):
         self.cfg = cfg
         self._closing = threading.Event()
-        steps, t = [], time.perf_counter()
-
-        def done(what: str) -> None:   # the rendezvous phase, step by step, in the log
-            nonlocal t
-            steps.append(f"{what} {time.perf_counter() - t:.1f} s")
-            t = time.perf_counter()
-
+        self._joined = threading.Event()
+        self._join_error: BaseException | None = None
+        self.steps: list[str] = []    # the rendezvous, step by step, for the log
+        t = time.perf_counter()
         store = _rendezvous(cfg, fingerprint)
-        done("store and peers' checks")
+        self.steps.append(f"store and peers' checks {time.perf_counter() - t:.1f} s")
+        t = time.perf_counter()
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         dist.init_process_group(cfg.backend, store=store, rank=cfg.rank,
                                 world_size=cfg.world_size, timeout=timeout)
-        done("process group")
-        # Warm up: NCCL builds its communicators on the first collective; better here,
-        # with a clear error, than inside the memory-profiling forward.
-        all_ranks_meet(device, cfg.world_size, "all-reduce warm-up")
-        done("first all-reduce")
-        fast = fast_all_reduce.create(device) if cfg.all_reduce == "auto" else None
-        done("peer memory")
-        self.tp = TPGroup(rank=cfg.rank, size=cfg.world_size, fast=fast)
+        self.steps.append(f"process group {time.perf_counter() - t:.1f} s")
+        self.tp = TPGroup(rank=cfg.rank, size=cfg.world_size)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-        log.info("rank %d/%d joined %s over %s%s (%s)", cfg.rank, cfg.world_size,
-                 cfg.init_method, cfg.backend, " (peer-memory all-reduce up to "
-                 f"{fast.two_shot_max >> 20} MiB)" if fast else "", ", ".join(steps))
+        threading.Thread(target=self._finish_join, args=(device,), name="tp-join",
+                         daemon=True).start()
+
+    def _finish_join(self, device: torch.device) -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)   # this thread's current device: the rank's GPU
+            t = time.perf_counter()
+            buffer: list = []   # this rank's peer-memory buffer, allocated beside NCCL's set-up
+            alloc = threading.Thread(
+                target=lambda: buffer.append(fast_all_reduce.allocate(device)), daemon=True,
+                name="tp-peer-memory")
+            if self.cfg.all_reduce == "auto" and device.type == "cuda":
+                alloc.start()
+            # NCCL builds its communicators on the first collective: better here, with a
+            # clear error, than inside the memory-profiling forward.
+            all_ranks_meet(device, self.cfg.world_size, "all-reduce warm-up")
+            self.steps.append(f"first all-reduce at {time.perf_counter() - t:.1f} s")
+            fast = None
+            if alloc.ident is not None:
+                alloc.join()
+                self.steps.append(f"peer buffer at {time.perf_counter() - t:.1f} s")
+                fast = fast_all_reduce.create(device, buffer=buffer[0])
+                self.steps.append(f"peer memory agreed at {time.perf_counter() - t:.1f} s")
+            self.tp.use_peer_memory(fast)
+            log.info("rank %d/%d joined %s over %s%s (%s)", self.cfg.rank, self.cfg.world_size,
+                     self.cfg.init_method, self.cfg.backend, " (peer-memory all-reduce up to "
+                     f"{fast.two_shot_max >> 20} MiB)" if fast else "", ", ".join(self.steps))
+        except BaseException as e:  # noqa: BLE001 - handed to wait_joined's caller
+            self._join_error = e
+        finally:
+            self._joined.set()
+
+    def wait_joined(self) -> None:
+        """Block until the join thread is done; a group that could not form breaks."""
+        self._joined.wait()
+        if self._join_error is not None:
+            group_broken(f"joining the group failed on rank {self.cfg.rank}: "
+                         f"{_first_line(self._join_error)}")
 
     def _watch(self) -> None:
         """Exit when rank 0's store disappears, a replacement rank abandons this group or a
@@ -271,6 +307,14 @@ class TPModelRunner(ModelRunner):
 
     The server drives launch/finish (step is finish(launch())), so both are guarded, and
     Init (init_kv), whose CUDA graph capture runs the model's collectives."""
+
+    def __init__(self, config, group: DistGroup) -> None:
+        self.group = group
+        super().__init__(config, group.tp)
+
+    def _await_group(self) -> None:
+        with phase(self.phases, "group set-up left"):
+            self.group.wait_joined()
 
     def init_kv(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         """Meet every peer in an all-reduce on this rank's device before anything else.

@@ -145,7 +145,8 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig, tp: TPGroup = TPGroup()):
         self.config = config
         self.tp = tp
-        self.phases: dict[str, float] = {}   # start-up (and each Init's) time by phase
+        self.phases: dict[str, float] = {}        # start-up time by phase
+        self.init_phases: dict[str, float] = {}   # the last Init's, likewise
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             with phase(self.phases, "cuda context"):   # driver + context: seconds, named apart
@@ -217,11 +218,16 @@ class ModelRunner:
         self.prefill_graphs = None          # PrefillGraphs, likewise (triton backend)
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
+        self._await_group()
         self._profiling = True
         with phase(self.phases, "profile run"):
             self.peak_activation_bytes = self._profile() if self.device.type == "cuda" else 0
         self._profiling = False
         self.kv_budget_bytes = self._kv_budget_bytes()
+
+    def _await_group(self) -> None:
+        """TP ranks (distributed.TPModelRunner) wait here for the rest of their group's
+        set-up, which ran beside the weights load; nothing to wait for alone."""
 
     # ---- sizing ---------------------------------------------------------------------
 
@@ -294,25 +300,29 @@ class ModelRunner:
         self._copies_done = None
         self.host = None
         self._free_kv()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.kv_cache, self.kv_scales = self._bind_kv(self.attn_layers, num_blocks, block_size)
-        if self.drafter is not None:
-            d = self.drafter
-            d.kv_cache, d.kv_scales = self._bind_kv(d.layers, num_blocks, block_size)
+        self.init_phases = phases = {}
+        with phase(phases, "kv cache"):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.kv_cache, self.kv_scales = self._bind_kv(self.attn_layers, num_blocks, block_size)
+            if self.drafter is not None:
+                d = self.drafter
+                d.kv_cache, d.kv_scales = self._bind_kv(d.layers, num_blocks, block_size)
         if num_host_blocks:
-            self.host = HostTier.allocate(self.kv_cache, self.kv_scales, num_host_blocks)
+            with phase(phases, "host tier"):
+                self.host = HostTier.allocate(self.kv_cache, self.kv_scales, num_host_blocks)
         self.block_size = block_size
         self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
         self.grammar = (GrammarState(self.grammar_tokenizer, self.vocab_size, self.eos_token_id)
                         if self.grammar_tokenizer is not None else None)
         if self.tp.rank == 0 and self.device.type == "cuda":
-            compile_fused_sampling(self.vocab_size, self.dtype, self.device)
+            with phase(phases, "sampling kernels"):
+                compile_fused_sampling(self.vocab_size, self.dtype, self.device)
         self.last_sampled = None
         self.graphs = self.prefill_graphs = None
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
-            self._capture_graphs(block_size)
+            self._capture_graphs(block_size, phases)
 
     def _free_kv(self) -> None:
         self.kv_cache = self.kv_scales = None
@@ -339,32 +349,27 @@ class ModelRunner:
                 layer.k_scale, layer.v_scale = scales[0, i], scales[1, i]
         return cache, scales
 
-    def _capture_graphs(self, block_size: int) -> None:
+    def _capture_graphs(self, block_size: int, phases: dict[str, float]) -> None:
+        """Capture every step graph, timed into `phases` (the Init log line)."""
         from worker_service.cuda_graphs import DecodeGraphs, HeadGraphs, PrefillGraphs, token_buckets
-        t0 = time.perf_counter()
         lora = self.adapters.ctx if self.adapters is not None else None
         self.graphs = DecodeGraphs(self.model, self.backend, self.config.max_num_seqs,
                                    self.max_model_len, block_size, self.num_kv_heads, self.device,
                                    lora, self.config.max_loras)
-        self.graphs.capture()
-        log.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.buckets),
-                 time.perf_counter() - t0)
+        with phase(phases, f"{len(self.graphs.buckets)} decode graphs"):
+            self.graphs.capture()
         if isinstance(self.drafter, Eagle3Drafter):   # its passes: a few rows, small kernels
-            t0 = time.perf_counter()
             self.drafter.graphs = HeadGraphs(self.drafter.head, self.backend,
                                              min(self.config.max_num_seqs, 64),
                                              self.max_model_len, block_size, self.device)
-            self.drafter.graphs.capture()
-            log.info("captured %d EAGLE-3 head CUDA graphs in %.1fs",
-                     len(self.drafter.graphs.buckets), time.perf_counter() - t0)
+            with phase(phases, f"{len(self.drafter.graphs.buckets)} EAGLE-3 head graphs"):
+                self.drafter.graphs.capture()
         if isinstance(self.drafter, Drafter):
-            t0 = time.perf_counter()
             d = self.drafter
             d.graphs = DecodeGraphs(d.model, self.backend, self.config.max_num_seqs,
                                     self.max_model_len, block_size, d.num_kv_heads, self.device)
-            d.graphs.capture()
-            log.info("captured %d draft decode CUDA graphs in %.1fs", len(d.graphs.buckets),
-                     time.perf_counter() - t0)
+            with phase(phases, f"{len(d.graphs.buckets)} draft decode graphs"):
+                d.graphs.capture()
         max_tokens = min(self.config.max_prefill_graph_tokens, self.max_model_len,
                          self.config.max_num_batched_tokens)
         if not token_buckets(max_tokens):
@@ -375,13 +380,11 @@ class ModelRunner:
         if self.backend.name != "triton":   # the graphs need its paged prefill (see there)
             log.info("no prefill CUDA graphs: attention backend %s", self.backend.name)
             return
-        t0 = time.perf_counter()
         self.prefill_graphs = PrefillGraphs(self.model, max_tokens, self.max_model_len,
                                             block_size, self.device, lora, self.config.max_loras)
-        self.prefill_graphs.capture()
-        log.info("captured %d prefill CUDA graphs (one sequence, up to %d tokens) in %.1fs",
-                 len(self.prefill_graphs.buckets), self.prefill_graphs.max_tokens,
-                 time.perf_counter() - t0)
+        with phase(phases, f"{len(self.prefill_graphs.buckets)} prefill graphs "
+                           f"(<= {self.prefill_graphs.max_tokens} tokens)"):
+            self.prefill_graphs.capture()
 
     def _bind_device(self) -> None:
         """Make this runner's GPU the calling thread's current device. gRPC calls arrive on

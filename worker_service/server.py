@@ -21,7 +21,7 @@ from nanoserve.security import OPEN_WORKER, SyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.adapters import AdapterError
 from worker_service.metrics import WorkerMetrics
-from worker_service.model_runner import ModelRunner, StepError
+from worker_service.model_runner import ModelRunner, StepError, phases_line
 
 log = logging.getLogger("nanoserve.worker")
 
@@ -76,9 +76,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.runner.init_kv(request.num_kv_blocks, request.block_size, host)
             self.steps = self.steps_overlapped = 0
         self.metrics.initialized(request.num_kv_blocks, request.block_size)
-        log.info("KV cache: %d blocks of %d tokens, %s (Init: %.1f s with CUDA graphs and adapters)",
-                 request.num_kv_blocks, request.block_size, self.runner.kv_cache_dtype_name,
-                 time.perf_counter() - t0)
+        log.info("KV cache: %d blocks of %d tokens, %s (Init: %.1f s with CUDA graphs and "
+                 "adapters: %s)", request.num_kv_blocks, request.block_size,
+                 self.runner.kv_cache_dtype_name, time.perf_counter() - t0,
+                 phases_line(self.runner.init_phases))
         return worker_pb2.InitResponse(num_kv_blocks=request.num_kv_blocks)
 
     def SetAdapters(self, request, context):

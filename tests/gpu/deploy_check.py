@@ -144,6 +144,13 @@ def bench(out: pathlib.Path, name: str, runs: int, gpu: str,
         check(p.poll() is None, f"{name}: the benchmark was still running at the kill")
         kill[1]()
         killed_at = time.monotonic()
+        # The group's steps stop with the kill: the count still moving 0.2 s later is only
+        # a step that finished before it. Kill -> next token: the group is back and serving.
+        time.sleep(0.2)
+        stalled = generated_tokens()
+        while generated_tokens() == stalled and p.poll() is None:
+            time.sleep(0.05)
+        next_token_s = time.monotonic() - killed_at
     rc = p.wait()
     ended = time.monotonic()
     report = json.loads((out / f"bench_{name}.json").read_text()) if rc == 0 else {}
@@ -152,7 +159,8 @@ def bench(out: pathlib.Path, name: str, runs: int, gpu: str,
     complete = all(r["output_tokens"] == r["expected_output_tokens"] for r in runs_) and runs_
     check(rc == 0 and bool(complete), f"{name}: client.bench finished every request with all "
                                       f"its tokens (rc {rc})")
-    return {"tok_s": tok_s, "after_kill_s": ended - killed_at if killed_at else None}
+    return {"tok_s": tok_s, "after_kill_s": ended - killed_at if killed_at else None,
+            "next_token_s": next_token_s if killed_at else None}
 
 
 def worker_pid(rank: int, launcher: subprocess.Popen) -> int:
@@ -267,7 +275,8 @@ def main() -> int:
         b = r.get("bench", {}).get("tok_s") or []
         spread = " / ".join(f"{v:,.0f}" for v in (b[0], b[len(b) // 2], b[-1])) if b else "-"
         k = r.get("kill")
-        kill = (f"all finished, {k['after_kill_s']:.0f}s kill -> last token"
+        kill = (f"all finished; kill -> next token {k['next_token_s']:.1f} s, -> last token "
+                f"{k['after_kill_s']:.0f} s"
                 if k and k["tok_s"] else "failed" if k else "-")
         print(f"| {r['topology']} | {r.get('cold_start_s', float('nan')):.1f} s | "
               f"{r.get('greedy', '-')} | {spread} | {kill} |")
