@@ -53,6 +53,11 @@
 #   serve    `make serve` from a copy of the checkout without build output (no .venv, no stubs),
 #            as a user runs it: the host's Python, the packages it lacks from .whl (pip
 #            find-links, no index: these hosts have no internet); a client streams an answer
+#   startup  TP=2 start-up and rank restart (issue 49) through the launcher: cold start -> first
+#            token, per-phase worker lines, rank 1 SIGKILLed mid-run -> next token, for STARTUP_MODELS
+#            ("8b 30b": 8B FP8 W + KV; random bf16 Qwen3-30B-A3B shapes, built once in /dev/shm);
+#            a first start warms the Triton cache, then STARTUP_RUNS (2) alternate this tree with
+#            STARTUP_BASE (a copy of an older checkout, stubs included) where given
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
 #            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
 #            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
@@ -356,6 +361,29 @@ for w in ${*:-kernels model bench}; do
         > "$OUT/spec_b1_ngram.txt" 2>&1 || rc=1
       kill "$SCHED_PID" %1 2>/dev/null; wait
       grep -H "output tok/s  \|prediction  \|speculation  \|mean batch\|^error" "$OUT"/spec_*.txt ;;
+    startup)   # issue 49: cold start and kill -> next token, TP=2, this tree (and STARTUP_BASE)
+      for m in ${STARTUP_MODELS:-8b 30b}; do
+        if [ "$m" = 8b ]; then
+          M=/dev/shm/qwen3-8b; WA="--quantization fp8 --kv-cache-dtype fp8"
+          [ -f $M/config.json ] || timeout 300 python3 tests/gpu/fp8_check.py checkpoint $M \
+            > "$OUT/startup_ckpt_8b.log" 2>&1 || rc=1
+        else
+          M=/dev/shm/qwen3-30b-a3b; WA=""
+          [ -f $M/config.json ] || timeout 900 python3 tests/gpu/moe_check.py checkpoint $M \
+            > "$OUT/startup_ckpt_30b.log" 2>&1 || rc=1
+        fi
+        trees="$PWD"; for i in $(seq "${STARTUP_RUNS:-2}"); do trees="$trees ${STARTUP_BASE:-} $PWD"; done
+        n=0
+        for tree in $trees; do
+          n=$((n + 1)); name="startup_${m}_${n}_$( [ "$tree" = "$PWD" ] && echo this || echo base)"
+          ( cd "$tree" && PYTHONPATH="$tree:$tree/protos:${PYTHONPATH#*protos:}" \
+            python3 "$OLDPWD/tests/gpu/deploy_check.py" --model $M --out "$OUT/$name" --tp 2 \
+            --skip-compose --runs 1 --kill-after 5000 --bench-args "--num-seqs 64" --worker-args "$WA" \
+            > "$OUT/$name.md" 2>&1 ) || rc=1
+          echo "== $name"; grep -h "^| launcher\|failed check" "$OUT/$name.md"
+          grep -h "start-up:\|Init:" "$OUT/$name/launch_tp2.log" | sed 's/^.*nanoserve.worker //' | cut -c1-300
+        done
+      done ;;
     hostkv)   # the prefix cache's host tier (issue 48) at Qwen3-8B shapes: copy bandwidth, then
       # multi-turn chat with the device cache cut to HOSTKV_BLOCKS, the tier on / off, and
       # nano-vllm's workload (no reuse) on / off; a worker per setting, a scheduler per part
