@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra flags for every worker, e.g. '--dtype bfloat16 --kv-cache-gb 2'")
     sup = p.add_argument_group(
         "supervision and metrics",
-        "A worker that exits is restarted with its whole TP group, the scheduler on its own, "
+        "A worker that exits is restarted with its whole TP group (its other ranks get 1 s "
+        "to exit, then SIGKILL), the scheduler on its own, "
         "after a delay doubling from 0.5 s (at most 10 s); a group that exits more than "
         "--max-restarts times within --restart-window seconds is a crash loop and stops "
         "the launcher (status 1).")
