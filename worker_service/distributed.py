@@ -202,18 +202,19 @@ class DistGroup:
             if device.type == "cuda":
                 torch.cuda.set_device(device)   # this thread's current device: the rank's GPU
             t = time.perf_counter()
+            peer = self.cfg.all_reduce == "auto" and device.type == "cuda"
             buffer: list = []   # this rank's peer-memory buffer, allocated beside NCCL's set-up
             alloc = threading.Thread(
                 target=lambda: buffer.append(fast_all_reduce.allocate(device)), daemon=True,
                 name="tp-peer-memory")
-            if self.cfg.all_reduce == "auto" and device.type == "cuda":
+            if peer:
                 alloc.start()
             # NCCL builds its communicators on the first collective: better here, with a
             # clear error, than inside the memory-profiling forward.
             all_ranks_meet(device, self.cfg.world_size, "all-reduce warm-up")
             self.steps.append(f"first all-reduce at {time.perf_counter() - t:.1f} s")
             fast = None
-            if alloc.ident is not None:
+            if peer:
                 alloc.join()
                 self.steps.append(f"peer buffer at {time.perf_counter() - t:.1f} s")
                 fast = fast_all_reduce.create(device, buffer=buffer[0])
