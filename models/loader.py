@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.fp8_linear import FP8, dequantize_blocks
+from models.checkpoint_reader import read_tensors
 from models.config import ModelConfig, load_config
 from models.linear import LinearBase
 from models.parallel import TPGroup
@@ -87,7 +88,9 @@ def fp8_blocks(config) -> tuple[int, int] | None:
 
 def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | None = None) -> None:
     """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader
-    (blocks: a block-scaled FP8 checkpoint's block shape: its weights are dequantized)."""
+    (blocks: a block-scaled FP8 checkpoint's block shape: its weights are dequantized). The
+    tensors arrive on the model's device (models/checkpoint_reader.py), where the loaders
+    cut out this rank's shards."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -102,32 +105,31 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {name: set() for name in params}
     unexpected: list[str] = []
+    device = next(model.parameters()).device
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
-                        or name.endswith(".weight_scale_inv")):
-                    continue
-                param_name, shard_id = _destination(name, mapping)
-                param = params.get(param_name)
-                if param is None:
-                    unexpected.append(name)
-                    continue
-                weight_loader = param.weight_loader
-                tensor = f.get_tensor(name)
-                if tensor.dtype == FP8:
-                    if name not in scales:
-                        raise ValueError(f"{name} is FP8 but has no weight_scale_inv "
-                                         "(or the config has no quantization_config)")
-                    with safe_open(scales[name], framework="pt", device="cpu") as g:
-                        scale = g.get_tensor(name + "_scale_inv")
-                    tensor = dequantize_blocks(tensor, scale, blocks, param.dtype)
-                if shard_id is None:
-                    weight_loader(param, tensor)
-                    loaded[param_name] |= getattr(param, "expected_shards", {None})
-                else:
-                    weight_loader(param, tensor, shard_id)
-                    loaded[param_name].add(shard_id)
+        for name, tensor in read_tensors(path, device):
+            if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+                    or name.endswith(".weight_scale_inv")):
+                continue
+            param_name, shard_id = _destination(name, mapping)
+            param = params.get(param_name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            weight_loader = param.weight_loader
+            if tensor.dtype == FP8:
+                if name not in scales:
+                    raise ValueError(f"{name} is FP8 but has no weight_scale_inv "
+                                     "(or the config has no quantization_config)")
+                with safe_open(scales[name], framework="pt", device="cpu") as g:
+                    scale = g.get_tensor(name + "_scale_inv").to(device)
+                tensor = dequantize_blocks(tensor, scale, blocks, param.dtype)
+            if shard_id is None:
+                weight_loader(param, tensor)
+                loaded[param_name] |= getattr(param, "expected_shards", {None})
+            else:
+                weight_loader(param, tensor, shard_id)
+                loaded[param_name].add(shard_id)
     missing = [f"{name}[{sid}]" if sid is not None else name
                for name, param in params.items()
                for sid in sorted(_expected_shards(param, name, mapping) - loaded[name], key=str)]

@@ -7,6 +7,10 @@ copies 256 MiB host -> device in a loop (releasing it), and reports the allocati
 the main loop's longest stall and the copies' bandwidth.
 
     python tests/gpu/symm_mem_gil.py spin; python tests/gpu/symm_mem_gil.py copy
+    python tests/gpu/symm_mem_gil.py spin 0.0001   # the interpreter's switch interval, s
+
+A thread waiting for the GIL gets it at the holder's next switch (every 5 ms by default):
+if the allocation takes the GIL thousands of times, a shorter interval shortens its wait.
 """
 import sys
 import threading
@@ -18,6 +22,8 @@ dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
 torch.empty(1, device=dev)
 mode = sys.argv[1] if len(sys.argv) > 1 else "spin"
+if len(sys.argv) > 2:
+    sys.setswitchinterval(float(sys.argv[2]))
 done, took = threading.Event(), []
 
 
@@ -41,5 +47,5 @@ while not done.is_set() or time.perf_counter() - t0 < 1:
         copies += 1
     now = time.perf_counter()
     gap, last, n = max(gap, now - last), now, n + 1
-print(f"{mode}: empty took {took[0]:.2f} s; main loop max gap {gap:.3f} s over {n} iterations "
+print(f"{mode} (switch {sys.getswitchinterval() * 1e3:g} ms): empty took {took[0]:.2f} s; main loop max gap {gap:.3f} s over {n} iterations "
       f"in {last - t0:.2f} s; {copies * 0.25 / (last - t0):.1f} GB/s of H2D")
