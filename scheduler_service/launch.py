@@ -4,6 +4,8 @@ Starts one worker process per tensor-parallel rank and the scheduler (control pl
 children of this process, and keeps them up: a worker that exits takes its whole TP group
 down and the group is restarted (a collective group cannot take back one member), the
 control plane is restarted on its own; both after a backoff (supervision.RestartPolicy).
+A restarted group starts from spare worker processes that did their imports while the old
+one served (--standby-workers).
 Meanwhile the scheduler keeps every request and re-prefills it once the workers are back,
 so clients see a pause. It stops on Ctrl-C / SIGTERM, or when a group crash-loops. This is
 what `make serve` and `make demo` run; docker-compose.yml is the same layout in containers.
@@ -14,6 +16,7 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "after a delay doubling from 0.5 s (at most 10 s); a group that exits more than "
         "--max-restarts times within --restart-window seconds is a crash loop and stops "
         "the launcher (status 1).")
+    sup.add_argument("--standby-workers", action=argparse.BooleanOptionalAction, default=True,
+                     help="once the workers listen, keep a spare process per rank that has "
+                          "imported torch and the model code (4-6 s on a GPU host) and waits, "
+                          "without touching a GPU (ps: ns-standby-<rank>); a restarted group "
+                          "starts from the spares")
     sup.add_argument("--max-restarts", type=int, default=5,
                      help="restarts of one group within --restart-window before giving up")
     sup.add_argument("--restart-window", type=float, default=60.0,
@@ -123,30 +131,63 @@ class Unit:
     cmds: list[list[str]]
     policy: RestartPolicy
     env: dict[str, str]                 # secrets travel here, not on command lines (`ps`)
+    standby_ports: list[int] = field(default_factory=list)   # workers' ports; [] = no spares
     procs: list[subprocess.Popen] = field(default_factory=list)
+    spares: list[subprocess.Popen] = field(default_factory=list)   # worker --standby, rank order
     restart_at: float | None = None     # when a stopped unit comes back
 
     def start(self) -> None:
-        self.procs = [subprocess.Popen(cmd, env=self.env) for cmd in self.cmds]
+        """Wake the spares (their imports are done) or, lacking one, start afresh."""
+        self.procs, self.spares = self.spares, []
+        if not self._wake():
+            self.stop(grace=1.0)   # a spare that died, if any, and the rest
+            self.procs = [subprocess.Popen(cmd, env=self.env) for cmd in self.cmds]
         self.restart_at = None
+
+    def _wake(self) -> bool:
+        try:
+            for p in self.procs:
+                p.stdin.write(b"go\n")
+                p.stdin.close()
+        except OSError:   # a spare died: its pipe is closed
+            return False
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def keep_spares(self) -> None:
+        """Once every rank listens (start-up's CPU work is done), start a spare per rank."""
+        if (self.standby_ports and not self.spares and self.restart_at is None
+                and all(_listening(port) for port in self.standby_ports)):
+            self.spares = [subprocess.Popen(cmd + ["--standby"], env=self.env,
+                                            stdin=subprocess.PIPE) for cmd in self.cmds]
 
     def exited(self) -> subprocess.Popen | None:
         return next((p for p in self.procs if p.poll() is not None), None)
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float, spares: bool = False) -> None:
         """SIGTERM, then SIGKILL after `grace` s: a rank blocked in a collective whose peer
-        is gone may never get to its signal handler."""
-        for p in self.procs:
+        is gone may never get to its signal handler. The spares too where asked."""
+        procs = self.procs + (self.spares if spares else [])
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
         self.procs = []
+        if spares:
+            self.spares = []
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
 
 
 def _describe(p: subprocess.Popen) -> str:
@@ -168,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     cmds = commands(args)
     env = secrets_env(args)   # once: a restarted worker gets the same secret
     policy = lambda: RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
-    workers = Unit("worker group" if args.tp > 1 else "worker", cmds[:-1], policy(), env)
+    ports = [args.worker_base_port + r for r in range(args.tp)] if args.standby_workers else []
+    workers = Unit("worker group" if args.tp > 1 else "worker", cmds[:-1], policy(), env, ports)
     scheduler = Unit("scheduler", cmds[-1:], policy(), env)
     units = [workers, scheduler]
     stopping = False
@@ -192,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             dead = u.exited()
             if dead is None:
+                u.keep_spares()
                 continue
             delay = u.policy.next_delay(now)
             which = (f"rank {u.procs.index(dead)} " if len(u.procs) > 1 else "")
@@ -207,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.1)
     # Scheduler first (it drains requests), then the workers.
     scheduler.stop(grace=30.0)
-    workers.stop(grace=30.0)
+    workers.stop(grace=30.0, spares=True)
     return code
 
 

@@ -7,31 +7,20 @@ doubles with each quick failure; a child that failed `max_restarts` times within
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
-
-
-def _prctl(option: int, arg) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
-        except OSError:
-            pass
+from nanoserve import process
 
 
 def child_setup(log_level: str, name: str) -> None:
     """First thing in a supervised child process: a name `ps`/`top` show (ns-<name>, 15
     characters at most), logging like the parent's, and no outliving the parent (Linux
     sends SIGTERM when it dies, even by SIGKILL)."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    _prctl(_PR_SET_NAME, ctypes.c_char_p(("ns-" + name.replace(" ", "-")).encode()[:15]))
+    process.die_with_parent()
+    process.set_name(name)
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(name)s[{name}] %(levelname)s %(message)s")
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import Proc, alive, children, free_port, named_children, wait_until
+from services import Proc, alive, children, comm, free_port, named_children, wait_until
 from test_metrics import scrape, value
 from tiny_checkpoint import tiny_qwen3_dir
 
@@ -40,15 +40,17 @@ def start_launcher(model_dir: Path, tp: int, extra: list[str] = ()) -> tuple[Pro
     return launcher, port
 
 
-def worker_pids(launcher: Proc) -> list[int]:
-    """The launcher's live worker processes, rank order."""
+def worker_pids(launcher: Proc, standby: bool = False) -> list[int]:
+    """The launcher's live worker processes (standby: its spares, ns-standby-<rank>), rank
+    order."""
     ranks = {}
     for pid in children(launcher.popen.pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
         except OSError:
             continue
-        if "worker_service" in argv and alive(pid):
+        if ("worker_service" in argv and alive(pid)
+                and (comm(pid) or "").startswith("ns-standby") == standby):
             ranks[int(argv[argv.index("--rank") + 1])] = pid
     return [ranks[r] for r in sorted(ranks)]
 
@@ -193,6 +195,46 @@ def test_broken_group_survivor_that_cannot_exit_is_killed_after_1_s(tmp_path_fac
     finally:
         code = launcher.stop(signal.SIGTERM, timeout=60)
     assert code == 0, launcher.output()
+
+
+def test_restarted_group_starts_from_spares_that_did_their_imports(tmp_path_factory):
+    """Issue 49: once the workers listen, the launcher keeps a spare per rank that has
+    imported torch and the model code and waits; a rank's death wakes the spares as the
+    new group (no imports in its start-up line), which serves, and new spares follow.
+    Nothing outlives the launcher; --no-standby-workers keeps none."""
+    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_heads=4, num_kv_heads=2,
+                               seed=25)
+    launcher, port = start_launcher(model_dir, 2)
+    try:
+        assert wait_until(lambda: launcher.output().count("standing by (imports") == 2, 120, 0.2), \
+            launcher.output()
+        spares, (rank0, rank1) = worker_pids(launcher, standby=True), worker_pids(launcher)
+        assert len(spares) == 2 and not set(spares) & {rank0, rank1}
+        os.kill(rank1, signal.SIGKILL)
+        assert wait_until(lambda: launcher.output().count("imports (done standing by) 0.0 s") == 2,
+                          120, 0.2), launcher.output()
+        assert wait_until(lambda: worker_pids(launcher) == spares, 30, 0.2), launcher.output()
+        assert not alive(rank0) and not alive(rank1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            chunks = stub.Generate(generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]), sampling=generate_pb2.SamplingParams(
+                    temperature=0.0, max_tokens=8, ignore_eos=True)), timeout=120)
+            assert sum(len(c.token_ids) for c in chunks) == 8
+        assert wait_until(lambda: len(worker_pids(launcher, standby=True)) == 2, 120, 0.2)
+        everyone = worker_pids(launcher) + worker_pids(launcher, standby=True)
+        assert len(set(everyone)) == 4
+    finally:
+        code = launcher.stop(signal.SIGTERM, timeout=60)
+    assert code == 0, launcher.output()
+    assert wait_until(lambda: not any(alive(p) for p in everyone), 10, 0.1)
+    launcher, _ = start_launcher(model_dir, 1, ["--no-standby-workers"])
+    try:
+        assert len(worker_pids(launcher)) == 1
+        time.sleep(3)
+        assert worker_pids(launcher, standby=True) == [] and "standing by" not in launcher.output()
+    finally:
+        assert launcher.stop(signal.SIGTERM, timeout=60) == 0, launcher.output()
 
 
 def test_crash_loop_stops_the_launcher_with_status_1(tmp_path):

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from nanoserve import cli
+from nanoserve import cli, process
 
 EXIT_GROUP_BROKEN = 69   # == worker_service.distributed.EXIT_GROUP_BROKEN (not imported: no torch for --help)
 
@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "memory over NVLink (torch symmetric memory; one-shot/two-shot "
                          "kernels, inside CUDA graphs), larger ones by NCCL; falls back to "
                          "NCCL alone where peer memory is unavailable. nccl: NCCL for all")
+    tp.add_argument("--standby", action="store_true",
+                    help="import the model code, then wait (named ns-standby-<rank>, no GPU touched) "
+                         "for a line on stdin before starting; exit if stdin closes first. The "
+                         "launcher keeps one such process per rank, so a restarted group "
+                         "skips the imports (seconds of every restart)")
     null = p.add_argument_group(
         "null worker (control-plane benchmarks and tests)",
         "--null serves the same Worker API without a model or torch: every step takes "
@@ -201,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.world_size})")
     if args.null:
         return serve_null(args)
+    if args.standby:
+        process.set_name(f"standby {args.rank}")
     t0 = time.perf_counter()
     import torch  # after --help, which should not pay for importing torch
 
@@ -208,6 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.model_runner import ModelRunner, RunnerConfig, phase, phases_line
     from worker_service.server import serve
     phases = {"imports": time.perf_counter() - t0}
+    if args.standby:
+        print(f"nanoserve worker rank {args.rank} standing by (imports {phases['imports']:.1f} s)",
+              flush=True)
+        try:
+            go = sys.stdin.readline()
+        except KeyboardInterrupt:   # Ctrl-C at `make serve` reaches the whole process group
+            go = ""
+        if not go:
+            return 0   # the launcher is gone or stopped us
+        process.set_name(f"rank {args.rank}")
+        phases = {"imports (done standing by)": 0.0}
 
     device = args.device or (f"cuda:{args.rank % max(torch.cuda.device_count(), 1)}"
                              if torch.cuda.is_available() else "cpu")
