@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import torch
 from safetensors import safe_open
@@ -86,11 +87,12 @@ def fp8_blocks(config) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | None = None) -> None:
+def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | None = None
+                 ) -> float:
     """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader
     (blocks: a block-scaled FP8 checkpoint's block shape: its weights are dequantized). The
     tensors arrive on the model's device (models/checkpoint_reader.py), where the loaders
-    cut out this rank's shards."""
+    cut out this rank's shards. Returns the seconds spent waiting for the reads."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -106,8 +108,15 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
     loaded: dict[str, set] = {name: set() for name in params}
     unexpected: list[str] = []
     device = next(model.parameters()).device
+    waited = 0.0
     for path in files:
-        for name, tensor in read_tensors(path, device):
+        tensors = read_tensors(path, device)
+        while True:
+            t = time.perf_counter()
+            name, tensor = next(tensors, (None, None))
+            waited += time.perf_counter() - t
+            if name is None:
+                break
             if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
                     or name.endswith(".weight_scale_inv")):
                 continue
@@ -137,14 +146,18 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
         raise ValueError(f"checkpoint {model_dir} does not match the model: "
                          f"tensors with no destination: {unexpected or 'none'}; "
                          f"parameters never loaded: {missing or 'none'}")
+    return waited
 
 
 def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu", attn_backend=None, quantization: str = "auto"
-               ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
+               device: torch.device | str = "cpu", attn_backend=None, quantization: str = "auto",
+               phases: dict[str, float] | None = None) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """Build the model directly on `device` in `dtype` (default: the checkpoint's) and load
     this TP rank's shards; quantization (QUANTIZATIONS): FP8 linear layers or not. Returns
-    (model in eval mode, config)."""
+    (model in eval mode, config). `phases` gets the seconds of each part (the worker's
+    start-up line): model build, weights (copies), waiting for reads, fp8 quantize."""
+    phases = {} if phases is None else phases
+    t = time.perf_counter()
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}: expected one of {QUANTIZATIONS}")
     config = load_config(model_dir)
@@ -157,9 +170,23 @@ def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | Non
             model = Qwen3ForCausalLM(config, tp=tp, attn_backend=attn_backend)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, model_dir, blocks)
+    phases["model build"] = time.perf_counter() - t
+    t = time.perf_counter()
+    waited = load_weights(model, model_dir, blocks)
+    _sync(device)
+    phases["weights"] = time.perf_counter() - t - waited
+    phases["checkpoint reads waited"] = waited
     if quantization == "fp8" or (quantization == "auto" and blocks is not None):
+        t = time.perf_counter()
         for module in model.modules():
             if isinstance(module, LinearBase):
                 module.quantize_fp8()
+        _sync(device)
+        phases["fp8 quantize"] = time.perf_counter() - t
     return model.eval(), config
+
+
+def _sync(device: torch.device | str) -> None:
+    """Queued device work done: the time lands in the phase that queued it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -189,15 +189,17 @@ def test_tp_ranks_time_the_join_apart_from_the_weights_load_it_overlaps(stacks):
     """Issue 49: a rank's start-up line counts the rendezvous (store, checks, process group)
     before the weights and, after them, only what is left of the group's set-up (NCCL's
     communicators and peer memory, built in a thread beside the weights load), before the
-    first forward; the phases add up to the total."""
+    first forward; the weights load is split (model build, shard copies, time waiting for
+    the checkpoint's reads); the phases add up to the total."""
     tp2 = stacks[2]
     for w in tp2.workers:
         line = next(x for x in w.log if "start-up:" in x).strip()
         phases, total = line.split("start-up:")[1].strip().split("; total ")
         names = [part.rsplit(" ", 2)[0] for part in phases.split(", ")]
         seconds = [float(part.rsplit(" ", 2)[1]) for part in phases.split(", ")]
-        order = [names.index(n) for n in ("imports", "rendezvous", "weights",
-                                          "group set-up left", "profile run")]
+        order = [names.index(n) for n in ("imports", "rendezvous", "model build", "weights",
+                                          "checkpoint reads waited", "group set-up left",
+                                          "profile run")]
         assert order == sorted(order), line
         assert abs(sum(seconds) - float(total.removesuffix(" s"))) <= 0.05 * len(seconds), line
 

@@ -171,10 +171,10 @@ class ModelRunner:
             self.backend = select_backend(config.attention_backend, self.device, shapes=shapes,
                                           kv_fp8=self.kv_fp8)
         log.info("attention backend: %s", self.backend.name)
-        with phase(self.phases, "weights"):
-            self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
-                                                    device=self.device, attn_backend=self.backend,
-                                                    quantization=config.quantization)
+        self.model, self.hf_config = load_model(config.model_dir, tp=tp, dtype=dtype,
+                                                device=self.device, attn_backend=self.backend,
+                                                quantization=config.quantization,
+                                                phases=self.phases)   # weights and their parts
         self.dtype = next(self.model.parameters()).dtype
         self.drafter: Drafter | Eagle3Drafter | None = None
         self.step_aux: torch.Tensor | None = None   # EAGLE-3: the last forward's features
