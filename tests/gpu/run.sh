@@ -57,7 +57,8 @@
 #            token, per-phase worker lines, rank 1 SIGKILLed mid-run -> next token, for STARTUP_MODELS
 #            ("8b 30b": 8B FP8 W + KV; random bf16 Qwen3-30B-A3B shapes, built once in /dev/shm);
 #            a first start warms the Triton cache, then STARTUP_RUNS (2) alternate this tree with
-#            STARTUP_BASE (a copy of an older checkout, stubs included) where given
+#            STARTUP_BASE (a copy of an older checkout, stubs included) where given; before
+#            them, one rank's weights load alone (tests/gpu/bench_loader.py)
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
 #            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
 #            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
@@ -372,6 +373,9 @@ for w in ${*:-kernels model bench}; do
           [ -f $M/config.json ] || timeout 900 python3 tests/gpu/moe_check.py checkpoint $M \
             > "$OUT/startup_ckpt_30b.log" 2>&1 || rc=1
         fi
+        # one rank's weights load alone (models/checkpoint_reader.py), twice in one process
+        timeout 300 python3 tests/gpu/bench_loader.py $M --runs 2 > "$OUT/startup_loader_$m.txt" 2>&1 || rc=1
+        cat "$OUT/startup_loader_$m.txt"
         trees="$PWD"; for i in $(seq "${STARTUP_RUNS:-2}"); do trees="$trees ${STARTUP_BASE:-} $PWD"; done
         n=0
         for tree in $trees; do
@@ -381,7 +385,7 @@ for w in ${*:-kernels model bench}; do
             --skip-compose --runs 1 --kill-after 5000 --bench-args "--num-seqs 64" --worker-args "$WA" \
             > "$OUT/$name.md" 2>&1 ) || rc=1
           echo "== $name"; grep -h "^| launcher\|failed check" "$OUT/$name.md"
-          grep -h "start-up:\|Init:" "$OUT/$name/launch_tp2.log" | sed 's/^.*nanoserve.worker //' | cut -c1-300
+          grep -h "start-up:\|standing by\|Init:\|^launch:" "$OUT/$name/launch_tp2.log" | sed 's/^.*nanoserve.worker //' | cut -c1-420
         done
       done ;;
     hostkv)   # the prefix cache's host tier (issue 48) at Qwen3-8B shapes: copy bandwidth, then
