@@ -4,9 +4,10 @@ Reference: `models.moe.moe_reference(x, gate_up, down, weights, ids)` (every exp
 every token, dense routing). Not imported here: models/ will import this module, and
 kernels/ does not depend on models/. Only the selected experts' FLOPs are spent here:
 
-1. `align_tokens` (torch, no host sync, data-independent output sizes, so it can run inside
-   a CUDA graph): the T * k flat (token, k) slots sorted by expert, each expert's group
-   padded to a multiple of block_m with the sentinel slot T * k, and each block's expert.
+1. `align_tokens` (one Triton launch, no host sync, data-independent output sizes, so it
+   can run inside a CUDA graph): the T * k flat (token, k) slots sorted by expert, each
+   expert's group padded to a multiple of block_m with the sentinel slot T * k, and each
+   block's expert. (`align_tokens_ref`, its torch reference, takes ~25 small kernels.)
 2. `_gate_up_silu_kernel`: per (block of block_m sorted slots, block_n intermediate
    columns), gather x[slot // k], multiply by the block's expert's gate and up tiles (two
    float32 accumulators), write silu(g) * u to act[slot] ([T * k, I], x's dtype).
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_linear import FP8
 from kernels.interpret import INTERPRET_ENV, cast, dot
 
 # Tiles by the number of (token, k) slots, from a sweep at Qwen3-30B-A3B's shapes on an H200
@@ -49,6 +51,54 @@ def default_config(num_slots: int) -> dict:
     return dict(next(tiles for most, tiles in TILE_TIERS if most is None or num_slots <= most))
 
 
+def num_align_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Blocks of sorted_slots: a group wastes at most block_m - 1 slots, and at most
+    min(E, slots) groups are non-empty. From shapes only (CUDA graphs)."""
+    return triton.cdiv(num_slots + min(num_experts, num_slots) * (block_m - 1), block_m)
+
+
+@triton.jit
+def _align_kernel(Ids, SortedSlots, BlockExpert, NumPadded, N, NUM_BLOCKS,
+                  E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Program e writes expert e's group of sorted_slots (its slots in ascending order,
+    then sentinels up to a multiple of BLOCK_M) and its blocks' entries of block_expert;
+    the last program also the tail past the last group and num_padded. Every program
+    counts all experts itself (a histogram of the N ids, which sit in L2): the programs
+    need no grid-wide sync and write disjoint ranges."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(Ids + offs, mask=offs < N, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_P2, mask=offs < N)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(bins < e, padded, 0), axis=0)
+    count = tl.sum(tl.where(bins == e, counts, 0), axis=0)
+    end = start + tl.sum(tl.where(bins == e, padded, 0), axis=0)
+    cursor = start
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        hit = (tl.load(Ids + offs, mask=offs < N, other=-1) == e).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit          # earlier slots of this chunk, same expert
+        tl.store(SortedSlots + cursor + before, offs, mask=hit != 0)
+        cursor += tl.sum(hit, axis=0)
+    pad = start + count + tl.arange(0, BLOCK_M)        # fewer than BLOCK_M sentinels
+    tl.store(SortedSlots + pad, N, mask=pad < end)
+    for b0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        tl.store(BlockExpert + blocks, e, mask=blocks < end // BLOCK_M)
+    if e == tl.num_programs(0) - 1:
+        total = tl.sum(padded, axis=0)
+        tl.store(NumPadded, total.to(tl.int64))
+        for p0 in range(total, NUM_BLOCKS * BLOCK_M, CHUNK):
+            tail = p0 + tl.arange(0, CHUNK)
+            tl.store(SortedSlots + tail, N, mask=tail < NUM_BLOCKS * BLOCK_M)
+        for b0 in range(total // BLOCK_M, NUM_BLOCKS, CHUNK):
+            blocks = b0 + tl.arange(0, CHUNK)
+            tl.store(BlockExpert + blocks, -1, mask=blocks < NUM_BLOCKS)
+
+
 def align_tokens(ids: torch.Tensor, num_experts: int, block_m: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] expert ids -> (sorted_slots, block_expert, num_padded).
@@ -59,13 +109,40 @@ def align_tokens(ids: torch.Tensor, num_experts: int, block_m: int
     (int32, num_blocks): block b's expert, -1 for the unused blocks at the end.
     num_padded (int64, 0-d, on ids' device): the used length of sorted_slots.
 
+    One launch of E programs (`_align_kernel`); sizes depend on shapes only
+    (`num_align_blocks`) and nothing syncs with the host, so it runs inside CUDA graphs.
+    `align_tokens_ref` computes the same in torch ops."""
+    assert ids.dim() == 2 and block_m > 0 and num_experts > 0
+    n = ids.numel()
+    num_blocks = num_align_blocks(n, num_experts, block_m)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty((), dtype=torch.int64, device=ids.device)
+    _align_kernel[(num_experts,)](ids.reshape(-1), sorted_slots, block_expert, num_padded, n,
+                                  num_blocks, E_P2=triton.next_power_of_2(num_experts),
+                                  BLOCK_M=block_m, CHUNK=1024, num_warps=4)
+    return sorted_slots, block_expert, num_padded
+
+
+def align_tokens_ref(ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align_tokens in torch ops (its test's reference): ids [T, k] expert ids ->
+    (sorted_slots, block_expert, num_padded).
+
+    sorted_slots (int32, num_blocks * block_m): the flat slots t * k + j grouped by expert
+    (ascending expert, ascending slot within an expert), each group padded to a multiple of
+    block_m with the sentinel T * k; past the last group, sentinels only. block_expert
+    (int32, num_blocks): block b's expert, -1 for the unused blocks at the end.
+    num_padded (int64, 0-d, on ids' device): the used length of sorted_slots.
+
     Sizes depend on shapes only: an expert's group wastes at most block_m - 1 slots and at
     most min(E, T * k) experts are non-empty, so num_blocks = cdiv(T * k + min(E, T * k) *
-    (block_m - 1), block_m). No host sync (no .item(), no bincount, no nonzero)."""
+    (block_m - 1), block_m). No host sync (no .item(), no bincount, no nonzero); but some
+    25 small kernels, ~60 us a layer at decode sizes on an H100."""
     assert ids.dim() == 2 and block_m > 0 and num_experts > 0
     n = ids.numel()
     device = ids.device
-    num_blocks = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m)
+    num_blocks = num_align_blocks(n, num_experts, block_m)
     flat = ids.reshape(-1).to(torch.int64)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -84,13 +161,14 @@ def align_tokens(ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _gate_up_silu_kernel(X, W, Act, SortedSlots, BlockExpert, N, H, I,
+def _gate_up_silu_kernel(X, W, WScale, Act, SortedSlots, BlockExpert, N, H, I,
                          stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
                          stride_as, stride_ai, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr,
                          PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
     """act[slot, n] = silu(gate[e] @ x[slot // k]) * (up[e] @ x[slot // k]) for the block's
-    slots and block_n columns n; gate rows are W[e, :I], up rows W[e, I:]."""
+    slots and block_n columns n; gate rows are W[e, :I], up rows W[e, I:]. FP8_W: W is e4m3
+    and row r of expert e is W[e, r] * WScale[e, r] (WScale [E, 2I] contiguous)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -110,13 +188,17 @@ def _gate_up_silu_kernel(X, W, Act, SortedSlots, BlockExpert, N, H, I,
         k_mask = offs_k < H - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        wg = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        wu = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        wg = tl.load(g_ptrs, mask=w_mask, other=0.0).to(x.dtype)   # e4m3 -> x's: exact
+        wu = tl.load(u_ptrs, mask=w_mask, other=0.0).to(x.dtype)
         acc_g = dot(x, wg, acc_g, PRECISION)
         acc_u = dot(x, wu, acc_u, PRECISION)
         x_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
+    if FP8_W:
+        scales = WScale + expert * 2 * I + offs_n
+        acc_g *= tl.load(scales, mask=n_mask, other=0.0)[None, :]
+        acc_u *= tl.load(scales + I, mask=n_mask, other=0.0)[None, :]
     # The reference's roundings: gate, up, silu and the product each in the output dtype.
     dt: tl.constexpr = Act.dtype.element_ty
     g = cast(acc_g, dt, RNE_BF16).to(tl.float32)
@@ -127,13 +209,13 @@ def _gate_up_silu_kernel(X, W, Act, SortedSlots, BlockExpert, N, H, I,
 
 
 @triton.jit
-def _down_weighted_kernel(Act, D, Weights, Out, SortedSlots, BlockExpert, N, H, I,
+def _down_weighted_kernel(Act, D, DScale, Weights, Out, SortedSlots, BlockExpert, N, H, I,
                           stride_as, stride_ai, stride_de, stride_dh, stride_di,
                           stride_os, stride_oh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                          RNE_BF16: tl.constexpr):
+                          BLOCK_K: tl.constexpr, FP8_W: tl.constexpr,
+                          PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
     """out[slot, n] = weights[slot] * (act[slot] @ down[e, n]) for the block's slots and
-    block_n hidden columns n."""
+    block_n hidden columns n. FP8_W: down is e4m3 times DScale [E, H] (contiguous)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -149,10 +231,12 @@ def _down_weighted_kernel(Act, D, Weights, Out, SortedSlots, BlockExpert, N, H, 
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
         acc = dot(a, d, acc, PRECISION)
         a_ptrs += BLOCK_K * stride_ai
         d_ptrs += BLOCK_K * stride_di
+    if FP8_W:
+        acc *= tl.load(DScale + expert * H + offs_n, mask=n_mask, other=0.0)[None, :]
     w = tl.load(Weights + slots, mask=row_mask, other=0.0).to(tl.float32)
     out = cast(acc * w[:, None], Out.dtype.element_ty, RNE_BF16)
     dst = Out + slots[:, None] * stride_os + offs_n[None, :] * stride_oh
@@ -165,12 +249,19 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-              weights: torch.Tensor, ids: torch.Tensor, *, block_m: int | None = None,
-              block_n: int | None = None, block_k: int | None = None,
-              num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+              weights: torch.Tensor, ids: torch.Tensor,
+              scales: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+              block_m: int | None = None, block_n: int | None = None,
+              block_k: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> torch.Tensor:
     """moe_reference's result, [T, H] in x's dtype, spending only the selected experts'
     FLOPs: x [T, H], gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I], weights
     [T, k] routing weights, ids [T, k] expert ids (models.moe.route's outputs).
+
+    FP8 experts (weight-only: half the bytes a decode step streams): gate_up and down in
+    e4m3 with scales = (gate_up's [E, 2I], down's [E, H]) float32, one per output row
+    (models/moe.py quantize_fp8); each tile is widened to x's dtype (exact) before the dot
+    and each output column scaled after it. Without scales both are in x's dtype.
 
     Tiles default to `default_config(T * k)` (TILE_TIERS); any keyword given overrides its
     entry.
@@ -183,7 +274,11 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     inter = two_i // 2
     assert gate_up.shape == (E, 2 * inter, H) and down.shape == (E, H, inter)
     assert weights.shape == ids.shape and ids.shape[0] == T
-    assert gate_up.dtype == down.dtype == x.dtype
+    fp8 = scales is not None
+    assert gate_up.dtype == down.dtype == (FP8 if fp8 else x.dtype)
+    if fp8:
+        assert scales[0].shape == (E, 2 * inter) and scales[1].shape == (E, H)
+        assert all(s.dtype == torch.float32 and s.is_contiguous() for s in scales)
     top_k = ids.shape[1]
     n = T * top_k
     cfg = default_config(n)
@@ -201,15 +296,15 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     out_slots = torch.empty(n, H, dtype=x.dtype, device=x.device)
     w_flat = weights.reshape(-1).contiguous()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  PRECISION=_precision(x.dtype),
+                  FP8_W=fp8, PRECISION=_precision(x.dtype),
                   RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        x, gate_up, act, sorted_slots, block_expert, n, H, inter,
+        x, gate_up, scales[0] if fp8 else gate_up, act, sorted_slots, block_expert, n, H, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), act.stride(1), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **launch)
     _down_weighted_kernel[(num_blocks, triton.cdiv(H, bn))](
-        act, down, w_flat, out_slots, sorted_slots, block_expert, n, H, inter,
+        act, down, scales[1] if fp8 else down, w_flat, out_slots, sorted_slots, block_expert, n, H, inter,
         act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
         out_slots.stride(0), out_slots.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **launch)

@@ -8,8 +8,8 @@ FP8: checkpoints published in block-scaled e4m3 (`quantization_config.quant_meth
 `weight_block_size`, a `weight_scale_inv` beside each quantized weight, as Qwen's) are
 dequantized tensor by tensor as they load; with quantization "fp8" (such a checkpoint's
 default, or `--quantization fp8` on a bf16 one) every linear layer is then requantized per
-output channel (kernels/fp8_linear.py). Embeddings, the LM head, norms and MoE experts
-stay in the model's dtype.
+output channel (kernels/fp8_linear.py), and MoE experts per output row, weight-only
+(models/moe.py). Embeddings, the LM head and norms stay in the model's dtype.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from kernels.fp8_linear import FP8, dequantize_blocks
 from models.checkpoint_reader import read_tensors
 from models.config import ModelConfig, load_config
 from models.linear import LinearBase
+from models.moe import MoEExperts
 from models.parallel import TPGroup
 from models.qwen3 import Qwen3ForCausalLM
 
@@ -179,7 +180,7 @@ def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | Non
     if quantization == "fp8" or (quantization == "auto" and blocks is not None):
         t = time.perf_counter()
         for module in model.modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, (LinearBase, MoEExperts)):
                 module.quantize_fp8()
         _sync(device)
         phases["fp8 quantize"] = time.perf_counter() - t

@@ -7,9 +7,10 @@ partial outputs. Parameters are stacked per layer, as Hugging Face keeps them in
 `experts.down_proj` [E, H, I / tp]; the loader fills them from the per-expert tensors
 (`experts.{e}.gate_proj.weight`, ...) that Qwen publishes, or from already-stacked ones.
 
-On a GPU the experts run through kernels/fused_moe.py (tokens sorted to their experts, two
-grouped GEMMs: only the selected experts' weights are read and their FLOPs spent; no host
-sync, so it runs inside the decode CUDA graphs). Elsewhere, and as its test's reference,
+On a GPU the router is one kernel (kernels/moe_route.py; `route` here is its reference) and
+the experts run through kernels/fused_moe.py (tokens sorted to their experts, two grouped
+GEMMs: only the selected experts' weights are read and their FLOPs spent; no host sync, so
+it runs inside the decode CUDA graphs). Elsewhere, and as its test's reference,
 `moe_reference`: every expert over every token, weighted by a dense [T, E] routing matrix
 that is zero outside each token's top k (exact, E / k times the FLOPs).
 """
@@ -19,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_linear import FP8, quantize_rows
 from kernels.fused_moe import fused_moe
+from kernels.moe_route import route_topk
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -60,6 +63,32 @@ class MoEExperts(nn.Module):
         for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
             param.weight_loader = self.weight_loader
             param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None   # set by quantize_fp8
+
+    def quantize_fp8(self) -> None:
+        """Both stacks -> e4m3 with a float32 scale per output row, [E, 2I] and [E, H]
+        (fused_moe's FP8 path, weight-only): half the memory, and half the bytes each decode
+        step streams from the experts it touches. A few experts at a time, so the float32
+        temporaries stay small next to the layer."""
+        stacks = []
+        for param in (self.gate_up_proj, self.down_proj):
+            w = param.data
+            q = torch.empty(w.shape, dtype=FP8, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(0, w.shape[0], 16):
+                rows, s = quantize_rows(w[e:e + 16].reshape(-1, w.shape[2]))
+                q[e:e + 16] = rows.view(-1, *w.shape[1:])
+                scale[e:e + 16] = s.view(-1, w.shape[1])
+            stacks.append((nn.Parameter(q, requires_grad=False), scale))
+        (self.gate_up_proj, gu_scale), (self.down_proj, d_scale) = stacks
+        self.scales = (gu_scale, d_scale)
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) in dtype, dequantized if FP8: moe_reference's operands."""
+        if self.scales is None:
+            return self.gate_up_proj, self.down_proj
+        return tuple((w.float() * s[..., None]).to(dtype)
+                     for w, s in zip((self.gate_up_proj, self.down_proj), self.scales))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str] | None = None) -> None:
@@ -102,9 +131,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.fused = False   # CPU: True runs the fused kernels (Triton's interpreter; tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        experts = fused_moe if x.is_cuda or self.fused else moe_reference
-        out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        fused = x.is_cuda or self.fused
+        weights, ids = (route_topk if fused else route)(self.gate(x), self.top_k,
+                                                        self.norm_topk_prob)
+        e = self.experts
+        if fused:
+            out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, e.scales)
+        else:
+            out = moe_reference(x, *e.dense(x.dtype), weights, ids)
         return self.tp.all_reduce(out)
 
 

@@ -98,6 +98,36 @@ def test_fp8_model_matches_hf_with_the_same_quantization(model_dir):
             assert (logits - unquantized).abs().max() > 1e-3   # the quantization did something
 
 
+def hf_experts_fake_quantized(hf) -> None:
+    """HF's stacked experts (Qwen3MoeExperts: gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    round-tripped per output row; their inputs stay as they are (weight-only)."""
+    for name, param in hf.named_parameters():
+        if ".experts." in name:
+            param.data = fake_quant(param.data)
+
+
+def test_fp8_moe_experts_match_hf_with_the_same_quantization(tmp_path_factory):
+    """--quantization fp8 on a Qwen3-MoE: experts e4m3 with a scale per output row (weight-
+    only), linears as above; the router stays. CPU runs the experts dequantized."""
+    from models.moe import MoEExperts
+    path = tiny_qwen3_dir(tmp_path_factory, seed=23, num_layers=2,
+                          moe=dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+                                   moe_intermediate_size=32))
+    prompts = random_prompts(389, [6, 17], seed=4)
+    model, _ = load_model(str(path), quantization="fp8")
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert experts and all(m.gate_up_proj.dtype == m.down_proj.dtype == FP8 for m in experts)
+    hidden = model.config.hidden_size
+    assert experts[0].scales[0].shape == (5, 64) and experts[0].scales[1].shape == (5, hidden)
+    ours = our_logits(path, prompts, quantization="fp8")
+    hf = hf_fake_quantized(path)
+    hf_experts_fake_quantized(hf)
+    with torch.no_grad():
+        for p, logits in zip(prompts, ours):
+            ref = hf(p[None]).logits[0]
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 def write_block_fp8(src, dst, block=(48, 40)):
     """A copy of a float32 checkpoint in Qwen's FP8 format: linear weights e4m3 in blocks,
     `weight_scale_inv` beside each, quantization_config in config.json."""

@@ -20,7 +20,8 @@ if not os.environ.get("NANOSERVE_GPU_TESTS"):
 import pytest
 import torch
 
-from kernels.fused_moe import align_tokens, default_config, fused_moe
+from kernels.fp8_linear import FP8, quantize_rows
+from kernels.fused_moe import align_tokens, align_tokens_ref, default_config, fused_moe
 from models.moe import moe_reference, route
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,9 +51,18 @@ def make_moe(num_experts: int, top_k: int, tokens: int, norm: bool, seed: int = 
 def check_align(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     """Every real slot exactly once, grouped by ascending expert, each group padded to a
     multiple of block_m with the sentinel T * k, unused blocks -1 at the end; sizes from
-    shapes only."""
+    shapes only. The kernel's output must equal the torch reference's, which must pass the
+    same checks (so neither can agree with the other on a wrong answer)."""
+    for align in (align_tokens_ref, align_tokens):
+        check_align_with(align, ids, num_experts, block_m)
+    out, ref = align_tokens(ids, num_experts, block_m), align_tokens_ref(ids, num_experts, block_m)
+    for a, b in zip(out, ref):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+
+
+def check_align_with(align, ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     n = ids.numel()
-    sorted_slots, block_expert, num_padded = align_tokens(ids, num_experts, block_m)
+    sorted_slots, block_expert, num_padded = align(ids, num_experts, block_m)
     num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
     assert sorted_slots.shape == (num_blocks * block_m,) and block_expert.shape == (num_blocks,)
     slots, blocks, used = sorted_slots.cpu(), block_expert.cpu(), int(num_padded)
@@ -77,6 +87,8 @@ def check_align(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
 @pytest.mark.parametrize("num_experts,top_k,tokens,block_m", [
     (3, 1, 1, 16), (3, 3, 17, 16), (5, 2, 5, 4), (5, 4, 17, 8), (7, 2, 17, 16), (7, 4, 1, 1),
     (64, 8, 3, 16),                     # more experts than slots: most groups empty
+    (128, 8, 131, 16),                  # Qwen3-30B-A3B's routing at a decode batch
+    (6, 2, 700, 4),                     # more slots than one 1,024-slot chunk of the kernel
 ])
 def test_align_tokens(num_experts: int, top_k: int, tokens: int, block_m: int) -> None:
     g = torch.Generator().manual_seed(num_experts * 100 + tokens)
@@ -94,6 +106,8 @@ def test_align_tokens_skewed_and_empty() -> None:
     assert [t.shape for t in align_tokens(ids, 5, 16)[:2]] == [sorted_slots.shape,
                                                                 block_expert.shape]
     check_align(ids, 5, 16)
+    crowd = torch.ones(2100, 1, dtype=torch.int64, device=DEVICE)   # > 1,024 blocks, one expert
+    check_align(crowd, 3, 1)
     empty = align_tokens(torch.empty(0, 2, dtype=torch.int64, device=DEVICE), 3, 16)
     assert empty[0].numel() == 0 and empty[1].numel() == 0 and int(empty[2]) == 0
 
@@ -156,23 +170,63 @@ def test_fused_moe_bfloat16(num_experts: int, top_k: int, tokens: int, norm: boo
     assert err <= 2 * ref_err + 1e-2, (err, ref_err)
 
 
-@pytest.mark.parametrize("top_k, norm", [(1, False), (3, True)])
-def test_sparse_moe_block_fused_path_matches_reference_path(top_k: int, norm: bool) -> None:
-    """The model's MoE block as a GPU runs it (fused kernels; here under the interpreter)
-    against its CPU path (moe_reference), same weights and routing."""
+def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor):
+    """(e4m3 gate_up, e4m3 down, (scales [E, 2I], [E, H]), the dequantized stacks in float64)
+    with a scale per output row (models/moe.py MoEExperts.quantize_fp8's layout)."""
+    out, scales, dense = [], [], []
+    for w in (gate_up, down):
+        q, s = quantize_rows(w.float().reshape(-1, w.shape[2]))
+        out.append(q.view(w.shape))
+        scales.append(s.view(w.shape[:2]).contiguous())
+        dense.append(q.view(w.shape).double() * s.view(w.shape[:2]).double()[..., None])
+    return out[0], out[1], tuple(scales), dense
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_fp8_experts(dtype: torch.dtype) -> None:
+    """e4m3 experts, widened in the kernel and scaled per output column, against float64
+    math on the dequantized experts; bf16 no worse than the bf16 reference on them."""
+    m = make_moe(5, 2, 17, True, seed=9, dtype=dtype)
+    gu, dn, scales, (gu64, dn64) = fp8_experts(m["gate_up"], m["down"])
+    out = fused_moe(m["x"], gu, dn, m["weights"], m["ids"], scales, **TILES)
+    assert out.dtype == dtype
+    exact = moe_reference(m["x"].double(), gu64, dn64, m["weights"].double(), m["ids"])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+    else:
+        ref = moe_reference(m["x"], gu64.to(dtype), dn64.to(dtype), m["weights"], m["ids"])
+        err, ref_err = (out.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+        assert err <= 2 * ref_err + 1e-2, (err, ref_err)
+    plain = fused_moe(**m, **TILES)   # the quantization did something
+    assert (out.double() - plain.double()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("top_k, norm, fp8", [(1, False, False), (3, True, False),
+                                              (2, True, True)])
+def test_sparse_moe_block_fused_path_matches_reference_path(top_k: int, norm: bool,
+                                                            fp8: bool) -> None:
+    """The model's MoE block as a GPU runs it (fused kernels; on CPU under the interpreter)
+    against the reference path (torch router, moe_reference), same weights; fp8: after
+    MoEExperts.quantize_fp8 (the CPU path dequantizes)."""
     from types import SimpleNamespace
 
     from models.moe import Qwen3MoeSparseMoeBlock
     from models.parallel import TPGroup
     cfg = SimpleNamespace(hidden_size=64, num_experts=7, num_experts_per_tok=top_k,
                           norm_topk_prob=norm, moe_intermediate_size=48, hidden_act="silu")
-    block = Qwen3MoeSparseMoeBlock(cfg, TPGroup())
+    block = Qwen3MoeSparseMoeBlock(cfg, TPGroup()).to(DEVICE)
     g = torch.Generator().manual_seed(top_k)
     with torch.no_grad():
         for p in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        x = torch.randn(19, 64, generator=g)
-        ref = block(x)
+        x = torch.randn(19, 64, generator=g).to(DEVICE)
+        if fp8:
+            block.experts.quantize_fp8()
+            assert block.experts.gate_up_proj.dtype == FP8
+        weights, ids = route(block.gate(x), top_k, norm)
+        ref = moe_reference(x, *block.experts.dense(x.dtype), weights, ids)
+        if not x.is_cuda:                       # the CPU path is that reference
+            torch.testing.assert_close(block(x), ref, rtol=1e-6, atol=1e-6)
         block.fused = True
         out = block(x)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

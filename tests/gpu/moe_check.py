@@ -1,14 +1,15 @@
 """Qwen3-MoE on a GPU (issue 31): the fused MoE kernels at Qwen3-30B-A3B's layer shapes,
 the model against Hugging Face, and a full-size random checkpoint for the benchmarks.
 
-    python tests/gpu/moe_check.py kernels            # fused vs reference, us, GB/s, tile sweep
+    python tests/gpu/moe_check.py kernels            # router, align, layer: before/now/fp8
     python tests/gpu/moe_check.py model              # 4 layers of 30B-A3B: logits vs HF
     python tests/gpu/moe_check.py checkpoint DIR [--layers 48]   # random bf16 30B-A3B
 
-kernels: per T (tokens in the batch) and I (768: TP=1; 384: one rank of TP=2), the error of
-fused_moe and of the bf16 reference against a float32 reference, the time of one fused call
-replayed from a CUDA graph (sort + both GEMMs + the k sum), the bytes of the experts the
-batch touches over that time, and the best of a small tile sweep next to the default tiles.
+kernels: per T (tokens in the batch) and I (768: TP=1; 384: one rank of TP=2), times
+replayed from a CUDA graph: the router and the align step in torch ops and as kernels, the
+MoE layer (router, align, both GEMMs, the k sum) as it was with the torch ones, as it is,
+and with FP8 experts; the bytes of the experts the batch touches over that time; errors vs
+float32; with --sweep the best tiles for the FP8 experts at decode sizes.
 Peak: a 1 GiB device-to-device copy's GB/s on this GPU (what HBM gives a streaming kernel).
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 from test_model_gpu import rel  # noqa: E402
+
+from kernels.fp8_linear import quantize_rows  # noqa: E402
 
 QWEN3_30B_A3B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
@@ -68,50 +71,77 @@ def copy_gbs() -> float:
 
 
 SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-         for bm, bn, bk, w, st in itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
-         if not (bm == 64 and bn == 128 and bk == 128)]
+         for bm, bn, bk, w, st in itertools.product((16, 32, 64), (64, 128), (64, 128, 256), (4, 8), (3, 4))
+         if not (bm == 64 and bn == 128 and bk >= 128)]
 
 
 def kernels(args) -> None:
-    from kernels.fused_moe import default_config, fused_moe
+    """Per (I, T): the router and the align step, torch ops vs their kernels; the layer
+    (router + fused experts) as before them (torch router, torch align), now, and with FP8
+    experts; errors vs a float32 reference (FP8: on the dequantized experts, and on the
+    bf16 ones, i.e. with the quantization's own error)."""
+    import kernels.fused_moe as fm
+    from kernels.fused_moe import align_tokens, align_tokens_ref, default_config, fused_moe
+    from kernels.moe_route import route_topk
     from models.moe import moe_reference, route
     peak = copy_gbs()
     print(f"### Fused MoE at Qwen3-30B-A3B layer shapes (E={E}, k={K}, H={H}), bf16\n")
-    print(f"device-to-device copy: {peak:,.0f} GB/s\n")
-    print("| I | T | rel err fused / bf16 ref (vs fp32) | experts touched | default us | GB/s "
-          "| best us | best GB/s (% of copy) | best tiles |")
+    print(f"device-to-device copy: {peak:,.0f} GB/s; GB/s = touched experts' bytes / layer us\n")
+    print("| I | T | touched | route us torch / kernel | align us torch / kernel | layer us before / "
+          "now / fp8 experts | GB/s now / fp8 | rel err now / fp8 (dequantized) / fp8 (bf16) "
+          "| fp8 best us, tiles |")
     print("|---|---|---|---|---|---|---|---|---|")
-    best_by_t = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for inter, tokens in itertools.product((768, 384), args.tokens):
         gate_up = torch.randn(E, 2 * inter, H, device="cuda", generator=g).mul_(0.02).bfloat16()
         down = torch.randn(E, H, inter, device="cuda", generator=g).mul_(0.02).bfloat16()
         x = torch.randn(tokens, H, device="cuda", generator=g).bfloat16()
-        weights, ids = route(torch.randn(tokens, E, device="cuda", generator=g).bfloat16(), K, True)
+        logits = torch.randn(tokens, E, device="cuda", generator=g).bfloat16()
+        weights, ids = route_topk(logits, K, True)
+        q = []
+        for w in (gate_up, down):
+            rows, sc = quantize_rows(w.reshape(-1, w.shape[2]))
+            q.append((rows.view(w.shape), sc.view(w.shape[:2]).contiguous()))
+        (gu8, gus), (dn8, dns) = q
+        scales = (gus, dns)
         out = fused_moe(x, gate_up, down, weights, ids)
+        out8 = fused_moe(x, gu8, dn8, weights, ids, scales)
         err = "-"
         if tokens <= 1024:
             ref32 = moe_reference(x.float(), gate_up.float(), down.float(), weights.float(), ids)
-            ref16 = moe_reference(x, gate_up, down, weights, ids)
-            err = f"{rel(out, ref32):.4f} / {rel(ref16, ref32):.4f}"
-            del ref32, ref16
+            deq = moe_reference(x.float(), gu8.float() * gus[..., None], dn8.float() * dns[..., None],
+                                weights.float(), ids)
+            err = f"{rel(out, ref32):.4f} / {rel(out8, deq):.4f} / {rel(out8, ref32):.4f}"
+            del ref32, deq
         touched = int(torch.unique(ids).numel())
         nbytes = touched * 3 * inter * H * 2 + 2 * tokens * H * 2
-        us = graph_us(lambda: fused_moe(x, gate_up, down, weights, ids))
-        best = (us, default_config(tokens * K))
-        if args.sweep:
+        bm = default_config(tokens * K)["block_m"]
+        r_torch = graph_us(lambda: route(logits, K, True))
+        r_kernel = graph_us(lambda: route_topk(logits, K, True))
+        a_torch = graph_us(lambda: align_tokens_ref(ids, E, bm))
+        a_kernel = graph_us(lambda: align_tokens(ids, E, bm))
+        now = graph_us(lambda: fused_moe(x, gate_up, down, *route_topk(logits, K, True)))
+        fp8 = graph_us(lambda: fused_moe(x, gu8, dn8, *route_topk(logits, K, True), scales))
+        fm.align_tokens = align_tokens_ref
+        try:
+            before = graph_us(lambda: fused_moe(x, gate_up, down, *route(logits, K, True)))
+        finally:
+            fm.align_tokens = align_tokens
+        best = (fp8, "default")
+        if args.sweep and tokens <= 256:
             for cfg in SWEEP:
                 try:
-                    t = graph_us(lambda: fused_moe(x, gate_up, down, weights, ids, **cfg), reps=20)
+                    t = graph_us(lambda: fused_moe(x, gu8, dn8, *route_topk(logits, K, True),
+                                                   scales, **cfg), reps=20)
                 except Exception:   # a tile the GPU cannot fit (shared memory)
                     continue
                 if t < best[0]:
-                    best = (t, cfg)
-        best_by_t[(inter, tokens)] = best[1]
-        print(f"| {inter} | {tokens} | {err} | {touched} | {us:.1f} | {nbytes / us / 1e3:,.0f} | "
-              f"{best[0]:.1f} | {nbytes / best[0] / 1e3:,.0f} ({nbytes / best[0] / 1e3 / peak:.0%}) "
-              f"| {json.dumps(best[1], separators=(',', ':'))} |", flush=True)
-        del gate_up, down
+                    best = (t, json.dumps(cfg, separators=(",", ":")))
+        print(f"| {inter} | {tokens} | {touched} | {r_torch:.1f} / {r_kernel:.1f} | "
+              f"{a_torch:.1f} / {a_kernel:.1f} | {before:.1f} / {now:.1f} / {fp8:.1f} | "
+              f"{nbytes / now / 1e3:,.0f} / {nbytes / 2 / fp8 / 1e3:,.0f} | {err} | "
+              f"{best[0]:.1f} {best[1]} |", flush=True)
+        del gate_up, down, gu8, dn8
         torch.cuda.empty_cache()
 
 
@@ -186,7 +216,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 16, 64, 131, 256, 1024, 4096])
-    p.add_argument("--no-sweep", dest="sweep", action="store_false")
+    p.add_argument("--sweep", action="store_true", help="tile sweep for FP8 experts, T <= 256")
     args = p.parse_args()
     if args.what == "kernels":
         kernels(args)
