@@ -6,6 +6,8 @@ of different sequences can share one flat batch.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -27,6 +29,19 @@ def rope_theta_from_config(config) -> float:
     return float(theta)
 
 
+@functools.lru_cache(maxsize=None)
+def _cos_sin_table(head_dim: int, max_position: int, base: float,
+                   device: torch.device) -> torch.Tensor:
+    """[max_position, head_dim] float32 cos | sin, one per (shape, base, device): every layer
+    shares it (a Qwen3-30B-A3B rank held 48 copies, 1 GB, at 40,960 positions). Float32
+    whatever the model dtype (the loader builds the model in its dtype, so no .to(dtype)
+    ever rounds these)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=device) / head_dim))
+    freqs = torch.arange(max_position, dtype=torch.float32, device=device)[:, None] * inv_freq
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table; the rotation is kernels/rotary.py (Triton on GPU)."""
 
@@ -35,12 +50,10 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # float32 whatever the model dtype (the loader builds the model in its dtype, so no
-        # .to(dtype) ever rounds these); not saved in checkpoints (derived from the config)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
-                             persistent=False)   # [max_position, head_dim]
+        # built on the default device (the loader's `with torch.device(...)`); not saved in
+        # checkpoints (derived from the config)
+        table = _cos_sin_table(head_dim, max_position, float(base), torch.get_default_device())
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,15 @@ def test_loads_and_every_param_matches_checkpoint(tmp_path_factory):
     torch.testing.assert_close(qkv, torch.cat([ckpt[p + "q_proj.weight"], ckpt[p + "k_proj.weight"],
                                                ckpt[p + "v_proj.weight"]]), rtol=0, atol=0)
     assert not model.training and config.model_type == "qwen3"
+    # one rotary table for all layers (48 copies were 1 GB a rank at 30B-A3B), still exact
+    tables = {layer.self_attn.rotary_emb.cos_sin_cache.data_ptr() for layer in model.model.layers}
+    table = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert len(tables) == 1 and table.dtype == torch.float32
+    d = table.shape[1]
+    inv = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2).double() / d))
+    angles = torch.arange(table.shape[0]).double()[:, None] * inv
+    torch.testing.assert_close(table.double(), torch.cat([angles.cos(), angles.sin()], -1),
+                               atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("drop, reported", [
