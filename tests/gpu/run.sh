@@ -59,6 +59,10 @@
 #            a first start warms the Triton cache, then STARTUP_RUNS (2) alternate this tree with
 #            STARTUP_BASE (a copy of an older checkout, stubs included) where given; before
 #            them, one rank's weights load alone (tests/gpu/bench_loader.py)
+#   moe      Qwen3-MoE decode (issue 49): tests/gpu/moe_check.py kernels (router, align, the layer
+#            before / now / FP8 experts), then random bf16 Qwen3-30B-A3B shapes (/dev/shm) through
+#            the launcher at TP=2, nano-vllm's workload: this tree bf16 and with FP8 experts, and
+#            MOE_BASE (a copy of an older checkout, stubs included) bf16 where given
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
 #            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
 #            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
@@ -387,6 +391,20 @@ for w in ${*:-kernels model bench}; do
           echo "== $name"; grep -h "^| launcher\|failed check" "$OUT/$name.md"
           grep -h "start-up:\|standing by\|Init:\|^launch:" "$OUT/$name/launch_tp2.log" | sed 's/^.*nanoserve.worker //' | cut -c1-420
         done
+      done ;;
+    moe)   # issue 49: the MoE layer's kernels, then 30B-A3B TP=2 decode (this tree, FP8 experts, MOE_BASE)
+      timeout 600 python3 tests/gpu/moe_check.py kernels > "$OUT/moe_kernels.md" 2>&1 || rc=1
+      cat "$OUT/moe_kernels.md"
+      M=/dev/shm/qwen3-30b-a3b
+      [ -f $M/config.json ] || timeout 900 python3 tests/gpu/moe_check.py checkpoint $M \
+        > "$OUT/moe_ckpt_30b.log" 2>&1 || rc=1
+      for run in "this:$PWD:" "fp8:$PWD:--quantization fp8" ${MOE_BASE:+"base:$MOE_BASE:"}; do
+        name=moe_30b_${run%%:*}; rest=${run#*:}; tree=${rest%%:*}; wa=${rest#*:}
+        ( cd "$tree" && PYTHONPATH="$tree:$tree/protos:${PYTHONPATH#*protos:}" \
+          python3 "$OLDPWD/tests/gpu/deploy_check.py" --model $M --out "$OUT/$name" --tp 2 \
+          --skip-compose --skip-kill --runs 1 --worker-args "$wa" > "$OUT/$name.md" 2>&1 ) || rc=1
+        echo "== $name"; grep -h "^| launcher\|failed check" "$OUT/$name.md"
+        grep -h -A2 "^decode steps\|per decode step" "$OUT/$name"/bench_*.txt
       done ;;
     hostkv)   # the prefix cache's host tier (issue 48) at Qwen3-8B shapes: copy bandwidth, then
       # multi-turn chat with the device cache cut to HOSTKV_BLOCKS, the tier on / off, and
