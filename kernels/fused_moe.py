@@ -295,16 +295,17 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     out_slots = torch.empty(n, H, dtype=x.dtype, device=x.device)
     w_flat = weights.reshape(-1).contiguous()
+    gu_scale, d_scale = scales if fp8 else (gate_up, down)   # (unread without FP8_W)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   FP8_W=fp8, PRECISION=_precision(x.dtype),
                   RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn))](
-        x, gate_up, scales[0] if fp8 else gate_up, act, sorted_slots, block_expert, n, H, inter,
+        x, gate_up, gu_scale, act, sorted_slots, block_expert, n, H, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         act.stride(0), act.stride(1), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **launch)
     _down_weighted_kernel[(num_blocks, triton.cdiv(H, bn))](
-        act, down, scales[1] if fp8 else down, w_flat, out_slots, sorted_slots, block_expert, n, H, inter,
+        act, down, d_scale, w_flat, out_slots, sorted_slots, block_expert, n, H, inter,
         act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
         out_slots.stride(0), out_slots.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         **launch)
