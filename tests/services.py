@@ -71,8 +71,9 @@ class Proc:
         except subprocess.TimeoutExpired:
             return None
 
-    def output(self) -> str:
-        return "".join(self.log[-80:])
+    def output(self, last: int | None = 80) -> str:
+        """The last `last` lines printed (None: all of them)."""
+        return "".join(self.log if last is None else self.log[-last:])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         if self.popen is None or self.popen.poll() is not None:

@@ -112,7 +112,7 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
             assert engine_core_pid(launcher) != core and new == old
         else:
             assert len(new) == tp and not set(new) & set(old), "the whole group was restarted"
-            log = launcher.output()
+            log = launcher.output(None)   # a survivor's traceback can be longer than a tail
             assert re.search(r"launch: the worker (group )?(rank \d )?exited \((killed by "
                              r"SIGKILL|exit status 69)\); restarting", log), log
         if tp > 1:   # the survivor left in seconds (heartbeat / broken collective), not ~80 s
@@ -131,7 +131,7 @@ def run_streams_through_a_kill(model_dir: Path, tp: int, n_streams: int, max_tok
         channel.close()
         code = launcher.stop(signal.SIGTERM, timeout=60)
     assert code == 0, launcher.output()
-    assert "CancelledError" not in launcher.output(), launcher.output()
+    assert "CancelledError" not in launcher.output(None), launcher.output()
 
 
 def test_worker_sigkilled_under_launcher_20_greedy_streams_finish_identical(tmp_path_factory):
