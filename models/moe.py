@@ -63,7 +63,12 @@ class MoEExperts(nn.Module):
         for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
             param.weight_loader = self.weight_loader
             param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
-        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None   # set by quantize_fp8
+        self.gate_up_scale = self.down_scale = None   # buffers once quantize_fp8 ran
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fused_moe's FP8 scales (gate_up's [E, 2I], down's [E, H]); None: not quantized."""
+        return None if self.gate_up_scale is None else (self.gate_up_scale, self.down_scale)
 
     def quantize_fp8(self) -> None:
         """Both stacks -> e4m3 with a float32 scale per output row, [E, 2I] and [E, H]
@@ -81,7 +86,9 @@ class MoEExperts(nn.Module):
                 scale[e:e + 16] = s.view(-1, w.shape[1])
             stacks.append((nn.Parameter(q, requires_grad=False), scale))
         (self.gate_up_proj, gu_scale), (self.down_proj, d_scale) = stacks
-        self.scales = (gu_scale, d_scale)
+        del self.gate_up_scale, self.down_scale   # plain attributes -> buffers (move with .to())
+        self.register_buffer("gate_up_scale", gu_scale)
+        self.register_buffer("down_scale", d_scale)
 
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) in dtype, dequantized if FP8: moe_reference's operands."""
