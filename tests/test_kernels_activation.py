@@ -1,20 +1,14 @@
 """Fused SiLU-and-mul Triton kernel vs its torch reference (interpreter on CPU)."""
 from __future__ import annotations
 
-import os
-
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("d", [48, 1536])         # one tile padded; several column tiles

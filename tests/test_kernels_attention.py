@@ -6,13 +6,6 @@ block boundaries (k*bs, k*bs +- 1), q_len 1 inside prefill batches, prefix-cache
 """
 from __future__ import annotations
 
-import os
-
-# Must precede the first `import triton` (tests/conftest.py does the same, globally);
-# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
 import torch
@@ -23,10 +16,9 @@ from kernels.paged_attention import DecodeConfig, paged_decode, paged_prefill, r
 from kernels.store_kvcache import store_kvcache
 from paged_kv import head_major
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, INTERPRET, needs_triton
+
+pytestmark = needs_triton
 
 
 def make_batch(seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int, group: int,

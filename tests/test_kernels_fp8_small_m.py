@@ -9,23 +9,15 @@ applied to the wrong channel (or not at all) shows.
 from __future__ import annotations
 
 import itertools
-import os
-
-# Must precede the first `import triton` (tests/conftest.py does the same, globally);
-# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from kernels.fp8_linear import (FP8, MID_M_TILES, fp8_linear_ref, fp8_small_m_linear,
                                 fp8_weight_only_ref, quantize_rows)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 def make_case(t: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0,

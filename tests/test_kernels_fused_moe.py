@@ -10,13 +10,6 @@ takes the full product of experts x top-k x T x norm_topk_prob; bf16 a few cases
 from __future__ import annotations
 
 import itertools
-import os
-
-# Must precede the first `import triton` (tests/conftest.py does the same, globally);
-# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
@@ -24,10 +17,9 @@ from kernels.fp8_linear import FP8, quantize_rows
 from kernels.fused_moe import align_tokens, align_tokens_ref, default_config, fused_moe
 from models.moe import moe_reference, route
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, needs_triton
+
+pytestmark = needs_triton
 H, I = 48, 40
 TILES = dict(block_m=16, block_n=32, block_k=32)
 

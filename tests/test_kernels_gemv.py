@@ -7,21 +7,15 @@ decades (a scale on the wrong channel shows), with and without bias.
 """
 from __future__ import annotations
 
-import os
-
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from kernels.fp8_linear import quantize_rows
 from kernels.gemv import gemv, gemv_ref
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, INTERPRET, needs_triton
+
+pytestmark = needs_triton
 
 
 def case(t: int, n: int, k: int, x_dtype: torch.dtype, w_kind: str, bias: bool, seed: int):

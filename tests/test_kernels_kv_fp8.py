@@ -3,11 +3,6 @@ pages, against the torch reference of the same quantization (CPU via the interpr
 on CUDA with NANOSERVE_GPU_TESTS=1)."""
 from __future__ import annotations
 
-import os
-
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 import triton
@@ -19,9 +14,9 @@ from kernels.paged_attention import DecodeConfig, _e4m3_pairs_to_f16, paged_deco
 from kernels.store_kvcache import store_kvcache
 from tests.test_kernels_attention import (DEVICE, INTERPRET, boundary_contexts, make_batch,
                                          run_rows, runs_of)
+from triton_device import needs_triton
 
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
+pytestmark = needs_triton
 
 
 @triton.jit

@@ -15,23 +15,15 @@ its reference path.
 from __future__ import annotations
 
 import itertools
-import os
-
-# Must precede the first `import triton` (tests/conftest.py does the same, globally);
-# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from kernels.lora import (LoraRows, lora_expand, lora_expand_ref, lora_max_split_k, lora_rows,
                           lora_shrink, lora_shrink_ref)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, INTERPRET, needs_triton
+
+pytestmark = needs_triton
 
 K, N, S = 200, 144, 5          # slot S - 1 never gets rows
 

@@ -4,21 +4,15 @@ Where logits tie (bf16 ones often do) torch.topk picks either; the kernel the lo
 which a stable descending sort gives independently."""
 from __future__ import annotations
 
-import os
-
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from kernels.moe_route import route_topk
 from models.moe import route
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,norm,dtype", [

@@ -1,23 +1,15 @@
 """Fused RMSNorm(+residual) and rotary Triton kernels vs their torch references (interpreter)."""
 from __future__ import annotations
 
-import os
-
-# Must precede the first `import triton` (tests/conftest.py does the same, globally);
-# on the GPU host NANOSERVE_GPU_TESTS=1 keeps real kernels and these tests run on CUDA.
-if not os.environ.get("NANOSERVE_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from kernels.rmsnorm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                reason="Triton needs CUDA or TRITON_INTERPRET=1")
-DEVICE = "cpu" if INTERPRET else "cuda"
+from triton_device import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 def cos_sin_cache(max_pos: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
