@@ -13,6 +13,10 @@ CUDA graphs. Beyond `two_shot_max` bytes, NCCL's ring is the better algorithm an
 Every rank sums the ranks' values in rank order, so all ranks get bit-identical results,
 as TP requires (each rank continues from its own copy of the sum).
 
+Past torch's region the buffer holds two slots and barrier flags for our own kernel,
+kernels/all_reduce_norm.py: the decoder layers' all-reduce fused with the residual add and
+RMSNorm that follow it (`all_reduce_norm`), up to NORM_MAX bytes.
+
 NVLink multicast (the `multimem` kernels) is not used: the lent GPU hosts keep it off.
 """
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.all_reduce_norm import FLAGS_BYTES, MAX_PROGRAMS, MAX_WORLD, all_reduce_norm
+
 log = logging.getLogger("nanoserve.worker")
 
 # Measured on 2x H200 (tests/gpu/bench_all_reduce.py, tests/gpu/RESULTS.md): one-shot is
@@ -32,22 +38,56 @@ log = logging.getLogger("nanoserve.worker")
 # 16 MiB); NCCL above TWO_SHOT_MAX, where its ring is built for the job.
 ONE_SHOT_MAX = 256 << 10
 TWO_SHOT_MAX = 8 << 20
+NORM_MAX = 2 << 20     # all_reduce_norm's slot: a decode step's hidden states, batch 256 at 8B
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def buffer_bytes(size: int = TWO_SHOT_MAX) -> int:
+    """Torch's region of `size` bytes, then all_reduce_norm's two slots and flags."""
+    return size + 2 * NORM_MAX + FLAGS_BYTES
+
+
+@dataclass
+class Fused:
+    """What all_reduce_norm needs besides the tensors: every rank's buffer address in this
+    process, this rank, and its per-program call counts (the grid: the same on every rank)."""
+    bases: torch.Tensor     # int64 [world]
+    rank: int
+    counts: torch.Tensor    # int32 [G]
 
 
 @dataclass
 class FastAllReduce:
-    """A symmetric buffer of `size` bytes shared by every rank of `group_name`."""
+    """A symmetric buffer shared by every rank of `group_name`: torch's region of `size`
+    bytes, then the fused kernel's (`fused`: None where it cannot run)."""
     group_name: str
-    buffer: torch.Tensor            # uint8 [size], symmetric: viewed as the input's dtype
+    buffer: torch.Tensor            # uint8 [buffer_bytes(size)], symmetric
+    size: int = TWO_SHOT_MAX
+    fused: Fused | None = None
     one_shot_max: int = ONE_SHOT_MAX
     two_shot_max: int = TWO_SHOT_MAX
+    norm_max: int = NORM_MAX
 
     def handles(self, x: torch.Tensor) -> bool:
         """Whether x goes through peer memory (else: NCCL)."""
         nbytes = x.numel() * x.element_size()
         return (x.device == self.buffer.device and x.dtype in DTYPES and x.is_contiguous()
-                and nbytes % 16 == 0 and 0 < nbytes <= min(self.two_shot_max, self.buffer.numel()))
+                and nbytes % 16 == 0 and 0 < nbytes <= min(self.two_shot_max, self.size))
+
+    def fuses(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether all_reduce_norm takes x (a [T, H] partial sum) and its residual."""
+        return (self.fused is not None and x.dim() == 2 and x.device == self.buffer.device
+                and x.dtype in DTYPES and x.is_contiguous() and residual.is_contiguous()
+                and residual.shape == x.shape and residual.dtype == x.dtype
+                and 0 < x.numel() * x.element_size() <= self.norm_max)
+
+    def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(sum of x over ranks + residual), that sum, written into residual)."""
+        f = self.fused
+        return all_reduce_norm(x, residual, weight, eps, f.bases, f.rank, f.counts,
+                               slot_offset=self.size, slot_bytes=NORM_MAX,
+                               flags_offset=self.size + 2 * NORM_MAX)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks, as a new tensor (x is left as it was)."""
@@ -73,16 +113,18 @@ def allocate(device: torch.device, size: int = TWO_SHOT_MAX) -> torch.Tensor | N
     try:
         from torch.distributed import _symmetric_memory as symm_mem
         torch.cuda.set_device(device)
-        return symm_mem.empty(size, dtype=torch.uint8, device=device)
+        return symm_mem.empty(buffer_bytes(size), dtype=torch.uint8, device=device)
     except Exception as e:  # noqa: BLE001 - any failure means: not here
         log.warning("peer memory unavailable (%s)", e)
         return None
 
 
 def create(device: torch.device, group: dist.ProcessGroup | None = None,
-           size: int = TWO_SHOT_MAX, buffer: torch.Tensor | None = None) -> FastAllReduce | None:
+           size: int = TWO_SHOT_MAX, buffer: torch.Tensor | None = None,
+           fused: bool = True) -> FastAllReduce | None:
     """Set up peer buffers for every rank of `group` (default: the world); a collective.
-    `buffer`: this rank's, from `allocate` (else allocated here).
+    `buffer`: this rank's, from `allocate(device, size)` (else allocated here). fused: also
+    the all-reduce + RMSNorm kernel (False: torch's kernels only, to compare).
 
     Returns None, on every rank alike, where peer memory cannot work: CPU or gloo; ranks on
     different hosts; a process that cannot see its peers' GPUs (one GPU visible per
@@ -111,16 +153,40 @@ def create(device: torch.device, group: dist.ProcessGroup | None = None,
     if not _all_agree(buffer is not None, device, group):
         log.info("all-reduce: NCCL for all sizes (no peer memory between these ranks)")
         return None
+    handle = None
     try:
         from torch.distributed import _symmetric_memory as symm_mem
-        symm_mem.rendezvous(buffer, group.group_name)
-        ok = True
+        handle = symm_mem.rendezvous(buffer, group.group_name)
     except Exception as e:  # noqa: BLE001
         log.warning("peer-memory rendezvous failed (%s)", e)
-        ok = False
-    if not _all_agree(ok, device, group):
+    if not _all_agree(handle is not None, device, group):
         return None
-    return FastAllReduce(group.group_name, buffer)
+    fast = FastAllReduce(group.group_name, buffer, size)
+    if fused:
+        fast.fused = _fused_state(handle, buffer, size, device, group)
+    return fast
+
+
+def _fused_state(handle, buffer: torch.Tensor, size: int, device: torch.device,
+                 group: dist.ProcessGroup) -> Fused | None:
+    """all_reduce_norm's state, agreed over the group: one grid size for every rank (at
+    most the SMs, so all its programs are resident at once), and the flags zeroed on every
+    rank before any rank can raise a peer's (the agreeing all-reduce orders the zeroing)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    offset = buffer.data_ptr() - int(handle.buffer_ptrs[rank])   # where the tensor starts
+    ptrs = [int(p) + offset for p in handle.buffer_ptrs]          # (the same on every rank)
+    buffer[size:].zero_()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    usable = world <= MAX_WORLD and offset >= 0 and all(p % 16 == 0 for p in ptrs)  # aligned
+    grid = torch.tensor([min(MAX_PROGRAMS, sms) if usable else 0], dtype=torch.int32,
+                        device=device)
+    dist.all_reduce(grid, op=dist.ReduceOp.MIN, group=group)
+    g = int(grid.item())
+    if g == 0:
+        log.info("all-reduce: no fused all-reduce + RMSNorm (a rank cannot run it)")
+        return None
+    return Fused(torch.tensor(ptrs, dtype=torch.int64, device=device), rank,
+                 torch.zeros(g, dtype=torch.int32, device=device))
 
 
 def _all_agree(ok: bool, device: torch.device, group: dist.ProcessGroup) -> bool:

@@ -3,7 +3,11 @@
 The residual stream flows between decoder layers as a separate tensor, so one call does
 "add the sublayer output to the residual, then normalize". The math lives in
 kernels/rmsnorm.py: the fused Triton kernel on GPU, its torch reference elsewhere (the
-numerics of both follow Hugging Face's Qwen3RMSNorm)."""
+numerics of both follow Hugging Face's Qwen3RMSNorm).
+
+Under tensor parallelism the sublayer output arrives unreduced (RowParallelLinear with
+reduce=False): a norm given `tp` sums it over the ranks first, and where peer memory allows,
+the all-reduce, the add and the norm are one kernel (kernels/all_reduce_norm.py)."""
 from __future__ import annotations
 
 import torch
@@ -11,13 +15,14 @@ from torch import nn
 
 from kernels.fp8_linear import quantized_rows_ref
 from kernels.rmsnorm import rms_norm, rms_norm_ref
-from models.parallel import replicated_weight_loader
+from models.parallel import TPGroup, replicated_weight_loader
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.tp = tp   # given: x with a residual is a partial sum over these ranks
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = replicated_weight_loader
 
@@ -25,6 +30,11 @@ class RMSNorm(nn.Module):
         """x_normed, or (x_normed, x + residual) when a residual is given (on GPU the sum
         is written into `residual` in place). fp8: x_normed comes as QuantizedRows for the
         FP8 GEMM it feeds (LinearBase.takes_fp8_rows), quantized in the norm's own pass."""
+        if residual is not None and self.tp is not None and self.tp.size > 1:
+            fast = self.tp.fast
+            if not fp8 and fast is not None and fast.fuses(x, residual):
+                return fast.all_reduce_norm(x, residual, self.weight, self.eps)
+            x = self.tp.all_reduce(x)
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps, residual, fp8=fp8)
         out = rms_norm_ref(x, self.weight, self.eps, residual)
@@ -34,4 +44,5 @@ class RMSNorm(nn.Module):
                 else quantized_rows_ref(out))
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        tp = f", sums over {self.tp.size} ranks" if self.tp is not None and self.tp.size > 1 else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{tp}"

@@ -190,11 +190,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """y = sum over ranks of x[:, rank's cols] @ W[:, rank's cols].T (+ bias once).
 
-    The bias is replicated and added after the all-reduce so it is counted once."""
+    The bias is replicated and counted once: added after the all-reduce, or with
+    reduce=False by rank 0 alone. reduce=False returns this rank's partial sum for the
+    caller to reduce: the decoder layers sum it inside the next RMSNorm (models/layernorm.py),
+    where the all-reduce, the residual add and the norm can be one kernel."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TPGroup = TPGroup()) -> None:
+                 tp: TPGroup = TPGroup(), reduce: bool = True) -> None:
         super().__init__(divide(input_size, tp.size, "input size"), output_size, bias, tp)
+        self.reduce = reduce
         if self.bias is not None:
             self.bias.weight_loader = replicated_weight_loader
 
@@ -209,5 +213,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.project(x)   # the adapter's delta a partial sum too, like the GEMM's (lora.py)
+        if not self.reduce:
+            return y if self.bias is None or self.tp.rank else y + self.bias
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

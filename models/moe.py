@@ -123,8 +123,12 @@ class MoEExperts(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config, tp: TPGroup) -> None:
+    """Router + experts. reduce=False: the output is this rank's partial sum over its slice
+    of every expert (the decoder layer's next RMSNorm sums it, as RowParallelLinear's)."""
+
+    def __init__(self, config, tp: TPGroup, reduce: bool = True) -> None:
         super().__init__()
+        self.reduce = reduce
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (Qwen3-MoE uses silu)")
         self.tp = tp
@@ -146,7 +150,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, e.scales)
         else:
             out = moe_reference(x, *e.dense(x.dtype), weights, ids)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:

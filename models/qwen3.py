@@ -45,7 +45,8 @@ class Qwen3Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=bias and config.model_type != "qwen2", tp=tp)
+                                        bias=bias and config.model_type != "qwen2", tp=tp,
+                                        reduce=False)   # summed in the next norm
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
@@ -88,7 +89,7 @@ class Qwen3MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=False, tp=tp)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           bias=False, tp=tp)
+                                           bias=False, tp=tp, reduce=False)   # summed in the next norm
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_fp8_rows(x)
@@ -101,19 +102,25 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is passed alongside so the adds fuse into norms."""
+    """Pre-norm block; the residual stream is passed alongside so the adds fuse into norms.
+    Under TP the attention and the MLP return partial sums, and the norm after each (this
+    layer's post-attention norm, the next layer's input norm, the model's final norm) sums
+    them over the ranks: all-reduce, add and norm in one kernel where it can."""
 
     def __init__(self, config, tp: TPGroup, backend, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, tp, backend)
-        self.mlp = (Qwen3MoeSparseMoeBlock(config, tp) if is_sparse_layer(config, layer_idx)
-                    else Qwen3MLP(config, tp))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = (Qwen3MoeSparseMoeBlock(config, tp, reduce=False)
+                    if is_sparse_layer(config, layer_idx) else Qwen3MLP(config, tp))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, tp=tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                                tp=tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None, meta: AttentionMetadata,
+                aux: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the embedding (first layer) or the previous layer's MLP output, unreduced.
+        aux: gets a copy of the residual stream entering this layer (EAGLE-3's input)."""
         # Before FP8 GEMMs of several tokens the norms also write their output as e4m3
         # (QuantizedRows), saving the GEMMs' quantize launches
         fp8 = self.self_attn.qkv_proj.takes_fp8_rows(hidden)
@@ -121,6 +128,8 @@ class Qwen3DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, fp8=fp8), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual, fp8=fp8)
+        if aux is not None:
+            aux.append(residual.clone())   # the norms update the residual in place
         hidden = self.self_attn(positions, hidden, meta)
         fp8 = isinstance(self.mlp, Qwen3MLP) and self.mlp.takes_fp8_rows(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual, fp8=fp8)
@@ -133,7 +142,7 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, backend, i)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, tp=tp)
         # An EAGLE-3 head drafts from the hidden states entering these layers (models/eagle3.py):
         # each forward then leaves them concatenated in aux_hidden [T, len(aux_layers) * H]
         self.aux_layers: tuple[int, ...] = ()
@@ -144,9 +153,8 @@ class Qwen3Model(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         aux = []
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(positions, hidden, residual, meta,
+                                     aux if i in self.aux_layers else None)
         if aux:
             self.aux_hidden = torch.cat(aux, dim=-1)
         hidden, _ = self.norm(hidden, residual)

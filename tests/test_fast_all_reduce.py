@@ -12,7 +12,8 @@ from models.parallel import TPGroup
 
 
 def buffer_of(nbytes: int) -> FastAllReduce:
-    return FastAllReduce("g", torch.empty(nbytes, dtype=torch.uint8))
+    return FastAllReduce("g", torch.empty(fast_all_reduce.buffer_bytes(nbytes), dtype=torch.uint8),
+                         size=nbytes)
 
 
 def test_decode_sized_float_tensors_are_handled():
@@ -41,7 +42,8 @@ class Recorder(FastAllReduce):
 
 
 def test_tp_group_routes_by_the_fast_path_and_uses_its_result(monkeypatch):
-    fast = Recorder("g", torch.empty(1 << 20, dtype=torch.uint8))
+    fast = Recorder("g", torch.empty(fast_all_reduce.buffer_bytes(1 << 20), dtype=torch.uint8),
+                    size=1 << 20)
     fast.calls = []
     nccl = []
     monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: nccl.append(x.shape))
@@ -56,3 +58,52 @@ def test_tp_group_routes_by_the_fast_path_and_uses_its_result(monkeypatch):
 
 def test_no_peer_memory_on_cpu():
     assert fast_all_reduce.create(torch.device("cpu")) is None
+
+
+def test_fused_norm_takes_decode_sized_rows_only_when_set_up():
+    fast = buffer_of(1 << 20)
+    x = torch.zeros(131, 4096, dtype=torch.bfloat16)
+    assert not fast.fuses(x, x.clone())                       # no fused state: torch's kernels
+    fast.fused = fast_all_reduce.Fused(torch.zeros(2, dtype=torch.int64), 0,
+                                       torch.zeros(4, dtype=torch.int32))
+    assert fast.fuses(x, x.clone())
+    rows = fast_all_reduce.NORM_MAX // (4096 * 2)
+    assert fast.fuses(torch.zeros(rows, 4096, dtype=torch.bfloat16),
+                      torch.zeros(rows, 4096, dtype=torch.bfloat16))
+    assert not fast.fuses(torch.zeros(rows + 1, 4096, dtype=torch.bfloat16),
+                          torch.zeros(rows + 1, 4096, dtype=torch.bfloat16))   # over the slot
+    assert not fast.fuses(x, x.clone().float())                # residual of another dtype
+    assert not fast.fuses(x, torch.zeros(130, 4096, dtype=torch.bfloat16))
+    assert not fast.fuses(x.view(131, 32, 128), x.clone().view(131, 32, 128))   # not [T, H]
+    assert not fast.fuses(x[:, :2048], x[:, :2048].clone())   # not contiguous
+
+
+def test_norm_after_a_partial_sum_reduces_it(monkeypatch):
+    """Under TP a norm with a residual sums x first (the row-parallel layers before it no
+    longer do): through the fused kernel where it fuses, else all_reduce then the norm."""
+    from models.layernorm import RMSNorm
+    calls = []
+
+    class Fake(FastAllReduce):
+        def __call__(self, x):
+            calls.append("all_reduce")
+            return x * 2
+
+        def all_reduce_norm(self, x, residual, weight, eps):
+            calls.append("fused")
+            return RMSNorm(x.shape[-1], eps)(x * 2, residual)
+
+    fast = Fake("g", torch.empty(fast_all_reduce.buffer_bytes(1 << 20), dtype=torch.uint8),
+                size=1 << 20)
+    norm = RMSNorm(64, tp=TPGroup(rank=0, size=2, fast=fast))
+    x, res = torch.randn(4, 64), torch.randn(4, 64)
+    want = RMSNorm(64)(x * 2, res.clone())
+    for fused in (None, fast_all_reduce.Fused(torch.zeros(2, dtype=torch.int64), 0,
+                                              torch.zeros(4, dtype=torch.int32))):
+        fast.fused = fused
+        out, new_res = norm(x, res.clone())
+        torch.testing.assert_close(out, want[0])
+        torch.testing.assert_close(new_res, want[1])
+    assert calls == ["all_reduce", "fused"]
+    assert torch.equal(norm(x), RMSNorm(64)(x))               # no residual: x is whole already
+    assert calls == ["all_reduce", "fused"]

@@ -107,11 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every rank beats once a second through rank 0's store; a peer silent "
                          "this long is dead or hung and this rank exits (so the whole group is "
                          "restarted in seconds, not after NCCL's own timeout)")
-    tp.add_argument("--all-reduce", choices=("auto", "nccl"), default="auto",
+    tp.add_argument("--all-reduce", choices=("auto", "unfused", "nccl"), default="auto",
                     help="auto: tensors up to 8 MiB (decode steps) are summed through peer "
                          "memory over NVLink (torch symmetric memory; one-shot/two-shot "
-                         "kernels, inside CUDA graphs), larger ones by NCCL; falls back to "
-                         "NCCL alone where peer memory is unavailable. nccl: NCCL for all")
+                         "kernels, inside CUDA graphs), larger ones by NCCL, and up to 2 MiB "
+                         "the decoder layers' sums are one kernel with the residual add and "
+                         "RMSNorm after them; falls back to NCCL alone where peer memory is "
+                         "unavailable. unfused: auto without that fused kernel. nccl: NCCL for all")
     tp.add_argument("--standby", action="store_true",
                     help="import the model code, then wait (named ns-standby-<rank>, no GPU touched) "
                          "for a line on stdin before starting; exit if stdin closes first. The "

@@ -67,7 +67,8 @@ class DistConfig:
     timeout_s: float          # rendezvous and collective timeout
     backend: str              # "nccl" or "gloo"
     heartbeat_timeout_s: float = 5.0   # a peer silent this long is dead
-    all_reduce: str = "auto"  # "auto": peer memory for decode-sized tensors; "nccl": NCCL only
+    all_reduce: str = "auto"  # "auto": peer memory for decode-sized tensors, fused with the
+    # norms after them; "unfused": the same without that fusion; "nccl": NCCL only
 
 
 def backend_for(device: torch.device) -> str:
@@ -202,7 +203,7 @@ class DistGroup:
             if device.type == "cuda":
                 torch.cuda.set_device(device)   # this thread's current device: the rank's GPU
             t = time.perf_counter()
-            peer = self.cfg.all_reduce == "auto" and device.type == "cuda"
+            peer = self.cfg.all_reduce in ("auto", "unfused") and device.type == "cuda"
             buffer: list = []   # this rank's peer-memory buffer, allocated beside NCCL's set-up
             alloc = threading.Thread(
                 target=lambda: buffer.append(fast_all_reduce.allocate(device)), daemon=True,
@@ -217,7 +218,8 @@ class DistGroup:
             if peer:
                 alloc.join()
                 self.steps.append(f"peer buffer at {time.perf_counter() - t:.1f} s")
-                fast = fast_all_reduce.create(device, buffer=buffer[0])
+                fast = fast_all_reduce.create(device, buffer=buffer[0],
+                                              fused=self.cfg.all_reduce == "auto")
                 self.steps.append(f"peer memory agreed at {time.perf_counter() - t:.1f} s")
             self.tp.use_peer_memory(fast)
             log.info("rank %d/%d joined %s over %s%s (%s)", self.cfg.rank, self.cfg.world_size,

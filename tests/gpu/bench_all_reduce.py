@@ -6,6 +6,11 @@ from one CUDA graph (as the decode graphs run them). Before timing, every method
 checked against NCCL's (the same on every rank, and equal to NCCL's to bf16 rounding).
 Prints a markdown table (median us per all-reduce on rank 0, and bus bandwidth).
 
+Then the decoder layers' all-reduce + residual add + RMSNorm (hidden 4096, a decode step's
+rows): torch's kernel and then our RMSNorm kernel, against kernels/all_reduce_norm.py's one
+kernel. Checked first: its residual equals NCCL + the norm's bit for bit, on every rank, for
+one call and after 20 back-to-back calls of different data from one graph (slot reuse).
+
     python tests/gpu/bench_all_reduce.py [--gpus 2]
 """
 from __future__ import annotations
@@ -109,7 +114,69 @@ def rank_main(rank: int, world: int, port: int) -> None:
             print(f"| {kib} KiB | {nc:.1f} | {one:.1f} | {two:.1f} | {pick:.1f} ({route}) | "
                   f"{nc / best:.2f}x | {bus / nc:.0f} | {bus / best:.0f} |")
         print("\nchecks (rank 0): " + "; ".join(c for _, _, cs in rows[:1] for c in cs))
+    fused_table(fast, rank, world, device)
     dist.destroy_process_group()
+
+
+def fused_table(fast, rank: int, world: int, device: torch.device, hidden: int = 4096) -> None:
+    from kernels.rmsnorm import rms_norm
+    assert fast.fused is not None, "the fused all-reduce + RMSNorm was not set up"
+    g = torch.Generator(device=device).manual_seed(0)
+    weight = torch.randn(hidden, device=device, generator=g).bfloat16()
+    rows_out, failed = [], []
+    for t in (1, 8, 64, 131, 256):
+        gr = torch.Generator(device=device).manual_seed(100 * rank + t)
+        xs = [torch.randn(t, hidden, device=device, generator=gr).bfloat16() for _ in range(CALLS)]
+        res0 = torch.randn(t, hidden, device=device, generator=g).bfloat16()   # same on all ranks
+
+        def unfused(x, res):
+            y = fast(x) if fast.handles(x) else x.clone()
+            return rms_norm(y, weight, 1e-6, res)
+
+        def nccl(x, res):
+            y = x.clone()
+            dist.all_reduce(y)
+            return rms_norm(y, weight, 1e-6, res)
+
+        # one call, then CALLS calls of different data from one graph: the same residual
+        ref_out, ref_res = nccl(xs[0], res0.clone())
+        out, res = fast.all_reduce_norm(xs[0], res0.clone(), weight, 1e-6)
+        seq_ref = res0.clone()
+        for x in xs:
+            nccl(x, seq_ref)
+        seq = res0.clone()
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fast.all_reduce_norm(xs[0], res0.clone(), weight, 1e-6)   # warm-up: compile
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            for x in xs:
+                fast.all_reduce_norm(x, seq, weight, 1e-6)
+        graph.replay()
+        torch.cuda.synchronize()
+        gathered = [torch.empty_like(res) for _ in range(world)]
+        dist.all_gather(gathered, res)
+        ok = (torch.equal(res, ref_res) and torch.equal(seq, seq_ref)
+              and all(torch.equal(gathered[0], r) for r in gathered))
+        err = float((out.float() - ref_out.float()).abs().max())
+        failed.extend([] if ok else [t])
+        xr = torch.randn(t, hidden, device=device, generator=gr).bfloat16()
+        res = torch.zeros(t, hidden, device=device, dtype=torch.bfloat16)
+        times = [graph_us(lambda: unfused(xr, res)),
+                 graph_us(lambda: fast.all_reduce_norm(xr, res, weight, 1e-6))]
+        rows_out.append((t, times, err))
+    if rank == 0:
+        print(f"\nall-reduce + residual + RMSNorm, hidden {hidden}, bf16, us per call (median of "
+              f"{REPS} replays of {CALLS}); residual equal to NCCL + RMSNorm's bit for bit on "
+              f"every rank (one call and {CALLS} from a graph)\n")
+        print("| rows | MiB | torch's kernel + RMSNorm us | fused us | speed-up | max out diff |")
+        print("|---|---|---|---|---|---|")
+        for t, (a, b), err in rows_out:
+            print(f"| {t} | {t * hidden * 2 / 2**20:.2f} | {a:.1f} | {b:.1f} | {a / b:.2f}x | "
+                  f"{err:.1e} |")
+    assert not failed, f"rank {rank}: fused all-reduce + norm differs from NCCL's at rows {failed}"
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Paged decode attention bandwidth: bytes the kernel must move / time, vs HBM peak.
 
-Batch 256 (default), contexts 100..2048, head_dim 128, 8 KV heads, GQA group 2 (Qwen3-0.6B:
+Batch 256 (default), contexts 100..2048, head_dim 128, 8 KV heads (--kv-heads), GQA group 2 (Qwen3-0.6B:
 16 q heads), 4 and 8 (larger Qwen3s); page size 256 with shuffled block tables. Bytes
 counted: every context token's K and V rows of the sequence's KV heads, q in, out out,
 and the block table / context lengths (fp8 KV: 1-byte K/V plus each token's two fp32
@@ -103,6 +103,8 @@ def main() -> None:
                     help="HBM peak in TB/s for the %% column (default: 3.35 H100 SXM, 4.8 H200)")
     ap.add_argument("--kv", default="bf16,fp8", help="KV cache dtypes to run")
     ap.add_argument("--groups", default="2,4,8", help="GQA groups (q heads per kv head) to run")
+    ap.add_argument("--kv-heads", type=int, default=8,
+                    help="kv heads (a TP rank holds 1/TP of the model's: 4 at Qwen3-8B TP=2)")
     ap.add_argument("--contexts", default=";".join(CONTEXTS),
                     help="context ranges to run, separated by ;")
     ap.add_argument("--splits", default="1", help="num_splits values to run (flash-decoding)")
@@ -126,7 +128,7 @@ def main() -> None:
                DecodeConfig(128, 8, 2), DecodeConfig(64, 2, 2)]
     if args.configs == "default":
         configs = configs[:1]
-    print(f"{name}, batch {args.batch}, head_dim 128, 8 kv heads, page 256, bf16 q; "
+    print(f"{name}, batch {args.batch}, head_dim 128, {args.kv_heads} kv heads, page 256, bf16 q; "
           f"peak {peak} TB/s\n")
     x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")   # what a plain read reaches
     ms = triton.testing.do_bench(lambda: x.sum(), warmup=10, rep=100)
@@ -143,7 +145,7 @@ def main() -> None:
              for r in args.runs.split(",")]
     for kv, group, label, order, layout, r in cases:
         lo, hi = CONTEXTS[label]
-        c = make_case(args.batch, lo, hi, 8 * group, 8, fp8=kv == "fp8",
+        c = make_case(args.batch, lo, hi, args.kv_heads * group, args.kv_heads, fp8=kv == "fp8",
                       longest_first=order == "longest", head_major=layout == "head")
         runs = None
         if r == "on":   # every row its own sequence: place 0, one row left

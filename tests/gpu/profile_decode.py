@@ -41,16 +41,58 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the random 0.6B)")
     ap.add_argument("--quantization", default="none", choices=["none", "fp8"])
     ap.add_argument("--variants", default="unfused+gemv,fused+gemv,fused+gemv+fp8kv")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each")
+    ap.add_argument("--all-reduce", default="auto", choices=("auto", "unfused"),
+                    help="with --tp: the worker's --all-reduce (unfused: no all-reduce + norm kernel)")
     args = ap.parse_args()
+    if args.tp == 1:
+        run_variants(args)
+    else:
+        import torch.multiprocessing as mp
+        mp.spawn(_rank_main, args=(args, _free_port()), nprocs=args.tp)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, args, port: int) -> None:
+    """One TP rank: NCCL group, the peer-memory all-reduce, then the same profile; only
+    rank 0 prints (the others run every step too: the collectives need them)."""
+    import torch.distributed as dist
+
+    from models import fast_all_reduce
+    from models.parallel import TPGroup
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.tp, device_id=torch.device("cuda", rank))
+    tp = TPGroup(rank=rank, size=args.tp)
+    tp.use_peer_memory(fast_all_reduce.create(torch.device("cuda", rank),
+                                              fused=args.all_reduce == "auto"))
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+    try:
+        run_variants(args, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_variants(args, tp=None) -> None:
+    """Every variant's kernel table, graph replay and module table (see the docstring)."""
     import kernels.gemv
     import models.activation
     from kernels.attention import select_backend
     from kernels.sampling import gumbel_sample
     from models.loader import load_model
+    from models.parallel import TPGroup
     from paged_kv import PagedKV
     from test_model_gpu import main_checkpoint
-    model, _ = load_model(args.model or str(main_checkpoint()), dtype=torch.bfloat16,
-                          device="cuda", attn_backend=select_backend("triton", "cuda"),
+    model, _ = load_model(args.model or str(main_checkpoint()), tp=tp or TPGroup(),
+                          dtype=torch.bfloat16, device="cuda",
+                          attn_backend=select_backend("triton", "cuda"),
                           quantization=args.quantization)
     labels, module_events = _label_modules(model)
     gemv_limit = kernels.gemv.GEMV_MAX_TOKENS
@@ -60,8 +102,9 @@ def main() -> None:
     temps = torch.full((args.batch,), 0.6, device="cuda")
     seeds = torch.randint(0, 2**31 - 1, (args.batch,), generator=g, dtype=torch.int32).cuda()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"{torch.cuda.get_device_name()}, batch {args.batch}, contexts U[100,1024] "
-          f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB")
+    print(f"{torch.cuda.get_device_name()}, TP={args.tp}, batch {args.batch}, contexts U[100,1024] "
+          f"(mean {sum(ctx) / len(ctx):.0f}); weights {weight_bytes / 1e9:.2f} GB"
+          f"{' per rank' if args.tp > 1 else ''}")
 
     for name in args.variants.split(","):
         words = set(name.split("+"))
