@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rmsnorm import rms_norm_ref
+from kernels.rmsnorm import normalize_row, rms_norm_ref
 
 MAX_PROGRAMS = 256    # G: the GPU's SMs up to this (one row each at decode batches <= G)
 MAX_WORLD = 8
@@ -99,10 +99,8 @@ def _all_reduce_norm_kernel(
         x = (acc.to(dtype).to(tl.float32) + tl.load(res, mask=mask, other=0.0).to(tl.float32)
              ).to(dtype)
         tl.store(res, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-        y = (xf * rstd).to(dtype).to(tl.float32)
-        tl.store(Out + r64 + offs, (y * w).to(Out.dtype.element_ty), mask=mask)
+        tl.store(Out + r64 + offs, normalize_row(x, w, eps, N).to(Out.dtype.element_ty),
+                 mask=mask)
 
 
 def all_reduce_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

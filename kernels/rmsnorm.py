@@ -31,6 +31,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def normalize_row(x, w, eps, N: tl.constexpr):
+    """One row's RMSNorm as Hugging Face computes it: x (activation dtype; padding zeros)
+    normalized in float32, rounded to x's dtype, times w (float32). Returns float32."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    return (xf * rstd).to(x.dtype).to(tl.float32) * w
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, Residual, Weight, Out, Q, QScale, R,
     stride_x_outer, stride_x_inner, inner, eps,
@@ -52,11 +61,8 @@ def _rms_norm_kernel(
         r_ptr = Residual + row * N + offs
         x = (x.to(tl.float32) + tl.load(r_ptr, mask=real, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(r_ptr, x, mask=real)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    y = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
-    out = (y * w).to(Out.dtype.element_ty)
+    out = normalize_row(x, w, eps, N).to(Out.dtype.element_ty)
     tl.store(Out + row * N + offs, out, mask=real)
     if QUANT:
         quantize_store(out.to(tl.float32), Q + row * N, QScale, row, offs, mask)
