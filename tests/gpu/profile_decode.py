@@ -17,7 +17,11 @@ GEMV of kernels/gemv.py for <= its token limit; without it, cuBLAS / fp8_linear)
 table per variant charges the GPU time to modules (each projection, attention, norms, LM
 head; CUDA events around each in eager steps) with the bytes each must read: weights, or
 the batch's KV for attention, and the bandwidth that achieves.
-    python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0] [--model DIR]
+--tp 2: the same step on two GPUs (NCCL and the peer-memory all-reduce as the worker sets
+them up; --all-reduce unfused: without the fused all-reduce + norm kernel); rank 0 prints,
+and its weight bytes and floor are the rank's. Read the graph replay line there: the eager
+kernel table's collectives include the wait for the other rank (eager ranks drift apart).
+    python tests/gpu/profile_decode.py [--batch 131] [--hbm-tbs 3.0] [--model DIR] [--tp 2]
 """
 from __future__ import annotations
 
