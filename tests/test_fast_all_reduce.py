@@ -107,3 +107,21 @@ def test_norm_after_a_partial_sum_reduces_it(monkeypatch):
     assert calls == ["all_reduce", "fused"]
     assert torch.equal(norm(x), RMSNorm(64)(x))               # no residual: x is whole already
     assert calls == ["all_reduce", "fused"]
+
+
+def test_unreduced_row_parallel_outputs_sum_to_the_whole_with_the_bias_once():
+    """reduce=False: each rank returns its partial sum (no collective), rank 0 adding the
+    bias; the partials sum to the unsharded layer's output."""
+    from models.linear import RowParallelLinear
+    torch.manual_seed(0)
+    whole = RowParallelLinear(8, 4, bias=True)
+    whole.weight.data.normal_()
+    whole.bias.data.normal_()
+    x = torch.randn(3, 8)
+    parts = []
+    for rank in range(2):
+        part = RowParallelLinear(8, 4, bias=True, tp=TPGroup(rank=rank, size=2), reduce=False)
+        part.weight_loader(part.weight, whole.weight.data)
+        part.bias.weight_loader(part.bias, whole.bias.data)
+        parts.append(part(x[:, 4 * rank:4 * rank + 4]))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x))
