@@ -12,7 +12,8 @@
 #   pdl      programmatic dependent launch (kernels/pdl.py): kernel tests on CUDA, then
 #            tests/gpu/bench_pdl.py (decode step from its graph, batch 1 and 8, 0.6B, 8B, 8B FP8)
 #   tp       TP=2 vs TP=1 on two GPUs (Qwen3-0.6B and 8B shapes): logits, tokens, decode tok/s
-#   allreduce NCCL vs peer-memory all-reduce, 64 KiB-16 MiB, on every GPU of the host
+#   allreduce NCCL vs peer-memory all-reduce, 64 KiB-16 MiB, on every GPU of the host; the fused
+#            all-reduce + residual + RMSNorm against torch's kernel + RMSNorm (checked against NCCL)
 #   service  the service boundary's price: in-process x LOCAL_RUNS (3; 0 = skip) then gRPC x GRPC_RUNS (5)
 #            consecutive runs against one running scheduler + worker, then online mode (Poisson
 #            at RATE req/s, default 26 = ~80% of saturation, ONLINE_RUNS (2)) both ways;
