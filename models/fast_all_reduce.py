@@ -133,6 +133,9 @@ def create(device: torch.device, group: dist.ProcessGroup | None = None,
     cannot leave the others waiting in a rendezvous."""
     if device.type != "cuda":
         return None
+    if buffer is not None and buffer.numel() != buffer_bytes(size):
+        raise ValueError(f"peer buffer of {buffer.numel()} bytes; allocate(device, {size}) "
+                         f"makes {buffer_bytes(size)}")
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     # Where every rank is: (host, GPU index as this process numbers them).
