@@ -64,6 +64,10 @@
 #            before / now / FP8 experts), then random bf16 Qwen3-30B-A3B shapes (/dev/shm) through
 #            the launcher at TP=2, nano-vllm's workload: this tree bf16 and with FP8 experts, and
 #            MOE_BASE (a copy of an older checkout, stubs included) bf16 where given
+#   tpstep   TP=2 scaling at Qwen3-8B shapes (issue 49): the decode step at batch 131 from its graph,
+#            TP=1 and TP=2 (--all-reduce auto / unfused: with and without the fused all-reduce +
+#            norm; tests/gpu/profile_decode.py --tp), then the launcher, nano-vllm's workload, 2 runs:
+#            TP=1 and TP=2, and TP=2 unfused
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
 #            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
 #            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
@@ -406,6 +410,23 @@ for w in ${*:-kernels model bench}; do
           --skip-compose --skip-kill --runs 1 --worker-args "$wa" > "$OUT/$name.md" 2>&1 ) || rc=1
         echo "== $name"; grep -h "^| launcher\|failed check" "$OUT/$name.md"
         grep -h -A2 "^decode steps\|per decode step" "$OUT/$name"/bench_*.txt
+      done ;;
+    tpstep)   # issue 49: where TP=2 loses at 8B, and the fused all-reduce + norm's share
+      M8=/dev/shm/qwen3-8b
+      [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
+      P=(python3 tests/gpu/profile_decode.py --model $M8 --batch 131 --variants fused+gemv)
+      "${P[@]}" > "$OUT/tpstep_profile_tp1.md" 2>&1 || rc=1
+      for ar in auto unfused; do
+        "${P[@]}" --tp 2 --all-reduce $ar > "$OUT/tpstep_profile_tp2_$ar.md" 2>&1 || rc=1
+      done
+      grep -h "TP=\|graph replay" "$OUT"/tpstep_profile_*.md
+      D=(python3 tests/gpu/deploy_check.py --model $M8 --skip-compose --skip-kill --runs 2)
+      "${D[@]}" --tp 1,2 --out "$OUT/tpstep_launcher" > "$OUT/tpstep_launcher.md" 2>&1 || rc=1
+      "${D[@]}" --tp 2 --worker-args "--all-reduce unfused" --out "$OUT/tpstep_unfused" \
+        > "$OUT/tpstep_unfused.md" 2>&1 || rc=1
+      for name in tpstep_launcher tpstep_unfused; do
+        echo "== $name"; grep -h "^| launcher" "$OUT/$name.md"
+        grep -h -A2 "per decode step" "$OUT/$name"/bench_*.txt
       done ;;
     hostkv)   # the prefix cache's host tier (issue 48) at Qwen3-8B shapes: copy bandwidth, then
       # multi-turn chat with the device cache cut to HOSTKV_BLOCKS, the tier on / off, and
