@@ -66,7 +66,6 @@ class FastAllReduce:
     fused: Fused | None = None
     one_shot_max: int = ONE_SHOT_MAX
     two_shot_max: int = TWO_SHOT_MAX
-    norm_max: int = NORM_MAX
 
     def handles(self, x: torch.Tensor) -> bool:
         """Whether x goes through peer memory (else: NCCL)."""
@@ -79,7 +78,7 @@ class FastAllReduce:
         return (self.fused is not None and x.dim() == 2 and x.device == self.buffer.device
                 and x.dtype in DTYPES and x.is_contiguous() and residual.is_contiguous()
                 and residual.shape == x.shape and residual.dtype == x.dtype
-                and 0 < x.numel() * x.element_size() <= self.norm_max)
+                and 0 < x.numel() * x.element_size() <= NORM_MAX)   # a slot
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
