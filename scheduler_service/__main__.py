@@ -1,9 +1,10 @@
 """python -m scheduler_service: the whole control plane (CPU only, no torch).
 
 This process is a supervisor. It starts the engine core (queues, BlockManager, the
-workers' Step streams) and, once that has reached the workers, N frontend processes
-serving the public gRPC API on one port; it restarts either if it dies, and on
-SIGTERM/SIGINT drains the frontends, then stops the core.
+workers' Step streams) and, beside it, N frontend processes serving the public gRPC API
+on one port once the core has reached the workers (their imports and tokenizer load
+overlap the workers' start-up); it restarts either if it dies, and on SIGTERM/SIGINT
+drains the frontends, then stops the core.
 """
 from __future__ import annotations
 
@@ -225,16 +226,22 @@ class ControlPlane:
 
     # ---- children ---------------------------------------------------------------------
 
-    def _spawn(self, name: str, target, config, needs_core: bool = False):
-        """Start a child and wait until it says it is ready: (process, what it sent).
-
-        needs_core (a frontend: ready only once the engine core answers it): give up at
-        once if the core dies meanwhile, so that watch() restarts the core next; waiting
-        would hold the core's restart up for the frontend's whole connect timeout (60 s)."""
+    def _start(self, name: str, target, config) -> tuple[str, multiprocessing.Process, object]:
+        """Start a child; `_await` then waits until it says it is ready."""
         parent, child = self.mp.Pipe(duplex=False)
         proc = self.mp.Process(target=target, args=(config, child), name=name)
         proc.start()
         child.close()
+        return name, proc, parent
+
+    def _await(self, starting: tuple[str, multiprocessing.Process, object],
+               needs_core: bool = False):
+        """Wait until a started child says it is ready: (process, what it sent).
+
+        needs_core (a frontend: ready only once the engine core answers it): give up at
+        once if the core dies meanwhile, so that watch() restarts the core next; waiting
+        would hold the core's restart up for as long as the frontend waits for it."""
+        name, proc, parent = starting
         while True:
             ready = multiprocessing.connection.wait([parent, proc.sentinel], timeout=0.5)
             if needs_core and not ready and (self.core is None or not self.core.is_alive()):
@@ -260,18 +267,44 @@ class ControlPlane:
 
     def start_core(self) -> dict:
         from scheduler_service import engine_core
-        self.core, info = self._spawn("engine core", engine_core.run, self.core_config)
+        self.core, info = self._await(self._start("engine core", engine_core.run,
+                                                  self.core_config))
         return info
 
-    def start_frontend(self, i: int) -> tuple[int, int | None]:
-        """(gRPC port, HTTP port or None) the frontend bound."""
+    def _start_frontend(self, i: int):
         from scheduler_service import frontend
-        self.frontends[i], (port, http_port) = self._spawn(f"frontend {i}", frontend.run,
-                                                           self.frontend_configs[i],
-                                                           needs_core=True)
+        return self._start(f"frontend {i}", frontend.run, self.frontend_configs[i])
+
+    def start_frontend(self, i: int, starting=None) -> tuple[int, int | None]:
+        """(gRPC port, HTTP port or None) the frontend bound; `starting`: its process, if
+        already started (_start_frontend)."""
+        self.frontends[i], (port, http_port) = self._await(
+            starting or self._start_frontend(i), needs_core=True)
         for cfg in self.frontend_configs:   # every restart and sibling binds these ports
             cfg.port, cfg.http_port = port, http_port
         return port, http_port
+
+    def start_all(self) -> tuple[dict, int, int | None]:
+        """The core and, beside it, the frontends: a frontend's imports and tokenizer take
+        ~1 s, which the first token waited for when they started after the core was ready
+        (it is ready only once the workers are). Siblings of a port 0 (the OS picks it)
+        start once the first has bound it: they must bind the same."""
+        from scheduler_service import engine_core
+        core = self._start("engine core", engine_core.run, self.core_config)
+        ephemeral = self.args.port == 0 or self.args.http_port == 0
+        early = {i: self._start_frontend(i) for i in range(len(self.frontends))
+                 if i == 0 or not ephemeral}
+        try:
+            self.core, info = self._await(core)
+        except ChildFailed:
+            for _, proc, _ in early.values():
+                proc.terminate()
+                proc.join(5)
+            raise
+        port, http_port = 0, None
+        for i in range(len(self.frontends)):
+            port, http_port = self.start_frontend(i, early.get(i))
+        return info, port, http_port
 
     def _restart(self, name: str, start) -> bool:
         """Restart a dead child after its backoff; False when it is crash-looping."""
@@ -317,10 +350,7 @@ class ControlPlane:
         try:
             if self.metrics_dir:
                 self.start_metrics()
-            info = self.start_core()
-            port, http_port = 0, None
-            for i in range(len(self.frontends)):
-                port, http_port = self.start_frontend(i)
+            info, port, http_port = self.start_all()
             http = "" if http_port is None else f"; OpenAI HTTP API on {self.args.host}:{http_port}"
             print(f"nanoserve scheduler listening on {self.args.host}:{port} (model "
                   f"{info['model']}, {info['num_kv_blocks']} KV blocks of {info['block_size']}"

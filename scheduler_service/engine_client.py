@@ -102,8 +102,10 @@ class EngineClient:
     def serving(self) -> bool:
         return self.connected and self.workers_healthy
 
-    async def start(self, timeout: float = 60.0) -> dict:
-        """Connect and wait for the core's INFO."""
+    async def start(self, timeout: float | None = None) -> dict:
+        """Connect and wait for the core's INFO: by default as long as the core takes to
+        reach the workers (the supervisor starts frontends beside a core whose workers may
+        load for minutes, and stops a frontend whose core died)."""
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, ipc.identity(self.index))

@@ -295,6 +295,34 @@ def test_two_frontends_share_one_port(model_dir, eos):
         worker.stop()
 
 
+def test_frontends_start_beside_the_core_and_serve_once_the_worker_is_up(model_dir, eos):
+    """The frontends do their imports and load the tokenizer while the core waits for the
+    workers (a model's load: seconds to minutes), so the port serves as soon as the core
+    has the workers, not a frontend's start-up (~1 s each) later. Before the worker is up
+    they are running, the port is closed; once it is, a request completes."""
+    from services import Proc, free_port
+    worker_port, port = free_port(), free_port()
+    sched = Proc("scheduler", ["scheduler_service", "--model", str(model_dir), "--workers",
+                               f"127.0.0.1:{worker_port}", "--port", str(port), "--frontends",
+                               "2", "--block-size", "16", "--log-level", "WARNING"]).launch()
+    worker = None
+    try:
+        assert wait_until(lambda: {"ns-engine-core", "ns-frontend-0", "ns-frontend-1"}
+                          <= set(named_children(sched.popen.pid)), timeout=60)
+        time.sleep(1.0)   # well past a frontend's start-up: still waiting for the core
+        assert not sched.port and sched.popen.poll() is None
+        worker = start_null_worker(model_dir, step_ms=1, port=worker_port)
+        sched.wait_listening(60)
+        assert sched.port == port
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            out = generate_pb2_grpc.GenerationStub(ch).Complete(request([5, 6], 8), timeout=30)
+        assert list(out.token_ids) == expected_tokens([5, 6], 8, VOCAB, eos)
+    finally:
+        sched.stop()
+        if worker is not None:
+            worker.stop()
+
+
 @pytest.mark.parametrize("cpus, given, expected", [(2, None, 1), (8, None, 2), (64, None, 2),
                                                    (2, "3", 3), (64, "1", 1)])
 def test_frontends_default_to_two_on_hosts_with_cores(monkeypatch, tmp_path, cpus, given, expected):

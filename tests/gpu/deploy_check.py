@@ -41,6 +41,7 @@ failures: list[str] = []
 BENCH_ARGS: list[str] = []    # --bench-args
 WORKER_ARGS: list[str] = []   # --worker-args (a CPU smoke run: --device cpu --kv-cache-gb 0.1)
 SCHEDULER_ARGS: list[str] = []   # --scheduler-args (the launcher phases only)
+LAUNCHER_ARGS: list[str] = []    # --launcher-args (e.g. --no-standby-workers)
 
 
 def check(ok: bool, what: str) -> bool:
@@ -184,7 +185,7 @@ def launcher_phase(args, tp: int, gpu: str, ref: list[dict] | None) -> tuple[lis
     cmd = [PY, "-m", "scheduler_service.launch", "--model", args.model, "--tp", str(tp),
            "--port", str(PORT), "--worker-base-port", str(WORKER_PORT),
            "--dist-port", str(DIST_PORT), "--worker-args", " ".join(["--max-model-len 4096", *WORKER_ARGS]),
-           "--", "--max-model-len", "4096", *SCHEDULER_ARGS]
+           *LAUNCHER_ARGS, "--", "--max-model-len", "4096", *SCHEDULER_ARGS]
     t0 = time.monotonic()
     launcher = start(cmd, out / f"launch_tp{tp}.log")
     row: dict = {"topology": f"launcher TP={tp}"}
@@ -244,10 +245,13 @@ def main() -> int:
                         "workers --max-loras and the scheduler --lora-modules)")
     p.add_argument("--scheduler-args", default="",
                    help="extra flags for the launcher's scheduler (e.g. --no-fast-forward)")
+    p.add_argument("--launcher-args", default="",
+                   help="extra flags for the launcher itself (e.g. --no-standby-workers)")
     args = p.parse_args()
     if args.adapter and not args.skip_compose:
         p.error("--adapter needs --skip-compose (the compose phase serves no adapters)")
     SCHEDULER_ARGS.extend(args.scheduler_args.split())
+    LAUNCHER_ARGS.extend(args.launcher_args.split())
     BENCH_ARGS.extend(args.bench_args.split())
     WORKER_ARGS.extend(args.worker_args.split())
     args.out.mkdir(parents=True, exist_ok=True)
