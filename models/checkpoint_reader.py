@@ -8,10 +8,6 @@ bytes are read with parallel `preadv` calls (they release the GIL: the TP join's
 keeps running) into pinned host buffers of ~256 MB, each group of consecutive tensors is
 copied to the device in one transfer while the next groups are read, and the tensors are
 handed out as views of that device copy; weight loaders slice their shards on the device.
-A TP rank names the part of each tensor its loader will take (`need`: the parameters'
-source_slice, models/parallel.Slice) and only those bytes are read: about half the file
-per rank at TP=2, where both ranks used to read all of it (the rest of the view is left
-unwritten, and no loader looks there).
 
 The format (https://github.com/huggingface/safetensors): 8 bytes of little-endian header
 length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}} (offsets from the
@@ -25,7 +21,7 @@ import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -98,64 +94,13 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         buf, offset = buf[n:], offset + n
 
 
-Part = "tuple[int, int, int] | list[tuple[int, int, int]] | None"   # models/parallel.Slice(s)
-Need = Callable[[Entry], Part]   # an entry -> the part of it to read; None: all of it
-
-
-def _ranges(e: Entry, part) -> list[tuple[int, int]]:
-    """The (file offset, length) runs that hold `part` = (dim, start, size) of the tensor,
-    as tensor.narrow(dim, start, size) would see it, or a list of such parts; None, or a
-    part that does not fit the tensor (its loader will say so), is the whole tensor."""
-    if isinstance(part, list):
-        return sorted(r for p in part for r in _ranges(e, p))
-    if part is None or not (0 <= part[0] < len(e.shape)
-                            and 0 <= part[1] and part[1] + part[2] <= e.shape[part[0]]):
-        return [(e.begin, e.end - e.begin)]
-    dim, start, size = part
-    inner = e.dtype.itemsize
-    for s in e.shape[dim + 1:]:
-        inner *= s
-    outer = 1
-    for s in e.shape[:dim]:
-        outer *= s
-    stride, block = e.shape[dim] * inner, size * inner
-    if not block:
-        return []
-    if block == stride:
-        return [(e.begin, e.end - e.begin)]
-    return [(e.begin + k * stride + start * inner, block) for k in range(outer)]
-
-
-def _tasks(runs: list[tuple[int, int]], piece_bytes: int) -> list[list[tuple[int, int]]]:
-    """Runs (sorted) merged where they touch, then cut into lists of about piece_bytes,
-    one preadv-issuing task each."""
-    merged: list[list[int]] = []
-    for off, n in runs:
-        if merged and merged[-1][0] + merged[-1][1] == off:
-            merged[-1][1] += n
-        else:
-            merged.append([off, n])
-    tasks: list[list[tuple[int, int]]] = [[]]
-    filled = 0
-    for off, n in merged:
-        for a in range(0, n, piece_bytes):
-            if filled >= piece_bytes:
-                tasks.append([])
-                filled = 0
-            m = min(piece_bytes, n - a)
-            tasks[-1].append((off + a, m))
-            filled += m
-    return [t for t in tasks if t]
-
-
 def read_tensors(path: str, device: torch.device | str = "cpu", grouped: bool | None = None,
-                 group_bytes: int = GROUP_BYTES, piece_bytes: int = PIECE_BYTES,
-                 need: Need | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 group_bytes: int = GROUP_BYTES, piece_bytes: int = PIECE_BYTES
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor on `device`) for every tensor of the file.
 
     grouped (default: on a GPU) reads as above, in file order; a tensor is then a view of
-    its group's buffer, valid until the next one is asked for (copy it), and `need` limits
-    what is read of it: only need(entry)'s part holds the file's bytes. Otherwise, as on a
+    its group's buffer, valid until the next one is asked for (copy it). Otherwise, as on a
     CPU device, where nothing is transferred, tensors come from safetensors' memory map."""
     device = torch.device(device)
     pin = device.type == "cuda"
@@ -168,16 +113,12 @@ def read_tensors(path: str, device: torch.device | str = "cpu", grouped: bool | 
     fd = os.open(path, os.O_RDONLY)
     pool = ThreadPoolExecutor(READERS, thread_name_prefix="ckpt-read")
 
-    def read_runs(view: memoryview, begin: int, runs: list[tuple[int, int]]) -> None:
-        for off, n in runs:
-            _pread_into(fd, view[off - begin:off - begin + n], off, path)
-
     def fetch(group: list[Entry]) -> tuple[list[Entry], torch.Tensor, list[Future]]:
         begin, end = group[0].begin, group[-1].end
         host = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
         view = memoryview(host.numpy())
-        runs = sorted(r for e in group for r in _ranges(e, need(e) if need else None))
-        reads = [pool.submit(read_runs, view, begin, task) for task in _tasks(runs, piece_bytes)]
+        reads = [pool.submit(_pread_into, fd, view[a:a + piece_bytes], begin + a, path)
+                 for a in range(0, end - begin, piece_bytes)]
         return group, host, reads
 
     try:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gemv import gemv, use_gemv
-from models.parallel import Slice, TPGroup, check_shape
+from models.parallel import TPGroup, check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,11 +27,6 @@ class VocabParallelEmbedding(nn.Module):
         # zeros, not empty: padding rows are never loaded and must stay inert
         self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.weight.source_slice = self.source_slice
-
-    def source_slice(self, param: nn.Parameter, shard_id: object = None) -> Slice | None:
-        """This rank's vocabulary rows (models/parallel.Slice)."""
-        return 0, self.vocab_start, self.vocab_end - self.vocab_start
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -40,8 +35,9 @@ class VocabParallelEmbedding(nn.Module):
         if loaded_weight.shape[0] != self.num_embeddings:
             raise ValueError(f"{type(self).__name__}: checkpoint has {loaded_weight.shape[0]} "
                              f"vocab rows, config says {self.num_embeddings}")
-        shard = loaded_weight.narrow(*self.source_slice(param))
-        dst = param.data.narrow(0, 0, shard.shape[0])
+        rows = self.vocab_end - self.vocab_start
+        dst = param.data.narrow(0, 0, rows)
+        shard = loaded_weight.narrow(0, self.vocab_start, rows)
         check_shape(dst, shard, type(self).__name__)
         dst.copy_(shard)
 

@@ -20,7 +20,7 @@ from kernels.fp8_linear import (FP8, ONE_BLOCK_MAX, QuantizedRows, fp8_linear, q
                                 scaled_mm_supported)
 from kernels.gemv import GemvLora, gemv, use_gemv
 from models import activation
-from models.parallel import Slice, TPGroup, check_shape, divide, replicated_weight_loader
+from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
 class LinearBase(nn.Module):
@@ -32,18 +32,11 @@ class LinearBase(nn.Module):
         self.lora = None   # models/lora.py LoraSlots, when adapters are served
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.weight.source_slice = self.source_slice
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-            self.bias.source_slice = self.source_slice
         else:
             self.register_parameter("bias", None)
-
-    def source_slice(self, param: nn.Parameter, shard_id: object = None) -> Slice | None:
-        """This rank's part of the checkpoint tensor for (param, shard_id); None: all of it
-        (models/parallel.Slice)."""
-        raise NotImplementedError
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -100,15 +93,12 @@ class ColumnParallelLinear(LinearBase):
                  tp: TPGroup = TPGroup()) -> None:
         super().__init__(input_size, divide(output_size, tp.size, "output size"), bias, tp)
 
-    def source_slice(self, param: nn.Parameter, shard_id: object = None) -> Slice | None:
-        size = param.shape[0]
-        return 0, self.tp.rank * size, size
-
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} got unexpected shard id {shard_id!r}")
-        shard = loaded_weight.narrow(*self.source_slice(param))
+        size = param.shape[0]
+        shard = loaded_weight.narrow(0, self.tp.rank * size, size)
         check_shape(param, shard, type(self).__name__)
         param.data.copy_(shard)
 
@@ -137,15 +127,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
         dst = param.data.narrow(0, offset, size)
-        shard = loaded_weight.narrow(*self.source_slice(param, shard_id))
+        shard = loaded_weight.narrow(0, self.tp.rank * size, size)
         check_shape(dst, shard, f"merged linear part {shard_id}")
         dst.copy_(shard)
-
-    def source_slice(self, param: nn.Parameter, shard_id: object = None) -> Slice | None:
-        if shard_id not in range(len(self.output_sizes)):
-            return None   # an already-merged tensor (split above), or a bad id (refused there)
-        size = self.output_sizes[shard_id] // self.tp.size
-        return 0, self.tp.rank * size, size
 
     def swiglu(self, x: torch.Tensor | QuantizedRows, fp8: bool = False):
         """silu(gate) * up of this [gate, up] layer (as QuantizedRows where fp8). Where the
@@ -198,13 +182,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"qkv linear has no part {shard_id!r}")
         offset, size = offsets[shard_id]
         dst = param.data.narrow(0, offset, size)
-        shard = loaded_weight.narrow(*self.source_slice(param, shard_id))
+        shard = loaded_weight.narrow(0, self.tp.rank * size, size)
         check_shape(dst, shard, f"qkv part {shard_id}")
         dst.copy_(shard)
-
-    def source_slice(self, param: nn.Parameter, shard_id: object = None) -> Slice | None:
-        size = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}.get(shard_id)
-        return None if size is None else (0, self.tp.rank * size, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -222,17 +202,12 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             self.bias.weight_loader = replicated_weight_loader
 
-    def source_slice(self, param: nn.Parameter, shard_id: object = None) -> Slice | None:
-        if param is not self.weight:
-            return None   # the bias: replicated
-        size = param.shape[1]
-        return 1, self.tp.rank * size, size
-
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear got unexpected shard id {shard_id!r}")
-        shard = loaded_weight.narrow(*self.source_slice(param))
+        size = param.shape[1]
+        shard = loaded_weight.narrow(1, self.tp.rank * size, size)
         check_shape(param, shard, "RowParallelLinear")
         param.data.copy_(shard)
 

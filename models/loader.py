@@ -26,7 +26,7 @@ from models.checkpoint_reader import read_tensors
 from models.config import ModelConfig, load_config
 from models.linear import LinearBase
 from models.moe import MoEExperts
-from models.parallel import Slice, TPGroup
+from models.parallel import TPGroup
 from models.qwen3 import Qwen3ForCausalLM
 
 QUANTIZATIONS = ("auto", "none", "fp8")   # auto: what the checkpoint is (fp8 or none)
@@ -93,8 +93,7 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
     """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader
     (blocks: a block-scaled FP8 checkpoint's block shape: its weights are dequantized). The
     tensors arrive on the model's device (models/checkpoint_reader.py), where the loaders
-    cut out this rank's shards; only those parts are read (`source_slice`). Returns the
-    seconds spent waiting for the reads."""
+    cut out this rank's shards. Returns the seconds spent waiting for the reads."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -110,32 +109,17 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
     loaded: dict[str, set] = {name: set() for name in params}
     unexpected: list[str] = []
     device = next(model.parameters()).device
-
-    def skipped(name: str) -> bool:
-        return ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
-                or name.endswith(".weight_scale_inv"))   # (scales: read beside their weight)
-
-    def need(entry) -> Slice | list[Slice] | None:
-        """What this rank's loader takes of a checkpoint tensor (None: all of it)."""
-        if skipped(entry.name):
-            return 0, 0, 0
-        if entry.dtype == FP8:
-            return None   # dequantized whole, by blocks
-        param_name, shard_id = _destination(entry.name, mapping)
-        param = params.get(param_name)
-        part = getattr(param, "source_slice", None)
-        return part(param, shard_id) if part is not None else None
-
     waited = 0.0
     for path in files:
-        tensors = read_tensors(path, device, need=need)
+        tensors = read_tensors(path, device)
         while True:
             t = time.perf_counter()
             name, tensor = next(tensors, (None, None))
             waited += time.perf_counter() - t
             if name is None:
                 break
-            if skipped(name):
+            if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+                    or name.endswith(".weight_scale_inv")):
                 continue
             param_name, shard_id = _destination(name, mapping)
             param = params.get(param_name)

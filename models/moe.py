@@ -23,7 +23,7 @@ from torch import nn
 from kernels.fp8_linear import FP8, quantize_rows
 from kernels.fused_moe import fused_moe
 from kernels.moe_route import route_topk
-from models.parallel import Slice, TPGroup, check_shape, divide, replicated_weight_loader
+from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -62,7 +62,6 @@ class MoEExperts(nn.Module):
                                       requires_grad=False)
         for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
             param.weight_loader = self.weight_loader
-            param.source_slice = self.source_slice
             param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
         self.gate_up_scale = self.down_scale = None   # buffers once quantize_fp8 ran
 
@@ -114,24 +113,13 @@ class MoEExperts(nn.Module):
                     self.weight_loader(param, loaded[e], (e, "down"))
             return
         expert, part = shard_id
-        src = loaded.narrow(*self.source_slice(param, shard_id))
         if part == "down":
-            dst = param.data[expert]
+            dst, src = param.data[expert], loaded.narrow(1, start, size)
         else:
             dst = param.data[expert].narrow(0, 0 if part == "gate" else size, size)
+            src = loaded.narrow(0, start, size)
         check_shape(dst, src, f"expert {expert} {part}_proj")
         dst.copy_(src)
-
-    def source_slice(self, param: nn.Parameter, shard_id: tuple[int, str] | None = None
-                     ) -> Slice | list[Slice] | None:
-        """This rank's gate/up rows and down columns (models/parallel.Slice) of one expert's
-        tensor, or of the stacked [E, 2I, H] / [E, H, I] ones (shard_id None)."""
-        size, start = self.inter, self.tp.rank * self.inter
-        if shard_id is None:
-            if param is self.gate_up_proj:
-                return [(1, start, size), (1, size * self.tp.size + start, size)]
-            return 2, start, size
-        return (1, start, size) if shard_id[1] == "down" else (0, start, size)
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):

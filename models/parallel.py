@@ -65,14 +65,6 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     return numerator // denominator
 
 
-# (dim, start, size): the part of a checkpoint tensor a rank's weight loader copies, as
-# loaded.narrow(dim, start, size). Parameters that take a part expose it as
-# `param.source_slice(param, shard_id) -> Slice | list[Slice] | None` (a list: the union of
-# the parts; None: the whole tensor), the same function their weight loader cuts with, so
-# the checkpoint reader reads only those bytes (models/checkpoint_reader.py).
-Slice = tuple[int, int, int]
-
-
 def check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
     """Weight loaders copy, so a mismatched checkpoint must fail loudly, not broadcast."""
     if tuple(param.shape) != tuple(loaded.shape):
