@@ -286,8 +286,8 @@ class ControlPlane:
 
     def start_all(self) -> tuple[dict, int, int | None]:
         """The core and, beside it, the frontends: a frontend's imports and tokenizer take
-        ~1 s, which the first token waited for when they started after the core was ready
-        (it is ready only once the workers are). Siblings of a port 0 (the OS picks it)
+        ~0.6 s, which the first token waited for when they started after the core was
+        ready (it is ready only once the workers are). Siblings of a port 0 (the OS picks it)
         start once the first has bound it: they must bind the same."""
         from scheduler_service import engine_core
         core = self._start("engine core", engine_core.run, self.core_config)
