@@ -394,7 +394,7 @@ for w in ${*:-kernels model bench}; do
             --skip-compose --runs 1 --kill-after 5000 --bench-args "--num-seqs 64" --worker-args "$WA" \
             > "$OUT/$name.md" 2>&1 ) || rc=1
           echo "== $name"; grep -h "^| launcher\|failed check" "$OUT/$name.md"
-          grep -h "start-up:\|standing by\|Init:\|^launch:" "$OUT/$name/launch_tp2.log" | sed 's/^.*nanoserve.worker //' | cut -c1-420
+          grep -h "start-up:\|standing by\|Init:\|engine core connected\|^launch:" "$OUT/$name/launch_tp2.log" | sed 's/^[0-9-]* \([0-9:,]*\) nanoserve.worker /\1 /' | cut -c1-420
         done
       done ;;
     moe)   # issue 49: the MoE layer's kernels, then 30B-A3B TP=2 decode (this tree, FP8 experts, MOE_BASE)
