@@ -348,11 +348,12 @@ def test_worker_refusing_a_step_fails_it_and_a_reset_stream_is_a_lost_worker():
     assert not step_refused(code.UNAVAILABLE, "Socket closed")
 
 
-def test_a_worker_that_is_down_is_retried_at_least_once_a_second():
+def test_a_worker_that_is_down_is_retried_about_four_times_a_second():
     """The scheduler keeps asking a worker that does not answer (still loading, restarting)
-    at most ~1 s apart (worker_client.RECONNECT_BACKOFF_MS), so a worker back after a long
-    reload is picked up at once. A listener that drops every connection counts the tries:
-    gRPC's default backoff (1 s, then x1.6, up to 2 minutes) makes 3 in 4 s, this 6 or more."""
+    at most ~0.25 s apart (worker_client.RECONNECT_BACKOFF_MS), so a worker back after a
+    long reload is picked up within a fraction of a second. A listener that drops every
+    connection counts the tries: gRPC's default backoff (1 s, then x1.6, up to 2 minutes)
+    makes 3 in 4 s, a 1 s cap 6 or 7, this 10 or more."""
     import asyncio
     import socket
 
@@ -389,5 +390,5 @@ def test_a_worker_that_is_down_is_retried_at_least_once_a_second():
     finally:
         stop.set()
         listener.close()
-    assert len(tries) >= 6, f"{len(tries)} connection attempts in 4 s"
-    assert max(b - a for a, b in zip(tries, tries[1:])) < 1.6
+    assert len(tries) >= 10, f"{len(tries)} connection attempts in 4 s"
+    assert max(b - a for a, b in zip(tries, tries[1:])) < 0.6
