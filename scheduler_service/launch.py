@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra flags for every worker, e.g. '--dtype bfloat16 --kv-cache-gb 2'")
     sup = p.add_argument_group(
         "supervision and metrics",
-        "A worker that exits is restarted with its whole TP group (its other ranks get 1 s "
-        "to exit, then SIGKILL), the scheduler on its own, "
+        "A worker that exits is restarted with its whole TP group (its other ranks are "
+        "SIGKILLed: a broken group holds nothing to drain), the scheduler on its own, "
         "after a delay doubling from 0.5 s (at most 10 s); a group that exits more than "
         "--max-restarts times within --restart-window seconds is a crash loop and stops "
         "the launcher (status 1).")
@@ -165,11 +165,12 @@ class Unit:
 
     def stop(self, grace: float, spares: bool = False) -> None:
         """SIGTERM, then SIGKILL after `grace` s: a rank blocked in a collective whose peer
-        is gone may never get to its signal handler. The spares too where asked."""
+        is gone may never get to its signal handler. grace 0: SIGKILL at once. The spares
+        too where asked."""
         procs = self.procs + (self.spares if spares else [])
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGTERM if grace > 0 else signal.SIGKILL)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
@@ -245,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
             log(f"the {u.name} {which}exited ({_describe(dead)}); restarting "
                 f"{'all ranks ' if len(u.procs) > 1 else ''}in {delay:.1f}s")
-            u.stop(grace=1.0)   # a broken group has nothing to drain: its ranks restart
+            # A broken group has nothing to drain (the scheduler holds the requests), and a
+            # survivor stuck in a collective with its dead peer never got through SIGTERM's
+            # 1 s of grace on a GPU (its server waits for the stuck Step stream): kill it.
+            u.stop(grace=0.0)
             u.restart_at = time.monotonic() + delay
         time.sleep(0.1)
     # Scheduler first (it drains requests), then the workers.
