@@ -265,10 +265,12 @@ class ControlPlane:
                 proc.join(5)
                 raise ChildFailed(f"{name}: stopped while starting")
 
-    def start_core(self) -> dict:
+    def _start_core(self):
         from scheduler_service import engine_core
-        self.core, info = self._await(self._start("engine core", engine_core.run,
-                                                  self.core_config))
+        return self._start("engine core", engine_core.run, self.core_config)
+
+    def start_core(self) -> dict:
+        self.core, info = self._await(self._start_core())
         return info
 
     def _start_frontend(self, i: int):
@@ -289,8 +291,7 @@ class ControlPlane:
         ~0.6 s, which the first token waited for when they started after the core was
         ready (it is ready only once the workers are). Siblings of a port 0 (the OS picks it)
         start once the first has bound it: they must bind the same."""
-        from scheduler_service import engine_core
-        core = self._start("engine core", engine_core.run, self.core_config)
+        core = self._start_core()
         ephemeral = self.args.port == 0 or self.args.http_port == 0
         early = {i: self._start_frontend(i) for i in range(len(self.frontends))
                  if i == 0 or not ephemeral}
