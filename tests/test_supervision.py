@@ -41,16 +41,18 @@ def start_launcher(model_dir: Path, tp: int, extra: list[str] = ()) -> tuple[Pro
 
 
 def worker_pids(launcher: Proc, standby: bool = False) -> list[int]:
-    """The launcher's live worker processes (standby: its spares, ns-standby-<rank>), rank
-    order."""
+    """The launcher's live worker processes (standby: its spares), rank order. A spare is
+    started with --standby and renames itself ns-rank-<rank> once woken; by argv, not by
+    its ns-standby name alone, since a spare just spawned has not named itself yet (counted
+    as serving, it once took rank 0's place and the test killed it instead)."""
     ranks = {}
     for pid in children(launcher.popen.pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
         except OSError:
             continue
-        if ("worker_service" in argv and alive(pid)
-                and (comm(pid) or "").startswith("ns-standby") == standby):
+        spare = "--standby" in argv and not (comm(pid) or "").startswith("ns-rank")
+        if "worker_service" in argv and alive(pid) and spare == standby:
             ranks[int(argv[argv.index("--rank") + 1])] = pid
     return [ranks[r] for r in sorted(ranks)]
 
