@@ -67,18 +67,21 @@ class FastAllReduce:
     one_shot_max: int = ONE_SHOT_MAX
     two_shot_max: int = TWO_SHOT_MAX
 
+    def _summable(self, x: torch.Tensor, max_bytes: int) -> bool:
+        """x is a float tensor on this buffer's GPU, contiguous, of 1 to max_bytes bytes."""
+        return (x.device == self.buffer.device and x.dtype in DTYPES and x.is_contiguous()
+                and 0 < x.numel() * x.element_size() <= max_bytes)
+
     def handles(self, x: torch.Tensor) -> bool:
         """Whether x goes through peer memory (else: NCCL)."""
-        nbytes = x.numel() * x.element_size()
-        return (x.device == self.buffer.device and x.dtype in DTYPES and x.is_contiguous()
-                and nbytes % 16 == 0 and 0 < nbytes <= min(self.two_shot_max, self.size))
+        return (self._summable(x, min(self.two_shot_max, self.size))
+                and x.numel() * x.element_size() % 16 == 0)
 
     def fuses(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether all_reduce_norm takes x (a [T, H] partial sum) and its residual."""
-        return (self.fused is not None and x.dim() == 2 and x.device == self.buffer.device
-                and x.dtype in DTYPES and x.is_contiguous() and residual.is_contiguous()
-                and residual.shape == x.shape and residual.dtype == x.dtype
-                and 0 < x.numel() * x.element_size() <= NORM_MAX)   # a slot
+        return (self.fused is not None and x.dim() == 2 and self._summable(x, NORM_MAX)  # a slot
+                and residual.is_contiguous() and residual.shape == x.shape
+                and residual.dtype == x.dtype)
 
     def all_reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
