@@ -8,6 +8,7 @@ loaded before its forward, evicting only adapters the step does not use.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -20,11 +21,28 @@ from safetensors.torch import load_file
 
 from kernels.lora import lora_rows
 from models.lora import LoraSlots, attach
+from nanoserve import adapter_root
 from worker_service.step_plan import StepError
+
+log = logging.getLogger("nanoserve.worker")
 
 
 class AdapterError(ValueError):
-    """An adapter that cannot be served (bad files, rank, modules or shapes): clear text."""
+    """An adapter that cannot be served (bad files, rank, modules or shapes): clear text, and
+    `code`, the gRPC status name SetAdapters answers with."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _FileError(AdapterError):
+    """Its files could not be read or parsed: the text names host paths and OS errors, fit
+    for an operator's adapter (--lora-modules), never for a caller's (adapter_root.py)."""
+
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 @dataclass
@@ -36,12 +54,12 @@ class HostAdapter:
     parts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
-def _config(path: str, name: str) -> dict:
+def _config(file: str, name: str) -> dict:
     try:
-        with open(os.path.join(path, "adapter_config.json")) as f:
+        with open(file) as f:
             cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise AdapterError(f"adapter {name}: cannot read {path}/adapter_config.json: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _FileError(f"adapter {name}: cannot read {file}: {e}") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"adapter {name}: not a LoRA adapter (peft_type "
                            f"{cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r})")
@@ -57,8 +75,55 @@ def _config(path: str, name: str) -> dict:
 
 def read_adapter(name: str, path: str, targets: dict[str, tuple[LoraSlots, int]],
                  max_rank: int) -> HostAdapter:
-    """One PEFT adapter, checked against the model's layers, sliced for this rank."""
-    cfg = _config(path, name)
+    """One PEFT adapter, checked against the model's layers, sliced for this rank. `path`:
+    an operator's directory, or a caller's, confined to an adapter root (adapter_root.py)."""
+    root, requested = adapter_root.split(path)
+    if root is None:
+        return _read(name, os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE),
+                     targets, max_rank)
+    config, weights = _confined_files(name, root, requested)
+    try:
+        return _read(name, config, weights, targets, max_rank)
+    except _FileError as e:
+        log.warning("%s", e)
+    except AdapterError:
+        raise   # rank, modules, shapes: nothing of the host in the text
+    except Exception:   # noqa: BLE001 - a caller's file; its text stays in our log
+        log.exception("adapter %s: reading %s failed", name, os.path.dirname(config))
+    raise _refusal(name, adapter_root.NOT_VALID)
+
+
+def _refusal(name: str, answer: tuple[str, str]) -> AdapterError:
+    code, text = answer
+    return AdapterError(f"adapter {name}: {text}", code)
+
+
+def _confined_files(name: str, root: str, requested: str) -> tuple[str, str]:
+    """The adapter's two files, resolved inside `root`; refusals say nothing of the host."""
+    directory = adapter_root.resolve_inside(root, requested)
+    if directory is None:
+        log.warning("adapter %s refused: %r resolves to %s, outside the adapter root %s",
+                    name, requested, os.path.realpath(os.path.join(root, requested)), root)
+        raise _refusal(name, adapter_root.OUTSIDE)
+    if not os.path.isdir(directory):
+        log.warning("adapter %s: %s (%r under the adapter root %s) is missing or not a "
+                    "directory", name, directory, requested, root)
+        raise _refusal(name, adapter_root.NOT_FOUND)
+    files = []
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        real = adapter_root.resolve_inside(root, os.path.join(directory, file))
+        if real is None:   # a symlink pointing out of the root
+            log.warning("adapter %s refused: %s resolves to %s, outside the adapter root %s",
+                        name, os.path.join(directory, file),
+                        os.path.realpath(os.path.join(directory, file)), root)
+            raise _refusal(name, adapter_root.OUTSIDE)
+        files.append(real)
+    return files[0], files[1]
+
+
+def _read(name: str, config_file: str, weights_file: str,
+          targets: dict[str, tuple[LoraSlots, int]], max_rank: int) -> HostAdapter:
+    cfg = _config(config_file, name)
     r = cfg.get("r")
     if not isinstance(r, int) or r < 1:
         raise AdapterError(f"adapter {name}: bad rank r={r!r}")
@@ -66,11 +131,10 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[LoraSlots, int]]
         raise AdapterError(f"adapter {name}: rank {r} exceeds --max-lora-rank {max_rank}")
     alpha = cfg.get("lora_alpha", r)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    file = os.path.join(path, "adapter_model.safetensors")
     try:
-        weights = load_file(file)
+        weights = load_file(weights_file)
     except Exception as e:   # safetensors raises its own types for a bad header
-        raise AdapterError(f"adapter {name}: cannot read {file}: {e}") from None
+        raise _FileError(f"adapter {name}: cannot read {weights_file}: {e}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in weights.items():
         module, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
@@ -78,7 +142,7 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[LoraSlots, int]]
             raise AdapterError(f"adapter {name}: unexpected tensor {key}")
         pairs.setdefault(module, {})[kind[0]] = t
     if not pairs:
-        raise AdapterError(f"adapter {name}: no LoRA weights in {file}")
+        raise _FileError(f"adapter {name}: no LoRA weights in {weights_file}")
     parts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, ab in pairs.items():
         if module not in targets:

@@ -92,8 +92,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return worker_pb2.AdapterSet()
         try:
             store.set_adapters(request.adapters)
-        except AdapterError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except AdapterError as e:   # NOT_FOUND / PERMISSION_DENIED: a caller's path refused
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
         log.info("LoRA adapters: %s", ", ".join(a.name for a in request.adapters) or "none")
         return worker_pb2.AdapterSet(adapters=request.adapters)
 
