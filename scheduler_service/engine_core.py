@@ -26,6 +26,7 @@ import grpc
 import zmq
 import zmq.asyncio
 
+from nanoserve.adapter_root import describe
 from nanoserve.security import channel_credentials
 from nanoserve.worker_group import WorkerGroupError
 from scheduler_service import ipc, metrics
@@ -213,15 +214,19 @@ class EngineCore:
             await self.group.set_adapters(new)
         except WorkerGroupError as e:
             cause = e.__cause__
-            detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else str(e)
+            rpc = isinstance(cause, grpc.aio.AioRpcError)
+            detail = cause.details() if rpc else str(e)
+            code = cause.code().name if rpc else ""
+            if code not in ("NOT_FOUND", "PERMISSION_DENIED"):   # a caller's path refused
+                code = "INVALID_ARGUMENT"                        # (nanoserve/adapter_root.py)
             try:   # a rank that took the new set before another refused it goes back
                 await self.group.set_adapters(old)
             except WorkerGroupError:
                 pass   # a lost worker gets the group's set when it reconnects
             if op == "unload":
                 self._gone.discard(current[name])
-            return ["UNAVAILABLE" if e.lost else "INVALID_ARGUMENT", detail]
-        log.info("LoRA adapter %s %sed (%s)", name, op, path or "-")
+            return ["UNAVAILABLE" if e.lost else code, detail]
+        log.info("LoRA adapter %s %sed (%s)", name, op, describe(path) or "-")
         return None
 
     def _hello(self, ident: bytes) -> None:
