@@ -38,6 +38,7 @@ import numpy as np
 from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.security import OPEN_WORKER, AsyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.device_clock import DeviceClock
 from worker_service.metrics import WorkerMetrics
 from worker_service.grammar import GrammarState
 from worker_service.step_plan import SeqTable, StepError, draft_ids
@@ -132,19 +133,18 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
                 answers.put_nowait(None)
 
         launcher = asyncio.ensure_future(launch())
+        clock = DeviceClock()   # asyncio.sleep would answer up to 1 ms late
         try:
             while (item := await answers.get()) is not None:
                 if isinstance(item, tuple):   # (status code, message): a bad step
                     await context.abort(*item)
-                if (wait := item.done_at - time.perf_counter()) > 0:
-                    # asyncio timers may fire up to ~1 ms late: the answer is late, but the
-                    # emulated device timeline (done_at) stays exact.
-                    await asyncio.sleep(wait)
+                await clock.until(item.done_at)
                 item.resp.step_ms = (time.perf_counter() - item.t0) * 1e3
                 self.metrics.stepped(item.resp.step_ms, item.resp.gpu_ms)
                 yield item.resp
         finally:
             launcher.cancel()
+            clock.close()
 
     def _launch(self, req: worker_pb2.StepRequest):
         t0 = time.perf_counter()
