@@ -27,6 +27,7 @@ help:
 	@echo "                          HTTP_PORT=8000 to add the OpenAI-compatible HTTP API,"
 	@echo "                          KV_DTYPE=fp8 for an fp8 KV cache (~2x the blocks)"
 	@echo "                          QUANTIZATION=fp8 for FP8 weights (linear layers)"
+	@echo "                          ADAPTER_ROOT=/dir to allow loading LoRA adapters from there at run time"
 	@echo "make proto                regenerate the gRPC stubs from protos/"
 	@echo "make compose-check        build the images, run the CPU compose stack for real (root; starts dockerd)"
 	@echo "make flash-attn           build + install a trimmed flash-attn wheel (GPU host with nvcc, ~6-13 min)"
@@ -66,12 +67,14 @@ demo: $(VENV)/.installed-demo proto
 	$(BIN)/python -m client.demo $(if $(MODEL),--model $(MODEL),)
 
 # Scheduler on :50051 + TP worker processes on this host (GPU when present). Ctrl-C stops all.
-# HTTP_PORT=8000 also serves the OpenAI-compatible HTTP API on that port; SCHED_ARGS adds
+# HTTP_PORT=8000 also serves the OpenAI-compatible HTTP API on that port; ADAPTER_ROOT=/dir lets
+# callers load LoRA adapters from that directory at run time (off when unset); SCHED_ARGS adds
 # scheduler flags (python -m scheduler_service --help), e.g. SCHED_ARGS="--max-num-seqs 128".
 serve: $(VENV)/.installed-serve proto
 	@test -n "$(MODEL)" || (echo "usage: make serve MODEL=/path/to/hf-model [TP=2]"; exit 2)
 	$(BIN)/python -m scheduler_service.launch --model $(MODEL) --tp $(TP) \
 		$(if $(HTTP_PORT),--http-port $(HTTP_PORT),) $(if $(KV_DTYPE),--kv-cache-dtype $(KV_DTYPE),) $(if $(QUANTIZATION),--quantization $(QUANTIZATION),) \
+		$(if $(ADAPTER_ROOT),--adapter-root $(ADAPTER_ROOT),) \
 		$(if $(SCHED_ARGS),-- $(SCHED_ARGS),)
 
 # Trimmed flash-attn 2 wheel from PyPI's sdist (only the kernels the worker calls), built

@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "`model`); the workers need --max-loras. An item may also hold several "
                         "comma-separated pairs (NAME=PATH,NAME=PATH); empty items are ignored, "
                         "so --lora-modules= (e.g. from an unset environment variable) means none")
+    cli.add_adapter_root_flag(p)
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--frontends", type=int, default=0,
@@ -139,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.add_worker_secret_flag(sec)
     args = p.parse_args(argv)
     cli.check_tls_flags(p, args)
+    cli.check_adapter_root(p, args)
     if bool(args.worker_tls_cert) != bool(args.worker_tls_key):
         p.error("--worker-tls-cert and --worker-tls-key go together")
     from nanoserve.security import channel_credentials, server_credentials
@@ -216,7 +218,7 @@ class ControlPlane:
             served_model_name=args.served_model_name, api_key=args.api_key or None,
             http_request_timeout=args.http_request_timeout, tls_cert=args.tls_cert,
             tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-            deltas_per_turn=args.stream_deltas_per_turn)
+            deltas_per_turn=args.stream_deltas_per_turn, adapter_root=args.adapter_root)
             for i in range(args.frontends)]
         self.policies = {name: RestartPolicy() for name in
                          ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}

@@ -22,7 +22,7 @@ from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import metrics
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, adapter_id,
-                                          change_adapter_checked, invalid, sampling_from_proto)
+                                          invalid, sampling_from_proto)
 from scheduler_service.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
@@ -130,14 +130,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _change_adapter(self, context, op: str, name: str, path: str = ""):
         try:
-            change_adapter_checked(self.gen.engine, self.model_name, op, name, path)
-            error = await self.gen.engine.change_adapter(op, name, path)
+            await self.gen.change_adapter(self.model_name, op, name, path)
         except RequestError as e:
-            error = [e.code, e.message]
-        except EngineUnavailable as e:
-            error = ["UNAVAILABLE", str(e)]
-        if error:
-            await context.abort(getattr(grpc.StatusCode, error[0]), error[1])
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         return generate_pb2.AdaptersResponse(adapters=list(self.gen.engine.adapters))
 
     async def GetStats(self, request, context):
@@ -214,6 +209,7 @@ class FrontendConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require client certs signed by this CA
     deltas_per_turn: int = 8      # stream deltas per event-loop turn (turn_budget.py); 0 = any
+    adapter_root: str | None = None   # LoRA adapters at run time from here (None: off)
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -233,7 +229,7 @@ async def serve(cfg: FrontendConfig, ready) -> None:
                     max_kv_tokens=info["num_kv_blocks"] * info["block_size"],
                     default_max_tokens=cfg.default_max_tokens,
                     structured_output=bool(info.get("structured_output")))
-    gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn)
+    gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn, cfg.adapter_root)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
     service = GenerationService(gen, name)
     server, port, health_servicer = await build_server(

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from nanoserve.adapter_root import DISABLED, confined
 from nanoserve.v1 import generate_pb2
 from scheduler_service import metrics
 from scheduler_service.constraints import FormatError, grammar_from_proto
@@ -168,16 +169,6 @@ def adapter_id(name: str, adapters: dict[str, int]) -> int:
     return adapters[name]
 
 
-def change_adapter_checked(engine, model_name: str, op: str, name: str, path: str) -> None:
-    """A load / unload request's own checks (INVALID_ARGUMENT) before the engine core's."""
-    if not name or len(name) > 256:
-        raise invalid("an adapter name of 1-256 characters is needed")
-    if op == "load" and not path:
-        raise invalid("a path to the adapter's directory (on the workers) is needed")
-    if name == model_name:
-        raise RequestError("ALREADY_EXISTS", f"`{name}` is the base model's name")
-
-
 def prediction_from_proto(p: generate_pb2.Prediction, limits: Limits,
                           encode: Callable[[str], list[int]] | None) -> tuple[int, ...]:
     """A request's prediction as token ids, checked (INVALID_ARGUMENT)."""
@@ -202,10 +193,13 @@ class Generation:
     """The request path shared by every protocol a frontend serves."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, limits: Limits,
-                 deltas_per_turn: int = 0):
+                 deltas_per_turn: int = 0, adapter_root: str | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
+        # --adapter-root: where the workers may read LoRA adapters loaded at run time
+        # (None: loading and unloading at run time are off)
+        self.adapter_root = adapter_root
         self.turns = TurnBudget(deltas_per_turn)   # turn_budget.py: why; 0 = no limit
         self.accepting = True
         # Generations being served: shutdown waits for these, not for long-lived
@@ -216,6 +210,35 @@ class Generation:
         # End-of-sequence ids beyond the model's own (generation_config may list several).
         self.extra_eos_ids = frozenset(t for t in tokenizer.eos_token_ids
                                        if t < limits.vocab_size) - {engine.info["eos_token_id"]}
+
+    # ---- LoRA adapters at run time ----------------------------------------------------
+
+    async def change_adapter(self, model_name: str, op: str, name: str, path: str = "") -> None:
+        """Load ("load", from `path`) or unload a LoRA adapter, for every API. Off without
+        an adapter root (PERMISSION_DENIED); a load's path goes to the workers in the
+        confined form (nanoserve/adapter_root.py), so they read nothing outside the root.
+        RequestError says why not."""
+        if self.adapter_root is None:
+            raise RequestError(*DISABLED)
+        if not name or len(name) > 256:
+            raise invalid("an adapter name of 1-256 characters is needed")
+        if name == model_name:
+            raise RequestError("ALREADY_EXISTS", f"`{name}` is the base model's name")
+        wire = ""
+        if op == "load":
+            if not path:
+                raise invalid("a path is needed: the adapter's directory, relative to the "
+                              "adapter root")
+            try:
+                wire = confined(self.adapter_root, path)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+        try:
+            error = await self.engine.change_adapter(op, name, wire)
+        except EngineUnavailable as e:
+            raise RequestError("UNAVAILABLE", str(e)) from None
+        if error:
+            raise RequestError(*error)
 
     # ---- prompts ----------------------------------------------------------------------
 

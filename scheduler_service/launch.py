@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "security", "passed to the scheduler (see python -m scheduler_service --help)")
     cli.add_api_key_flag(sec)
     cli.add_tls_flags(sec, "the public port")
+    cli.add_adapter_root_flag(sec)
     cli.add_worker_secret_flag(sec, otherwise=", else a random one per launch, so other local "
                                               "users cannot drive the workers")
     p.add_argument("scheduler_args", nargs=argparse.REMAINDER,
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tp < 1:
         p.error("--tp must be >= 1")
+    cli.check_adapter_root(p, args)
     if args.scheduler_args and args.scheduler_args[0] == "--":
         args.scheduler_args = args.scheduler_args[1:]
     return args
@@ -117,7 +119,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
     if args.metrics_port:
         sched += ["--metrics-port", str(args.metrics_port)]
     sched += [a for flag, v in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                                ("--tls-client-ca", args.tls_client_ca)) if v for a in (flag, v)]
+                                ("--tls-client-ca", args.tls_client_ca),
+                                ("--adapter-root", args.adapter_root)) if v for a in (flag, v)]
     if args.draft_model:
         sched += ["--speculative", "draft"]
     cmds.append(sched + list(args.scheduler_args))

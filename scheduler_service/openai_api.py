@@ -27,9 +27,8 @@ from aiohttp import web
 from nanoserve.v1 import generate_pb2
 from scheduler_service.chat_output import (ChatOutputParser, Content, Reasoning, ToolCallArguments,
                                            ToolCallStart, parse_chat_output)
-from scheduler_service.engine_client import EngineUnavailable
-from scheduler_service.generation import (Delta, Generation, RequestError, change_adapter_checked,
-                                          invalid, sampling_from_proto)
+from scheduler_service.generation import (Delta, Generation, RequestError, invalid,
+                                          sampling_from_proto)
 from scheduler_service.openai_structured import structured_output, tool_setup
 
 log = logging.getLogger("nanoserve.http")
@@ -291,14 +290,9 @@ class OpenAIApi:
             body = await _json_body(request)
             name = _field(body, "lora_name", (str,), "")
             path = _field(body, "lora_path", (str,), "") if op == "load" else ""
-            change_adapter_checked(self.gen.engine, self.cfg.model_name, op, name, path)
-            error = await self.gen.engine.change_adapter(op, name, path)
+            await self.gen.change_adapter(self.cfg.model_name, op, name, path)
         except RequestError as e:
             return error_response(e)
-        except EngineUnavailable as e:
-            return error_response(RequestError("UNAVAILABLE", str(e)))
-        if error:
-            return error_response(RequestError(*error))
         done = "added" if op == "load" else "removed"
         return web.Response(text=f"Success: LoRA adapter '{name}' {done} successfully.")
 

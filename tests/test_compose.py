@@ -44,7 +44,8 @@ def compose_binary() -> str:
 
 
 # Variables the compose files read that the tests set (or leave unset) themselves.
-TEST_SET_VARS = {"MODEL_DIR", "LORA_DIR", "LORA_MODULES", "MAX_LORAS", "MAX_LORA_RANK"}
+TEST_SET_VARS = {"MODEL_DIR", "LORA_DIR", "LORA_MODULES", "MAX_LORAS", "MAX_LORA_RANK",
+                 "ADAPTER_ROOT"}
 
 
 def compose_config(files: list[str], model_dir: str | None, profiles: list[str] = (),
@@ -185,9 +186,11 @@ def test_healthchecks_present_and_aimed_at_own_port(rendered):
         assert check["retries"] >= 1 and check["start_period"], name
 
 
-# --- LoRA adapters: LORA_DIR mounted at /adapters, LORA_MODULES / MAX_LORAS on the commands ---
+# --- LoRA adapters: LORA_DIR mounted at /adapters, LORA_MODULES / MAX_LORAS / ADAPTER_ROOT on
+# the commands ---
 
 LORA_ENV = {"LORA_MODULES": "a=/adapters/a,b=/adapters/b", "MAX_LORAS": "4", "MAX_LORA_RANK": "32",
+            "ADAPTER_ROOT": "/adapters",
             "DRAFT_MODEL": "/draft", "SPECULATIVE": "draft"}   # (and the drafts' variables)
 
 
@@ -225,7 +228,10 @@ def test_lora_variables_reach_every_worker_and_scheduler(rendered_lora):
         f = flags(svc["command"])
         assert (f["max-loras"], f["max-lora-rank"]) == (("4", "32") if lora_dir else ("0", "16")), name
     for name, svc in scheds.items():
-        assert flags(svc["command"])["lora-modules"] == (LORA_ENV["LORA_MODULES"] if lora_dir else ""), name
+        f = flags(svc["command"])
+        assert f["lora-modules"] == (LORA_ENV["LORA_MODULES"] if lora_dir else ""), name
+        # run-time loading: from /adapters when ADAPTER_ROOT is set, else off (empty)
+        assert f["adapter-root"] == (LORA_ENV["ADAPTER_ROOT"] if lora_dir else ""), name
     for name, svc in {**workers, **scheds}.items():
         (mount,) = [v for v in svc["volumes"] if v["target"] == "/adapters"]
         assert mount["read_only"], name
@@ -245,6 +251,7 @@ def test_rendered_lora_commands_parse_as_the_services_do(rendered_lora):
     for name, svc in services_running(config, "scheduler_service").items():
         args = scheduler_args(module_argv(svc, "scheduler_service"))
         assert args.adapters == ([("a", "/adapters/a"), ("b", "/adapters/b")] if lora_dir else []), name
+        assert args.adapter_root == ("/adapters" if lora_dir else None), name
         assert args.speculative == ("draft" if draft_dir else "off"), name
     for name, svc in services_running(config, "worker_service").items():
         args = worker_args(module_argv(svc, "worker_service"))
@@ -278,6 +285,20 @@ def test_lora_modules_items_may_hold_comma_separated_pairs():
     for bad in (["a"], ["a=x,b"], ["=x"], ["a="], ["a=x,a=y"], ["a=x", "a=y"]):
         with pytest.raises(SystemExit):
             adapters(*bad)
+
+
+def test_adapter_root_is_absolute_and_empty_means_off():
+    """--adapter-root: unset or empty (compose's `${ADAPTER_ROOT:-}`) is off; a relative
+    path (each worker's own working directory) is refused at start."""
+    from scheduler_service.__main__ import parse_args
+
+    def root(*flag: str) -> str | None:
+        return parse_args(["--model=/model", "--workers=w:50061", *flag]).adapter_root
+
+    assert root() is None and root("--adapter-root=") is None
+    assert root("--adapter-root", "/adapters") == "/adapters"
+    with pytest.raises(SystemExit):
+        root("--adapter-root", "adapters")
 
 
 @pytest.mark.parametrize("files", LAYOUTS, ids=lambda files: "+".join(files))

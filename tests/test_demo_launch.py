@@ -48,11 +48,12 @@ def test_launch_help_and_bad_tp():
 
 def test_make_serve_passes_its_variables_to_the_launcher():
     """`make serve`'s recipe (make -n: printed, not run) reaches the launcher's scheduler
-    command with HTTP_PORT and SCHED_ARGS."""
+    command with HTTP_PORT, ADAPTER_ROOT and SCHED_ARGS."""
     import shlex
 
     from scheduler_service.launch import commands, parse_args
     out = subprocess.run(["make", "-n", "serve", "MODEL=/m", "TP=2", "HTTP_PORT=8000",
+                          "ADAPTER_ROOT=/srv/adapters",
                           "SCHED_ARGS=--max-num-seqs 7 --fast-forward"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -63,3 +64,5 @@ def test_make_serve_passes_its_variables_to_the_launcher():
     assert args.tp == 2 and args.http_port == 8000
     sched = commands(args)[-1]
     assert sched[-3:] == ["--max-num-seqs", "7", "--fast-forward"]
+    at = sched.index("--adapter-root")
+    assert sched[at + 1] == "/srv/adapters"

@@ -1,9 +1,10 @@
 """Command-line flag groups that more than one entry point takes, each defined once.
 
 `python -m scheduler_service`, `python -m worker_service` and `python -m
-scheduler_service.launch` share where to listen, metrics, logging, TLS and the shared
-secrets; each calls these on its parser (or one of its argument groups: `parser` below), so a flag has one
-name, one default and one environment fallback everywhere. Only argparse and os here:
+scheduler_service.launch` share where to listen, metrics, logging, TLS, the shared
+secrets and the adapter root; each calls these on its parser (or one of its argument
+groups: `parser` below), so a flag has one name, one default and one environment fallback
+everywhere. Only argparse and os here:
 `--help` must not import grpc, let alone torch.
 """
 from __future__ import annotations
@@ -61,6 +62,30 @@ def check_tls_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """Exit with a usage error unless the add_tls_flags flags go together."""
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         parser.error("TLS needs --tls-cert and --tls-key (and both for --tls-client-ca)")
+
+
+def add_adapter_root_flag(parser) -> None:
+    """--adapter-root: where LoRA adapters loaded at run time may come from; check it with
+    check_adapter_root."""
+    parser.add_argument("--adapter-root", default=None, metavar="DIR",
+                        help="allow loading and unloading LoRA adapters at run time (gRPC "
+                             "LoadAdapter / UnloadAdapter, POST /v1/load_lora_adapter / "
+                             "/v1/unload_lora_adapter) from this directory, an absolute path as "
+                             "the workers see it. A load names the adapter's directory relative "
+                             "to DIR (lora_path `sql` reads DIR/sql); the workers resolve it "
+                             "(symlinks, `..`) and refuse anything outside DIR (PERMISSION_DENIED, "
+                             "HTTP 403). Any caller of the public API (holding the --api-key, "
+                             "when set) may load any adapter under DIR. Unset or empty (the default): both are off "
+                             "(PERMISSION_DENIED, HTTP 403); --lora-modules works either way")
+
+
+def check_adapter_root(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--adapter-root: empty means unset (compose passes `--adapter-root=${ADAPTER_ROOT:-}`);
+    a relative path would mean each worker's own working directory: refused."""
+    args.adapter_root = args.adapter_root or None
+    if args.adapter_root and not os.path.isabs(args.adapter_root):
+        parser.error(f"--adapter-root must be an absolute path (as the workers see it), not "
+                     f"{args.adapter_root!r}")
 
 
 def add_api_key_flag(parser) -> None:
