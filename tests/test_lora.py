@@ -13,6 +13,7 @@ import concurrent.futures
 from dataclasses import dataclass
 import json
 import os
+import shutil
 import signal
 
 import grpc
@@ -47,14 +48,16 @@ def _base(model_dir):
 
 @pytest.fixture(scope="module")
 def adapters(model_dir, tmp_path_factory):
-    """name -> (directory, the PEFT model serving it)."""
+    """name -> (directory, the PEFT model serving it); the directories share one parent, the
+    services' --adapter-root below."""
     out = {}
+    root = tmp_path_factory.mktemp("adapters")
     for i, (name, (r, alpha, modules, rs)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(100 + i)
         cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, use_rslora=rs,
                               init_lora_weights=False, lora_dropout=0.0)
         model = peft.get_peft_model(_base(model_dir), cfg).eval()
-        path = tmp_path_factory.mktemp(f"lora_{name}")
+        path = root / name
         model.save_pretrained(path)
         out[name] = (path, model)
     return out
@@ -377,90 +380,190 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
 
 
-def test_load_unload_at_run_time(model_dir, adapters, tmp_path):
-    """gRPC LoadAdapter / UnloadAdapter and OpenAI's /v1/load_lora_adapter /
-    /v1/unload_lora_adapter (behind the API key) while a request streams: the new adapter
-    serves PEFT's tokens at once, a bad one is refused with the reason and changes nothing,
-    an adapter with a request in flight cannot be unloaded, an unloaded one is NOT_FOUND,
-    and an engine-core restart keeps the set."""
+@pytest.fixture(scope="module")
+def rooted(model_dir, adapters):
+    """A worker and a scheduler that loads adapters at run time from the adapters' parent
+    (--adapter-root), behind an API key: (worker, scheduler, HTTP base URL, the root)."""
+    root = adapters["all8"][0].parent
     worker = start_worker(model_dir, extra=["--max-loras", "2", "--max-lora-rank", str(MAX_RANK)])
     sched = None
     try:
         http = free_port()
         sched = start_scheduler(model_dir, [worker.port], extra=[
             "--http-port", str(http), "--served-model-name", "tiny", "--api-key", "k",
-            "--lora-modules", f"all8={adapters['all8'][0]}"])
-        auth = [("authorization", "Bearer k")]
-        url = f"http://127.0.0.1:{http}/v1"
-        headers = {"Authorization": "Bearer k"}
-        prompt = list(range(100, 117))
-        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
-            stub = generate_pb2_grpc.GenerationStub(ch)
-
-            def greedy(name, n=8):
-                req = generate_pb2.GenerateRequest(
-                    token_ids=generate_pb2.TokenIds(ids=prompt), adapter=name,
-                    sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=n,
-                                                         ignore_eos=True))
-                return [t for c in stub.Generate(req, timeout=120, metadata=auth) for t in c.token_ids]
-
-            # a long stream on all8 keeps it busy while the set changes
-            long = stub.Generate(generate_pb2.GenerateRequest(
-                token_ids=generate_pb2.TokenIds(ids=prompt), adapter="all8",
-                sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=300,
-                                                     ignore_eos=True)), timeout=120, metadata=auth)
-            first = next(long)
-            r = stub.LoadAdapter(generate_pb2.LoadAdapterRequest(
-                name="qv4", path=str(adapters["qv4"][0])), metadata=auth)
-            assert list(r.adapters) == ["all8", "qv4"]
-            assert greedy("qv4") == peft_greedy(adapters["qv4"][1], prompt, 8)
-            with pytest.raises(grpc.RpcError) as e:
-                stub.UnloadAdapter(generate_pb2.UnloadAdapterRequest(name="all8"), metadata=auth)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            with pytest.raises(grpc.RpcError) as e:   # the API key guards these too
-                stub.LoadAdapter(generate_pb2.LoadAdapterRequest(name="x", path="/nope"))
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            rest = [t for c in long for t in c.token_ids]
-            assert len(first.token_ids) + len(rest) == 300
-
-            # HTTP: load mlp16, refuse a broken one, unload qv4
-            assert _http("POST", f"{url}/load_lora_adapter", json={"lora_name": "mlp16"},
-                                 headers=headers).status == 400   # no path
-            assert _http("POST", f"{url}/load_lora_adapter", json={
-                "lora_name": "m", "lora_path": str(adapters["mlp16"][0])}).status == 401
-            ok = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
-                "lora_name": "mlp16", "lora_path": str(adapters["mlp16"][0])})
-            assert ok.status == 200, ok.text
-            bad = tmp_path / "bad"
-            bad.mkdir()
-            (bad / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 8}')
-            refused = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
-                "lora_name": "bad", "lora_path": str(bad)})
-            assert refused.status == 400 and "max-lora-rank" in json.loads(refused.text)["error"]["message"]
-            again = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
-                "lora_name": "mlp16", "lora_path": str(adapters["mlp16"][0])})
-            assert again.status == 400 and "already" in again.text
-            assert _http("POST", f"{url}/unload_lora_adapter", headers=headers,
-                                 json={"lora_name": "qv4"}).status == 200
-            assert _http("POST", f"{url}/unload_lora_adapter", headers=headers,
-                                 json={"lora_name": "qv4"}).status == 404
-            models = json.loads(_http("GET", f"{url}/models", headers=headers).text)["data"]
-            assert [m["id"] for m in models] == ["tiny", "all8", "mlp16"]
-            with pytest.raises(grpc.RpcError) as e:
-                greedy("qv4")
-            assert e.value.code() == grpc.StatusCode.NOT_FOUND
-            assert greedy("mlp16") == peft_greedy(adapters["mlp16"][1], prompt, 8)
-
-            # the engine core dies: the new one serves the same set
-            os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
-            assert wait_until(lambda: _served(stub, auth) == ["all8", "mlp16"], timeout=60)
-            assert greedy("mlp16") == peft_greedy(adapters["mlp16"][1], prompt, 8)
-            assert list(stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
-                                          metadata=auth).adapters) == ["all8", "mlp16"]
+            "--adapter-root", str(root), "--lora-modules", f"all8={adapters['all8'][0]}"])
+        yield worker, sched, f"http://127.0.0.1:{http}/v1", root
     finally:
         if sched:
             sched.stop()
         worker.stop()
+
+
+AUTH = [("authorization", "Bearer k")]
+HEADERS = {"Authorization": "Bearer k"}
+
+
+def test_load_unload_at_run_time(rooted, adapters):
+    """gRPC LoadAdapter / UnloadAdapter and OpenAI's /v1/load_lora_adapter /
+    /v1/unload_lora_adapter (behind the API key) while a request streams: an adapter named
+    relative to --adapter-root (or by an absolute path inside it) serves PEFT's tokens at
+    once, a bad one is refused with the reason and changes nothing, an adapter with a request
+    in flight cannot be unloaded, an unloaded one is NOT_FOUND, and an engine-core restart
+    keeps the set."""
+    _, sched, url, root = rooted
+    auth, headers = AUTH, HEADERS
+    prompt = list(range(100, 117))
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+
+        def greedy(name, n=8):
+            req = generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=prompt), adapter=name,
+                sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=n,
+                                                     ignore_eos=True))
+            return [t for c in stub.Generate(req, timeout=120, metadata=auth) for t in c.token_ids]
+
+        # a long stream on all8 keeps it busy while the set changes
+        long = stub.Generate(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt), adapter="all8",
+            sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=300,
+                                                 ignore_eos=True)), timeout=120, metadata=auth)
+        first = next(long)
+        r = stub.LoadAdapter(generate_pb2.LoadAdapterRequest(name="qv4", path="qv4"),
+                             metadata=auth)   # the documented form: relative to the root
+        assert list(r.adapters) == ["all8", "qv4"]
+        assert greedy("qv4") == peft_greedy(adapters["qv4"][1], prompt, 8)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UnloadAdapter(generate_pb2.UnloadAdapterRequest(name="all8"), metadata=auth)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as e:   # the API key guards these too
+            stub.LoadAdapter(generate_pb2.LoadAdapterRequest(name="x", path="mlp16"))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        rest = [t for c in long for t in c.token_ids]
+        assert len(first.token_ids) + len(rest) == 300
+
+        # HTTP: load mlp16 (an absolute path inside the root), refuse a broken one, unload qv4
+        assert _http("POST", f"{url}/load_lora_adapter", json={"lora_name": "mlp16"},
+                     headers=headers).status == 400   # no path
+        assert _http("POST", f"{url}/load_lora_adapter", json={
+            "lora_name": "m", "lora_path": "mlp16"}).status == 401
+        ok = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
+            "lora_name": "mlp16", "lora_path": str(adapters["mlp16"][0])})
+        assert ok.status == 200, ok.text
+        bad = root / "rank64"
+        bad.mkdir(exist_ok=True)
+        (bad / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 8}')
+        refused = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
+            "lora_name": "bad", "lora_path": "rank64"})
+        assert refused.status == 400 and "max-lora-rank" in _message(refused)
+        again = _http("POST", f"{url}/load_lora_adapter", headers=headers, json={
+            "lora_name": "mlp16", "lora_path": "mlp16"})
+        assert again.status == 400 and "already" in again.text
+        assert _http("POST", f"{url}/unload_lora_adapter", headers=headers,
+                     json={"lora_name": "qv4"}).status == 200
+        assert _http("POST", f"{url}/unload_lora_adapter", headers=headers,
+                     json={"lora_name": "qv4"}).status == 404
+        models = json.loads(_http("GET", f"{url}/models", headers=headers).text)["data"]
+        assert [m["id"] for m in models] == ["tiny", "all8", "mlp16"]
+        with pytest.raises(grpc.RpcError) as e:
+            greedy("qv4")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert greedy("mlp16") == peft_greedy(adapters["mlp16"][1], prompt, 8)
+
+        # the engine core dies: the new one serves the same set
+        os.kill(named_children(sched.popen.pid)["ns-engine-core"], signal.SIGKILL)
+        assert wait_until(lambda: _served(stub, auth) == ["all8", "mlp16"], timeout=60)
+        assert greedy("mlp16") == peft_greedy(adapters["mlp16"][1], prompt, 8)
+        assert list(stub.GetModelInfo(generate_pb2.ModelInfoRequest(),
+                                      metadata=auth).adapters) == ["all8", "mlp16"]
+        # leave the set as the fixture started it
+        stub.UnloadAdapter(generate_pb2.UnloadAdapterRequest(name="mlp16"), metadata=auth)
+
+
+def test_run_time_loading_is_off_by_default(served):
+    """Without --adapter-root, loading and unloading at run time are PERMISSION_DENIED / 403
+    (saying how to turn them on), whatever the path; --lora-modules still serve."""
+    _, sched, http = served
+    url = f"http://127.0.0.1:{http}/v1"
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        for call, req in ((stub.LoadAdapter, generate_pb2.LoadAdapterRequest(name="x", path="qv4")),
+                          (stub.UnloadAdapter, generate_pb2.UnloadAdapterRequest(name="qv4"))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=30)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "--adapter-root" in e.value.details()
+        assert list(stub.GetModelInfo(generate_pb2.ModelInfoRequest()).adapters) == list(ADAPTERS)
+    for route, body in (("load_lora_adapter", {"lora_name": "x", "lora_path": "/etc/passwd"}),
+                        ("unload_lora_adapter", {"lora_name": "qv4"})):
+        r = _http("POST", f"{url}/{route}", json=body)
+        assert r.status == 403 and "--adapter-root" in _message(r), r.text
+        _reveals_nothing(_message(r))
+
+
+def test_run_time_paths_stay_inside_the_root(rooted, adapters, tmp_path):
+    """Loads that resolve outside --adapter-root are PERMISSION_DENIED / 403, a valid adapter
+    out there included: an absolute path, `..`, a symlinked directory or symlinked files
+    pointing out. A missing directory is NOT_FOUND / 404 and one without a PEFT adapter
+    INVALID_ARGUMENT / 400. No answer holds a path or an OS error (the worker's log has the
+    detail), and none changes the served set; a symlink to a directory inside the root loads."""
+    worker, sched, url, root = rooted
+    outside = tmp_path / "outside"   # a valid adapter, outside the root
+    shutil.copytree(adapters["qv4"][0], outside)
+    case = root / tmp_path.name       # this test's own directory under the root
+    case.mkdir()
+    (case / "link_out").symlink_to(outside, target_is_directory=True)
+    (case / "files_out").mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (case / "files_out" / f).symlink_to(outside / f)
+    (case / "link_in").symlink_to(adapters["qv4"][0], target_is_directory=True)
+    (case / "empty").mkdir()
+    (case / "garbage").mkdir()
+    (case / "garbage" / "adapter_config.json").write_text("{not json")
+    up = os.path.relpath(outside, root)   # ../../.../outside
+    mine = case.name
+
+    def load(path: str) -> _Reply:
+        return _http("POST", f"{url}/load_lora_adapter", headers=HEADERS,
+                     json={"lora_name": "probe", "lora_path": path})
+
+    expected = {
+        403: [str(outside), up, f"qv4/../{up}", f"{mine}/link_out", f"{mine}/files_out",
+              "/etc/passwd", "/root/.ssh", "../../../../etc/shadow", "/", ".."],
+        404: ["nope", f"{mine}/nope", "qv4/adapter_config.json"],
+        400: [f"{mine}/empty", f"{mine}/garbage"],
+    }
+    for status, paths in expected.items():
+        for path in paths:
+            r = load(path)
+            assert r.status == status, (path, r.text)
+            _reveals_nothing(_message(r))
+    log = worker.output(None)
+    assert str(outside) in log and "/etc/passwd" in log   # the detail stays with the worker
+    with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        for path in (str(outside), f"{mine}/link_out", up):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.LoadAdapter(generate_pb2.LoadAdapterRequest(name="probe", path=path),
+                                 metadata=AUTH, timeout=60)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, path
+            _reveals_nothing(e.value.details())
+        assert _served(stub, AUTH) == ["all8"]
+        # a symlink that stays inside the root is fine
+        assert load(f"{mine}/link_in").status == 200
+        stub.UnloadAdapter(generate_pb2.UnloadAdapterRequest(name="probe"), metadata=AUTH)
+
+
+def _message(r: "_Reply") -> str:
+    return json.loads(r.text)["error"]["message"]
+
+
+def _reveals_nothing(message: str) -> None:
+    """An error a caller sees: no host path, no OS error text."""
+    low = message.lower()
+    assert "/" not in message and "errno" not in low, message
+    assert not any(s in low for s in ("no such file", "not a directory", "permission denied",
+                                      "is a directory", "etc", "tmp", "pytest")), message
 
 
 def _served(stub, auth) -> list[str] | None:
