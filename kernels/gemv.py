@@ -29,14 +29,9 @@ from kernels.interpret import INTERPRET_ENV, cast
 
 # Up to this many tokens the model's linear layers take gemv (NANOSERVE_GEMV_MAX_TOKENS=0
 # turns it off, for before/after measurements); the token dimension is padded to a power
-# of two in registers.
+# of two in registers. The rule that reads both is models/kernel_choice.py's.
 GEMV_MAX_TOKENS = int(os.environ.get("NANOSERVE_GEMV_MAX_TOKENS", "1"))
 ON_CPU = False   # tests set it to run the model's GEMVs in the Triton interpreter
-
-
-def use_gemv(x: torch.Tensor) -> bool:
-    """The model's linear layers and LM head route a few tokens here (on CUDA)."""
-    return (x.is_cuda or ON_CPU) and x.numel() <= GEMV_MAX_TOKENS * x.shape[-1]
 
 
 @dataclass

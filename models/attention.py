@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata
+from models.decode_step import AttentionStep
 
 
 class Attention(nn.Module):
@@ -28,14 +29,21 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None   # [num_blocks, block_size] fp32: fp8 caches
         self.v_scale: torch.Tensor | None = None
 
-    def cache(self, meta: AttentionMetadata) -> dict:
-        """Where this step's K/V go, for a kernel that stores them itself
-        (kernels/qk_norm_rotary.py): pass kv_stored=True to forward then."""
+    def decode_step(self) -> AttentionStep:
+        """The KV views the runner assigned (by reference), heads and scale
+        (models/decode_step.py)."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache not assigned: set layer.k_cache / layer.v_cache "
                                "(see models.qwen3.kv_cache_layers) before running the model")
-        return dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping,
-                    k_scale=self.k_scale, v_scale=self.v_scale)
+        return AttentionStep(self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                             self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+
+    def cache(self, meta: AttentionMetadata) -> dict:
+        """Where this step's K/V go, for a kernel that stores them itself
+        (kernels/qk_norm_rotary.py): pass kv_stored=True to forward then."""
+        s = self.decode_step()
+        return dict(k_cache=s.k_cache, v_cache=s.v_cache, slot_mapping=meta.slot_mapping,
+                    k_scale=s.k_scale, v_scale=s.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import gemv, use_gemv
+from kernels.gemv import gemv
+from models import kernel_choice
+from models.decode_step import TPShard, VocabStep
 from models.parallel import TPGroup, check_shape
 
 
@@ -41,6 +43,11 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(dst, shard, type(self).__name__)
         dst.copy_(shard)
 
+    def decode_step(self) -> VocabStep:
+        """This rank's vocab rows, by reference (models/decode_step.py)."""
+        return VocabStep(self.weight, self.vocab_start, self.vocab_end, self.num_embeddings,
+                         TPShard(self.tp.rank, self.tp.size, 0))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
@@ -57,7 +64,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     so the GEMM and the gather only touch those."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = gemv(hidden, self.weight) if use_gemv(hidden) else F.linear(hidden, self.weight)
+        if kernel_choice.paths(hidden).gemv:
+            logits = gemv(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.gather(logits, dim=-1)[..., :self.num_embeddings]

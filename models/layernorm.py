@@ -15,6 +15,8 @@ from torch import nn
 
 from kernels.fp8_linear import quantized_rows_ref
 from kernels.rmsnorm import rms_norm, rms_norm_ref
+from models import kernel_choice
+from models.decode_step import NormStep
 from models.parallel import TPGroup, replicated_weight_loader
 
 
@@ -26,16 +28,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = replicated_weight_loader
 
+    @property
+    def sums_ranks(self) -> bool:
+        """Whether x given with a residual is a partial sum over TP ranks, summed here."""
+        return self.tp is not None and self.tp.size > 1
+
+    def decode_step(self) -> NormStep:
+        """The weight (by reference), eps and the TP sum (models/decode_step.py)."""
+        return NormStep(self.weight, self.eps, self.sums_ranks)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
         """x_normed, or (x_normed, x + residual) when a residual is given (on GPU the sum
         is written into `residual` in place). fp8: x_normed comes as QuantizedRows for the
         FP8 GEMM it feeds (LinearBase.takes_fp8_rows), quantized in the norm's own pass."""
-        if residual is not None and self.tp is not None and self.tp.size > 1:
+        if residual is not None and self.sums_ranks:
             fast = self.tp.fast
             if not fp8 and fast is not None and fast.fuses(x, residual):
                 return fast.all_reduce_norm(x, residual, self.weight, self.eps)
             x = self.tp.all_reduce(x)
-        if x.is_cuda:
+        if kernel_choice.paths(x).triton:
             return rms_norm(x, self.weight, self.eps, residual, fp8=fp8)
         out = rms_norm_ref(x, self.weight, self.eps, residual)
         if not fp8:
@@ -44,5 +55,5 @@ class RMSNorm(nn.Module):
                 else quantized_rows_ref(out))
 
     def extra_repr(self) -> str:
-        tp = f", sums over {self.tp.size} ranks" if self.tp is not None and self.tp.size > 1 else ""
+        tp = f", sums over {self.tp.size} ranks" if self.sums_ranks else ""
         return f"{self.weight.shape[0]}, eps={self.eps}{tp}"

@@ -16,15 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8_linear import (FP8, ONE_BLOCK_MAX, QuantizedRows, fp8_linear, quantize_rows,
-                                scaled_mm_supported)
-from kernels.gemv import GemvLora, gemv, use_gemv
-from models import activation
+from kernels.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_rows
+from kernels.gemv import GemvLora, gemv
+from models import activation, kernel_choice
+from models.decode_step import LinearStep, TPShard
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
 class LinearBase(nn.Module):
     """Holds weight [out_local, in_local] and optional bias [out_local]."""
+
+    shard_dim: int | None = None   # the weight's dimension split over the TP ranks
+    reduce = False                 # whether forward all-reduces (row-parallel layers)
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
@@ -48,23 +51,39 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
 
+    @property
+    def fp8_scale(self) -> torch.Tensor | None:
+        """weight_scale where the weight is e4m3, else None: what the GEMV, the GEMM and
+        decode_step all read."""
+        return self.weight_scale if self.weight.dtype == FP8 else None
+
+    def part_sizes(self) -> tuple[int, ...]:
+        """This rank's output rows of each matrix merged into this one."""
+        return (self.weight.shape[0],)
+
+    def decode_step(self) -> LinearStep:
+        """This layer's own tensors and sharding (models/decode_step.py)."""
+        return LinearStep(weight=self.weight, bias=self.bias, weight_scale=self.fp8_scale,
+                          parts=self.part_sizes(),
+                          shard=TPShard(self.tp.rank, self.tp.size, self.shard_dim),
+                          reduce=self.reduce,
+                          lora=None if self.lora is None else self.lora.decode_step())
+
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
-        """Whether matmul(x) would quantize x per token (e4m3 weight, more tokens than the
-        GEMV takes, fused kernels on a GPU with _scaled_mm): then the kernel that makes x
-        (RMSNorm, SiLU-and-mul; rows of up to ONE_BLOCK_MAX) hands it over as
-        QuantizedRows, one launch less."""
-        return (self.weight.dtype == FP8 and self.weight.shape[1] <= ONE_BLOCK_MAX
-                and not use_gemv(x) and activation.use_fused(x) and scaled_mm_supported(x.device))
+        """Whether matmul(x) would quantize x per token (kernel_choice.fp8_rows): then the
+        kernel that makes x (RMSNorm, SiLU-and-mul) hands it over as QuantizedRows, one
+        launch less."""
+        return kernel_choice.fp8_rows(x, self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                lora: GemvLora | None = None, quantized: QuantizedRows | None = None
                ) -> torch.Tensor:
-        fp8 = self.weight.dtype == FP8
-        if use_gemv(x):
-            return gemv(x, self.weight, self.weight_scale if fp8 else None, bias, lora=lora)
+        scale = self.fp8_scale
+        if kernel_choice.paths(x).gemv:
+            return gemv(x, self.weight, scale, bias, lora=lora)
         assert lora is None
-        if fp8:
-            return fp8_linear(x, self.weight, self.weight_scale, bias, quantized)
+        if scale is not None:
+            return fp8_linear(x, self.weight, scale, bias, quantized)
         return F.linear(x, self.weight, bias)
 
     def project(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None = None
@@ -76,7 +95,7 @@ class LinearBase(nn.Module):
         lora = self.lora
         if lora is None or lora.ctx.rows is None:
             return self.matmul(x, bias, quantized=quantized)
-        if use_gemv(x) and lora.kernels(x):
+        if kernel_choice.lora_in_gemv(kernel_choice.paths(x), lora.kernels(x)):
             return self.matmul(x, bias, lora.shrink(x))
         y = self.matmul(x, bias, quantized=quantized)
         lora.apply(x, y)
@@ -88,6 +107,8 @@ class LinearBase(nn.Module):
 
 class ColumnParallelLinear(LinearBase):
     """y[:, rank's rows] = x @ W[rank's rows].T: output features are sharded."""
+
+    shard_dim = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp: TPGroup = TPGroup()) -> None:
@@ -116,6 +137,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
+    def part_sizes(self) -> tuple[int, ...]:
+        return tuple(size // self.tp.size for size in self.output_sizes)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         if shard_id is None:  # an already-merged checkpoint tensor: split and recurse
@@ -138,10 +162,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         activation."""
         lora = self.lora
         if (not fp8 and len(self.output_sizes) == 2 and not isinstance(x, QuantizedRows)
-                and use_gemv(x) and activation.FUSED and self.bias is None
+                and kernel_choice.paths(x).gated_gemv and self.bias is None
                 and (lora is None or lora.ctx.rows is None)):
-            w8 = self.weight.dtype == FP8
-            return gemv(x, self.weight, self.weight_scale if w8 else None, gated=True)
+            return gemv(x, self.weight, self.fp8_scale, gated=True)
         return activation.swiglu(self(x), fp8=fp8)
 
 
@@ -166,6 +189,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def part_sizes(self) -> tuple[int, ...]:
+        return (self.q_size, self.kv_size, self.kv_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -194,6 +220,8 @@ class RowParallelLinear(LinearBase):
     reduce=False by rank 0 alone. reduce=False returns this rank's partial sum for the
     caller to reduce: the decoder layers sum it inside the next RMSNorm (models/layernorm.py),
     where the all-reduce, the residual add and the norm can be one kernel."""
+
+    shard_dim = 1
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp: TPGroup = TPGroup(), reduce: bool = True) -> None:

@@ -33,6 +33,8 @@ from torch import nn
 from kernels.gemv import GemvLora
 from kernels.lora import (LoraRows, lora_expand, lora_expand_ref, lora_max_split_k, lora_shrink,
                           lora_shrink_ref)
+from models import kernel_choice
+from models.decode_step import LoraStep
 
 # Hugging Face module name -> (our layer's attribute, its part): q/k/v and gate/up are
 # merged layers here (models/qwen3.py packed_modules_mapping).
@@ -142,8 +144,12 @@ class LoraSlots:
             self.b[slot, off:off + self.parts[p], :r].copy_(b, non_blocking=True)
         self.scale[slot] = scale if parts else 0.0
 
+    def decode_step(self) -> LoraStep:
+        """The slots' tensors, by reference (models/decode_step.py)."""
+        return LoraStep(self.a, self.b, self.scale, self.part_sizes, self.max_rank)
+
     def kernels(self, x: torch.Tensor) -> bool:
-        return x.is_cuda if self.use_kernels is None else self.use_kernels
+        return kernel_choice.paths(x).triton if self.use_kernels is None else self.use_kernels
 
     def shrink(self, x: torch.Tensor) -> GemvLora:
         """One token's h (lora_shrink into the step's workspace) and what the GEMV needs to

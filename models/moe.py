@@ -23,6 +23,8 @@ from torch import nn
 from kernels.fp8_linear import FP8, quantize_rows
 from kernels.fused_moe import fused_moe
 from kernels.moe_route import route_topk
+from models import kernel_choice
+from models.decode_step import ExpertsStep, LinearStep, MoEStep, TPShard
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 
 
@@ -90,6 +92,11 @@ class MoEExperts(nn.Module):
         self.register_buffer("gate_up_scale", gu_scale)
         self.register_buffer("down_scale", d_scale)
 
+    def decode_step(self) -> ExpertsStep:
+        """The stacks and their FP8 scales, by reference (models/decode_step.py)."""
+        return ExpertsStep(self.gate_up_proj, self.down_proj, self.gate_up_scale,
+                           self.down_scale, TPShard(self.tp.rank, self.tp.size, 0))
+
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up, down) in dtype, dequantized if FP8: moe_reference's operands."""
         if self.scales is None:
@@ -141,8 +148,17 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                                   config.moe_intermediate_size, tp)
         self.fused = False   # CPU: True runs the fused kernels (Triton's interpreter; tests)
 
+    def decode_step(self) -> MoEStep:
+        """Router, top-k rule and experts (models/decode_step.py)."""
+        tp = self.tp
+        router = LinearStep(weight=self.gate.weight, bias=None, weight_scale=None,
+                            parts=(self.gate.weight.shape[0],),
+                            shard=TPShard(tp.rank, tp.size, None), reduce=False, lora=None)
+        return MoEStep(router, self.top_k, self.norm_topk_prob, self.experts.decode_step(),
+                       self.reduce)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = x.is_cuda or self.fused
+        fused = kernel_choice.paths(x).triton or self.fused
         weights, ids = (route_topk if fused else route)(self.gate(x), self.top_k,
                                                         self.norm_topk_prob)
         e = self.experts

@@ -18,8 +18,9 @@ from torch import nn
 from kernels.attention import AttentionMetadata, select_backend
 from kernels.fp8_linear import QuantizedRows
 from kernels.qk_norm_rotary import qk_norm_rotary
-from models import activation
+from models import kernel_choice
 from models.attention import Attention
+from models.decode_step import AttentionBlockStep, DecoderLayerStep, MLPStep, ModelStep
 from models.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -55,6 +56,14 @@ class Qwen3Attention(nn.Module):
                                           rope_theta_from_config(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
 
+    def decode_step(self) -> AttentionBlockStep:
+        return AttentionBlockStep(
+            qkv=self.qkv_proj.decode_step(),
+            q_norm=self.q_norm.decode_step() if self.qk_norm else None,
+            k_norm=self.k_norm.decode_step() if self.qk_norm else None,
+            rotary=self.rotary_emb.decode_step(), attn=self.attn.decode_step(),
+            o_proj=self.o_proj.decode_step())
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -62,7 +71,7 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        fused = self.qk_norm and activation.use_fused(q)
+        fused = self.qk_norm and kernel_choice.paths(q).fused
         if fused:
             # one kernel for q norm + k norm + rotary + K/V store (kernels/qk_norm_rotary.py);
             # NANOSERVE_FUSED_KERNELS=0 runs the four kernels below instead
@@ -91,6 +100,9 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=False, tp=tp, reduce=False)   # summed in the next norm
 
+    def decode_step(self) -> MLPStep:
+        return MLPStep(self.gate_up_proj.decode_step(), self.down_proj.decode_step())
+
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_fp8_rows(x)
 
@@ -109,12 +121,19 @@ class Qwen3DecoderLayer(nn.Module):
 
     def __init__(self, config, tp: TPGroup, backend, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.self_attn = Qwen3Attention(config, tp, backend)
         self.mlp = (Qwen3MoeSparseMoeBlock(config, tp, reduce=False)
                     if is_sparse_layer(config, layer_idx) else Qwen3MLP(config, tp))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                                                 tp=tp)
+
+    def decode_step(self) -> DecoderLayerStep:
+        return DecoderLayerStep(self.layer_idx, self.input_layernorm.decode_step(),
+                                self.self_attn.decode_step(),
+                                self.post_attention_layernorm.decode_step(),
+                                self.mlp.decode_step())
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata,
@@ -191,6 +210,15 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], full vocab on every rank."""
         return self.lm_head(hidden)
+
+    def decode_step(self) -> ModelStep:
+        """What one decode step reads and runs, layer by layer (models/decode_step.py):
+        references to this model's own tensors and KV views, built after loading and KV
+        binding."""
+        m = self.model
+        return ModelStep(m.embed_tokens.decode_step(),
+                         tuple(layer.decode_step() for layer in m.layers),
+                         m.norm.decode_step(), self.lm_head.decode_step())
 
 
 def kv_cache_layers(model: nn.Module) -> list[Attention]:

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from kernels.rotary import apply_rotary, apply_rotary_ref
+from models import kernel_choice
+from models.decode_step import RotaryStep
 
 
 def rope_theta_from_config(config) -> float:
@@ -55,8 +57,12 @@ class RotaryEmbedding(nn.Module):
         table = _cos_sin_table(head_dim, max_position, float(base), torch.get_default_device())
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
+    def decode_step(self) -> RotaryStep:
+        """The shared cos/sin table, by reference (models/decode_step.py)."""
+        return RotaryStep(self.cos_sin_cache, self.head_dim)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k) (in place on GPU)."""
-        rotate = apply_rotary if q.is_cuda else apply_rotary_ref
+        rotate = apply_rotary if kernel_choice.paths(q).triton else apply_rotary_ref
         return rotate(q, k, positions, self.cos_sin_cache)

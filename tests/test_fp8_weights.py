@@ -249,11 +249,11 @@ def test_norms_and_activation_hand_fp8_gemms_their_quantized_input(model_dir, mo
     here, as if on a GPU with _scaled_mm), the RMSNorms and SiLU-and-mul before them hand
     over QuantizedRows: three of each layer's four quantize launches go, logits unchanged."""
     import kernels.fp8_linear
-    import models.activation
+    import models.kernel_choice
     import models.linear
     monkeypatch.setattr(kernels.fp8_linear, "scaled_mm_supported", lambda device: True)
-    monkeypatch.setattr(models.linear, "scaled_mm_supported", lambda device: True)
-    monkeypatch.setattr(models.activation, "use_fused", lambda x: True)
+    monkeypatch.setattr(models.kernel_choice, "scaled_mm_supported", lambda device: True)
+    monkeypatch.setattr(models.kernel_choice, "FUSED_ON_CPU", True)
     launches = []
     quantize = kernels.fp8_linear.quantize_rows_
     monkeypatch.setattr(kernels.fp8_linear, "quantize_rows_",

@@ -102,7 +102,7 @@ def test_batched_prefill_matches_hf(checkpoint):
 def test_fused_kernels_match_unfused(checkpoint, monkeypatch):
     """The fused decode-path kernels (q/k norm + rotary, SiLU-and-mul; Triton interpreter
     here) give the logits of the unfused modules, prefill then decode."""
-    import models.activation
+    import models.kernel_choice
     import models.qwen3
     calls = []
     kernel = models.qwen3.qk_norm_rotary
@@ -114,7 +114,7 @@ def test_fused_kernels_match_unfused(checkpoint, monkeypatch):
              [(i, len(p) - 1, len(p)) for i, p in enumerate(prompts)]]
     runs = []
     for fused in (False, True):
-        monkeypatch.setattr(models.activation, "use_fused", lambda x, f=fused: f)
+        monkeypatch.setattr(models.kernel_choice, "FUSED_ON_CPU", fused)
         cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
         runs.append([run_step(model, cache, prompts, s, is_decode=k == 1)
                      for k, s in enumerate(steps)])
@@ -285,8 +285,8 @@ def test_fp8_kv_cache_matches_hf_with_fp8_rounded_kv(checkpoint, monkeypatch, fu
     norm + rotary kernel quantizes and stores K/V) give Hugging Face's logits when HF's
     keys and values are rounded the same way; and those stay near the unquantized logits
     (what e4m3's 3 mantissa bits cost on this tiny random model)."""
-    import models.activation
-    monkeypatch.setattr(models.activation, "use_fused", lambda x: fused)
+    import models.kernel_choice
+    monkeypatch.setattr(models.kernel_choice, "FUSED_ON_CPU", fused)
     path, prompts, refs = checkpoint
     fp8_refs = hf_logits_fp8_kv(path, prompts, monkeypatch)
     model, config = load_model(str(path))

@@ -87,7 +87,7 @@ def _rank_main(rank: int, args, port: int) -> None:
 def run_variants(args, tp=None) -> None:
     """Every variant's kernel table, graph replay and module table (see the docstring)."""
     import kernels.gemv
-    import models.activation
+    import models.kernel_choice
     from kernels.attention import select_backend
     from kernels.sampling import gumbel_sample
     from models.loader import load_model
@@ -130,7 +130,7 @@ def run_variants(args, tp=None) -> None:
             logits = model.compute_logits(model(ids, pos, meta))
             return gumbel_sample(logits, temps, seeds, logprobs=False)
 
-        models.activation.FUSED = fused
+        models.kernel_choice.FUSED = fused
         with torch.inference_mode():
             for _ in range(3):
                 step()

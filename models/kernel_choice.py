@@ -1,0 +1,76 @@
+"""Which kernel each kind of op runs for a given input, decided in one place.
+
+The layers (linear.py, embedding.py, layernorm.py, rotary.py, activation.py, moe.py,
+qwen3.py) ask `paths(x)` here instead of each testing the device and the knobs in its
+`forward`, so the per-op path, CUDA graphs and a future persistent decode kernel (issue
+63) read the same rules. `decide` is the rule itself, a pure function of explicit facts
+(device kind, token rows, knobs): testable without a GPU.
+
+Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
+- FUSED (NANOSERVE_FUSED_KERNELS=0 turns it off, for before/after comparisons): the fused
+  Triton kernels (q/k norm + rotary + KV store, SiLU-and-mul, the GEMV's SwiGLU epilogue,
+  norms that hand FP8 GEMMs quantized rows); FUSED_ON_CPU: a CPU test runs them in the
+  Triton interpreter.
+- kernels/gemv.py's GEMV_MAX_TOKENS (NANOSERVE_GEMV_MAX_TOKENS) and ON_CPU: up to that many
+  token rows the linear layers and the LM head take the GEMV (kept beside the kernel,
+  whose tuning they are).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+import kernels.gemv
+from kernels.fp8_linear import FP8, ONE_BLOCK_MAX, scaled_mm_supported
+
+FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
+FUSED_ON_CPU = False   # tests set it to run the fused kernels in the Triton interpreter
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The kernels one input takes, by kind of op."""
+    gemv: bool         # linear layers, LM head: kernels/gemv.py (a few rows), else a GEMM
+    fused: bool        # the fused Triton kernels (see FUSED), else one kernel per op
+    gated_gemv: bool   # gate_up's GEMV may apply SiLU-and-mul in its epilogue (where the
+                       # layer has no bias, no adapter rows, two parts, no FP8 activation)
+    triton: bool       # RMSNorm, rotary, MoE routing and experts: Triton, else torch refs
+
+
+@functools.lru_cache(maxsize=1024)
+def decide(on_cuda: bool, rows: int, fused_kernels: bool, fused_on_cpu: bool,
+           gemv_max_tokens: int, gemv_on_cpu: bool) -> Paths:
+    """The rule: the GEMV up to gemv_max_tokens rows (on CUDA, or in the interpreter), fused
+    kernels where enabled. The gated GEMV needs the GEMV and FUSED alone (not the device:
+    a GEMV on CPU already runs in the interpreter). Cached: every layer of every eager
+    step asks (a lookup ~1 us, building the answer ~3)."""
+    gemv = (on_cuda or gemv_on_cpu) and rows <= gemv_max_tokens
+    return Paths(gemv=gemv, fused=(on_cuda or fused_on_cpu) and fused_kernels,
+                 gated_gemv=gemv and fused_kernels, triton=on_cuda)
+
+
+def paths(x: torch.Tensor) -> Paths:
+    """decide() for x [..., features] (its token rows) with the knobs as they are now."""
+    features = x.shape[-1]
+    rows = x.numel() // features if features else 0
+    return decide(x.is_cuda, rows, FUSED, FUSED_ON_CPU, kernels.gemv.GEMV_MAX_TOKENS,
+                  kernels.gemv.ON_CPU)
+
+
+def fp8_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a GEMM of `weight` quantizes x per token (an e4m3 weight of rows up to
+    ONE_BLOCK_MAX, not the GEMV, fused kernels on, _scaled_mm on x's device): then the
+    kernel that makes x (RMSNorm, SiLU-and-mul) hands it over as QuantizedRows."""
+    if weight.dtype != FP8 or weight.shape[1] > ONE_BLOCK_MAX:
+        return False
+    p = paths(x)
+    return not p.gemv and p.fused and scaled_mm_supported(x.device)
+
+
+def lora_in_gemv(p: Paths, adapter_kernels: bool) -> bool:
+    """Whether an adapted layer's delta rides in the GEMV's epilogue (LoraSlots.shrink)
+    rather than a shrink + expand after the matmul."""
+    return p.gemv and adapter_kernels
