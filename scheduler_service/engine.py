@@ -216,6 +216,8 @@ class Engine:
                 last_done = t0          # idle time between bursts is not step time
             batch = (self.scheduler.schedule() if len(in_flight) < self.max_in_flight
                      and not (in_flight and self.scheduler.wants_sync()) else None)
+            if self.scheduler.errors:   # dropped before prefill (a deadline): tell the callers
+                self._dropped(self.scheduler.drain_errors())
             if batch is not None:
                 request = self._build_step(batch)
                 self.scheduler.advance(batch)
@@ -252,6 +254,12 @@ class Engine:
             if outputs:
                 self.on_output(outputs)
             last_done = t3
+
+    def _dropped(self, errors: list[tuple[int, str, str]]) -> None:
+        if self.fast_forward is not None:
+            for seq_id, _, _ in errors:
+                self.fast_forward.drop(seq_id)
+        self.on_output(StepOutputs(errors=errors))
 
     def _build_step(self, batch: Batch) -> worker_pb2.StepRequest:
         self._step_id += 1

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -56,6 +57,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits,
                                                self.gen.encode_output)
                 sampling.adapter_id = adapter_id(request.adapter, self.gen.engine.adapters)
+                if request.HasField("priority"):
+                    sampling.priority = request.priority
+                remaining = context.time_remaining()
+                if remaining is not None:   # the caller's deadline, on the engine core's clock
+                    sampling.deadline = time.monotonic() + remaining
             except RequestError as e:   # never reached the stream: count it here
                 metrics.request_ended("error", e.code)
                 raise

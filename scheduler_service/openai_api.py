@@ -83,6 +83,8 @@ class Request:
     in_reasoning: bool = False   # chat: the prompt opened <think> (the answer starts inside)
     tool_calls: bool = False     # chat: parse <tool_call> blocks into tool_calls
     adapter: int = 0             # the LoRA adapter `model` named (0: the base model)
+    priority: int = 0            # vLLM's extra field: lower runs earlier
+    deadline: float = 0.0        # time.monotonic() of --http-request-timeout (0: none)
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -351,9 +353,14 @@ class OpenAIApi:
             sampling_from_proto(sampling, len(ids), self.gen.limits, self.gen.encode_output)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
+        priority = _field(body, "priority", (int,), 0)
+        if not -2**31 <= priority < 2**31:
+            raise invalid("'priority' must be a 32-bit integer")
+        timeout = self.cfg.request_timeout
         return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
                        logprobs, k, _field(body, "skip_special_tokens", (bool,), True),
-                       reasoning, in_reasoning, bool(tools and tools.parse), adapter)
+                       reasoning, in_reasoning, bool(tools and tools.parse), adapter, priority,
+                       time.monotonic() + timeout if timeout > 0 else 0.0)
 
     def _opens_reasoning(self, template_kwargs: dict) -> bool:
         """The template's generation prompt ends with `<think>` (thinking-only models): the
@@ -386,6 +393,7 @@ class OpenAIApi:
                 opts = sampling_from_proto(req.sampling, len(ids), self.gen.limits,
                                            self.gen.encode_output)
                 opts.adapter_id = req.adapter
+                opts.priority, opts.deadline = req.priority, req.deadline
                 async for delta in self.gen.stream(ids, opts, list(req.sampling.stop),
                                                    req.skip_special_tokens):
                     queue.put_nowait((i * req.n + delta.index, delta))

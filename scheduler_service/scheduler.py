@@ -7,6 +7,15 @@ newest running sequence is preempted by recompute: its blocks are released and i
 re-prefilled later over all its tokens (prefix-cache hits make that cheap when its old
 blocks have not been reused yet).
 
+Many callers (wait_queue.py): the waiting queue is ordered by priority class, then fair
+shares between API keys, then arrival. Where priorities differ, a waiting sequence that
+finds the batch (max_num_seqs) or the KV cache full preempts the running sequence of the
+lowest class, if that class is at least `priority_preemption_gap` below its own (so equal
+classes never preempt each other), and the KV pressure of decode preempts the lowest
+class first. A preempted sequence keeps its tokens and its place: its output is what it
+would have been. A sequence whose caller's deadline cannot be met any more is dropped
+before its prefill (`drain_errors`: DEADLINE_EXCEEDED).
+
 Fast-forward (structured output): where a sequence's grammar forces its next tokens, the
 engine core hands them to `fast_forward`: they become known at once, and the next decode
 step computes them as extra decode rows of that sequence (one sample, at its last), so a
@@ -22,12 +31,20 @@ waits for it before re-prefill.
 """
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from scheduler_service.speculation import Speculator
+from scheduler_service.wait_queue import WaitQueue
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Who goes first: class, then arrival (the largest is preempted first)."""
+    return seq.sampling.priority, seq.order
 
 
 @dataclass
@@ -40,6 +57,9 @@ class SchedulerConfig:
     eos_token_id: int | None = None
     max_loras: int = 0       # distinct LoRA adapters one step may use (the workers' slots)
     num_host_kv_blocks: int = 0   # the workers' host tier (block_manager.py), 0: none
+    # A waiting sequence preempts a running one only if the runner's priority value is at
+    # least this much larger (>= 1: equal classes never preempt each other).
+    priority_preemption_gap: int = 1
 
     @property
     def max_decode_rows(self) -> int:
@@ -83,9 +103,17 @@ class Scheduler:
         self.num_kv_stale = 0   # running seqs whose workers hold rejected proposals' KV
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.num_host_kv_blocks)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0   # of those, made for a waiting higher class
+        self.num_deadline_drops = 0
+        self._order = itertools.count(1)
+        self._priorities: set[int] = set()   # classes seen: preemption by class once 2+
+        self._tenants: set[str] = set()      # keys seen: fair-share counting once 2+
+        self.errors: list[tuple[int, str, str]] = []   # (seq_id, status code, message)
+        self._step_s = 0.0     # smoothed time between schedule() calls (deadline checks)
+        self._last_schedule = 0.0
         self.num_fast_forward_mismatches = 0   # in-flight samples that were not the forced token
         self._live: dict[int, Sequence] = {}  # seq_id -> seq, for abort
         self._released: list[int] = []
@@ -115,6 +143,9 @@ class Scheduler:
         seq.len_limit = min(seq.num_prompt_tokens + opts.max_tokens, cfg.max_model_len,
                             cfg.num_kv_blocks * cfg.block_size + 1)
         self._live[seq.seq_id] = seq
+        seq.order = next(self._order)
+        self._priorities.add(opts.priority)
+        self._tenants.add(opts.tenant)
         self.waiting.append(seq)
         if self.speculator is not None:
             self.speculator.arrived()
@@ -138,6 +169,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def drain_errors(self) -> list[tuple[int, str, str]]:
+        """(seq_id, status code, message) of sequences the scheduler dropped since the last
+        call (a deadline that cannot be met): the engine tells their callers."""
+        errors, self.errors = self.errors, []
+        return errors
 
     def recompute_all(self) -> None:
         """The KV cache was lost (a worker restarted): every live sequence goes back to
@@ -172,6 +209,11 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         """The next step's batch, or None when nothing can run."""
+        now = time.monotonic()
+        gap = now - self._last_schedule
+        self._last_schedule = now
+        if gap < 1.0:   # busy: a step's time, smoothed (an idle gap is not a step)
+            self._step_s += 0.1 * (gap - self._step_s)
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
@@ -188,8 +230,13 @@ class Scheduler:
         # Seqs whose last chunk is scheduled join `running` at once, so len(running)
         # counts them; a chunked seq ends the loop (it used the whole budget).
         adapters: set[int] | None = None   # LoRA adapters running, looked at when needed
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
+        fair = len(self._tenants) > 1
+        while self.waiting and budget > 0:
+            seq = self.waiting.head()
+            if seq.sampling.deadline and not seq.block_table and self._expired(seq):
+                continue
+            if len(self.running) >= cfg.max_num_seqs and not self._make_room(seq):
+                break
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
             if seq.sampling.adapter_id:   # a step uses at most max_loras adapters: admit
@@ -199,23 +246,31 @@ class Scheduler:
                     break
                 adapters.add(seq.sampling.adapter_id)
             if not seq.block_table:  # not mid chunked prefill: needs its blocks first
-                if not bm.can_allocate(seq):
+                while not bm.can_allocate(seq):
+                    if not self._make_room(seq):
+                        break
+                else:
+                    bm.allocate(seq)
+                if not seq.block_table:
                     break
-                bm.allocate(seq)
                 if seq.usage_cached_tokens is None:
                     seq.usage_cached_tokens = seq.num_cached_tokens
                     seq.usage_host_cached_tokens = seq.num_host_cached_tokens
                 if seq.seq_id in bm.restoring and (seqs or self.running):
+                    self.waiting.pin(seq)
                     break   # its KV comes back from the host tier beside this step: next one
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seq.num_scheduled_tokens = chunk
             budget -= chunk
+            if fair:
+                self.waiting.charge(seq.sampling.tenant, chunk)
             seqs.append(seq)
             is_last_chunk = seq.num_computed_tokens + chunk == seq.num_tokens
             sample.append(is_last_chunk)
             if not is_last_chunk:
+                self.waiting.pin(seq)
                 break  # stays at the head of `waiting` with its blocks; continued next step
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         if not seqs:
@@ -237,6 +292,8 @@ class Scheduler:
             spec = None     # big batches, or a back-off: every sequence decodes overlapped
         proposals: list[list[int]] | None = None
         drafts: list[int] | None = None
+        if len(self._priorities) > 1:   # highest class first: KV pressure takes the lowest
+            self.running = deque(sorted(self.running, key=_rank))
         while self.running and rows < limit:
             seq = self.running.popleft()
             n = len(seq.token_ids)
@@ -278,7 +335,7 @@ class Scheduler:
                 first = len(new_blocks)
                 for _ in range(-(-need // bs) - len(seq.block_table)):
                     while not bm.num_free_blocks and self.running:
-                        self._preempt(self.running.pop())  # the newest loses its KV
+                        self._preempt(self.running.pop())  # the newest (of the lowest class)
                     if not bm.num_free_blocks:
                         del new_blocks[first:]
                         seq.proposal = []
@@ -302,6 +359,9 @@ class Scheduler:
                 drafts.append(ask)
             rows += todo
         self.running.extendleft(reversed(seqs + done))  # scheduled ones first, in their order
+        if len(self._tenants) > 1:
+            for seq in seqs:
+                self.waiting.charge(seq.sampling.tenant, seq.num_scheduled_tokens)
         if spec is not None and seqs:
             spec.proposed(proposals is not None or drafts is not None)
         return (Batch(seqs, is_prefill=False, sample=[True] * len(seqs), new_blocks=new_blocks,
@@ -313,6 +373,34 @@ class Scheduler:
         spec = self.speculator
         return (spec is not None and spec.active(len(self.running))
                 and any(spec.eligible(s) for s in self.running))
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Waiting seq finds the batch or the KV cache full: preempt the running sequence
+        of the lowest class (the newest of it) if that class is at least the gap below
+        seq's. False when there is none (nothing changed)."""
+        if len(self._priorities) < 2:
+            return False
+        floor = seq.sampling.priority + self.config.priority_preemption_gap
+        victim = max((s for s in self.running   # not one scheduled in this step, nor a
+                      if s.sampling.priority >= floor   # verify in flight
+                      and not s.num_scheduled_tokens and not s.proposal), key=_rank, default=None)
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        self.num_priority_preemptions += 1
+        return True
+
+    def _expired(self, seq: Sequence) -> bool:
+        """Drop a never-started seq whose caller gives up before a step could answer it."""
+        if seq.num_completion_tokens or seq.usage_cached_tokens is not None \
+                or time.monotonic() + self._step_s < seq.sampling.deadline:
+            return False
+        self._finish(seq, "deadline")
+        self.errors.append((seq.seq_id, "DEADLINE_EXCEEDED",
+                             "the request's deadline passed before it could start"))
+        self.num_deadline_drops += 1
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -413,7 +501,8 @@ class Scheduler:
 
     def _sweep(self) -> None:
         self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
-        self.waiting = deque(s for s in self.waiting if s.status is not SequenceStatus.FINISHED)
+        if any(s.status is SequenceStatus.FINISHED for s in self.waiting):
+            self.waiting.sweep()
 
     def _resolve_verify(self, batch: Batch, sampled: list[int],
                         logprobs: list[float] | None) -> list[Sequence]:

@@ -50,6 +50,11 @@ class SamplingOptions:
     prediction: tuple[int, ...] = ()  # the caller's guess at the output: proposed ahead
     speculate: bool = True            # False: never propose tokens for this request
     adapter_id: int = 0               # LoRA adapter (engine core's numbering), 0 = the base
+    # Serving many callers (wait_queue.py): not sampling, but what travels with a request
+    # from the frontend to the scheduler.
+    priority: int = 0                 # lower = earlier (vLLM's meaning)
+    tenant: str = ""                  # the API key's name: quotas and fair shares
+    deadline: float = 0.0             # time.monotonic() the caller gives up at; 0 = none
 
     @property
     def has_penalty(self) -> bool:
@@ -93,6 +98,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # ids that end it (stop_token_ids, eos unless ignored)
     len_limit: int = 0                      # it ends ("length") once it holds this many tokens
     arrival_time: float = 0.0   # time.monotonic() at the engine core; 0 once first scheduled
+    order: int = 0              # arrival rank (Scheduler.add): a preempted seq keeps its place
     # Speculative decoding (scheduler_service/speculation.py): the tokens proposed for the
     # step in flight, the proposer's state, and whether the workers hold KV of rejected
     # proposals past num_computed_tokens (the next decode step tells them to rewind).

@@ -1,0 +1,167 @@
+"""Scheduler unit tests for many callers: priority order and preemption, fair shares
+between keys, deadlines before prefill (scheduler.py, wait_queue.py)."""
+import time
+
+from scheduler_service.scheduler import Scheduler, SchedulerConfig
+from scheduler_service.sequence import SamplingOptions, Sequence, SequenceStatus
+
+W, R, F = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
+
+
+def make(num_kv_blocks=64, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_kv_blocks=num_kv_blocks, block_size=2, **kw))
+
+
+def seq(seq_id, tokens, priority=0, tenant="", max_tokens=8, **kw) -> Sequence:
+    return Sequence(seq_id, list(tokens), SamplingOptions(
+        priority=priority, tenant=tenant, max_tokens=max_tokens, ignore_eos=True, **kw))
+
+
+def model(tokens: list[int]) -> int:
+    """A deterministic 'greedy model': the next token is a function of all before it."""
+    h = 0
+    for t in tokens:
+        h = (h * 31 + t + 1) % 1000003
+    return h % 97
+
+
+def step(s: Scheduler):
+    """One step with the model above (results folded in at once); the batch."""
+    batch = s.schedule()
+    assert batch is not None
+    sampled = [model(x.token_ids) for x, smp in zip(batch.seqs, batch.sample) if smp]
+    s.postprocess(batch, sampled)
+    return batch
+
+
+def run_all(s: Scheduler, arrivals: dict[int, list[Sequence]] = {}, limit=500) -> list[int]:
+    """Steps until idle, adding arrivals[i] before step i; seq ids in finishing order."""
+    done, live = [], []
+    for i in range(limit):
+        for x in arrivals.get(i, []):
+            s.add(x)
+            live.append(x)
+        if not s.has_work() and i > max(arrivals, default=0):
+            break
+        if s.has_work():
+            step(s)
+        for x in live:
+            if x.status is F and x.seq_id not in done:
+                done.append(x.seq_id)
+    return done
+
+
+def test_waiting_order_is_priority_then_arrival():
+    s = make(max_num_seqs=1)
+    xs = [seq(1, [1], 5), seq(2, [2], 0), seq(3, [3], 5), seq(4, [4], -1), seq(5, [5], 0)]
+    order = run_all(s, {0: xs})
+    assert order == [4, 2, 5, 1, 3]
+
+
+def test_high_priority_preempts_lowest_when_the_batch_is_full():
+    low = [seq(i, [i, i + 1], priority=3, max_tokens=12) for i in (1, 2)]
+    s = make(max_num_seqs=2)
+    for x in low:
+        s.add(x)
+    step(s)
+    step(s)
+    high = seq(9, [9, 9], priority=0, max_tokens=4)
+    s.add(high)
+    batch = s.schedule()   # newest of the lowest class (2) gives its seat
+    assert batch.is_prefill and [x.seq_id for x in batch.seqs] == [9]
+    assert low[1].status is W and s.num_priority_preemptions == 1 and low[0].status is R
+    assert [x.seq_id for x in s.waiting] == [2]
+    s.postprocess(batch, [model(high.token_ids)])
+    run_all(s)
+    # outputs identical to a run that nobody preempted
+    ref = make(max_num_seqs=2)
+    alone = [seq(i, [i, i + 1], priority=3, max_tokens=12) for i in (1, 2)]
+    run_all(ref, {0: alone})
+    assert [x.token_ids for x in low] == [x.token_ids for x in alone]
+    assert all(x.status is F and x.finish_reason == "length" for x in low + [high])
+
+
+def test_equal_classes_and_the_gap_never_preempt():
+    s = make(max_num_seqs=1, priority_preemption_gap=2)
+    a = seq(1, [1], priority=1)
+    s.add(a)
+    step(s)
+    s.add(seq(2, [2], priority=1))   # same class
+    s.add(seq(3, [3], priority=0))   # one class higher: under the gap of 2
+    assert not s.schedule().is_prefill and s.num_preemptions == 0
+
+
+def test_high_priority_preempts_lowest_when_the_kv_cache_is_full():
+    s = make(num_kv_blocks=8, max_num_seqs=8)
+    lows = [seq(i, range(10 * i, 10 * i + 4), priority=2, max_tokens=20) for i in (1, 2)]
+    for x in lows:
+        s.add(x)
+    step(s)   # 2 blocks each
+    for _ in range(3):
+        step(s)   # 7 tokens each: 4 blocks each, the cache is full
+    assert s.block_manager.num_free_blocks == 0
+    high = seq(9, range(90, 96), priority=0, max_tokens=2)   # needs 3 blocks
+    s.add(high)
+    batch = s.schedule()
+    assert batch.is_prefill and [x.seq_id for x in batch.seqs] == [9]
+    assert lows[1].status is W and lows[0].status is R
+    s.postprocess(batch, [model(high.token_ids)])
+    run_all(s)
+    ref = make(num_kv_blocks=8, max_num_seqs=8)
+    alone = [seq(i, range(10 * i, 10 * i + 4), priority=2, max_tokens=20) for i in (1, 2)]
+    run_all(ref, {0: alone})
+    assert [x.token_ids for x in lows] == [x.token_ids for x in alone]
+    assert all(x.status is F for x in lows + [high])
+
+
+def test_decode_kv_pressure_preempts_the_lowest_class_not_the_newest():
+    s = make(num_kv_blocks=4, max_num_seqs=8)
+    low = seq(1, [1, 2, 3], priority=5, max_tokens=10)   # older, lower class
+    high = seq(2, [4], priority=0, max_tokens=10)
+    s.add(low)
+    s.add(high)
+    step(s)   # low: 2 blocks, high: 1
+    step(s)   # low 5 tokens, high 3: each needs a block more, 1 free
+    batch = s.schedule()
+    assert low.status is W and high.status is R and s.num_preemptions == 1
+    assert [x.seq_id for x in batch.seqs] == [2]
+
+
+def test_fair_shares_between_keys_in_one_class():
+    """Key a queues 12 requests before key b's 4: b's are admitted alternately with a's,
+    not behind all of them; alone, a key is not held back."""
+    s = make(max_num_seqs=2)
+    a = [seq(i, [i], tenant="a", max_tokens=4) for i in range(1, 13)]
+    b = [seq(100 + i, [i], tenant="b", max_tokens=4) for i in range(1, 5)]
+    order = run_all(s, {0: a, 1: b})
+    first_eight = order[:8]
+    assert sum(x >= 100 for x in first_eight) == 4, order
+    # a key alone keeps the batch full
+    s = make(max_num_seqs=4)
+    for x in [seq(i, [i], tenant="a", max_tokens=4) for i in range(1, 9)]:
+        s.add(x)
+    assert len(s.schedule().seqs) == 4
+
+
+def test_priority_beats_fair_share():
+    s = make(max_num_seqs=1)
+    order = run_all(s, {0: [seq(1, [1], tenant="a"), seq(2, [2], tenant="b", priority=1),
+                            seq(3, [3], tenant="a")]})
+    assert order == [1, 3, 2]
+
+
+def test_deadline_that_cannot_be_met_is_dropped_before_prefill():
+    s = make(max_num_seqs=1)
+    s.add(seq(1, [1], max_tokens=3))
+    late = seq(2, [2], deadline=time.monotonic() + 0.05)
+    fine = seq(3, [3], deadline=time.monotonic() + 60)
+    s.add(late)
+    s.add(fine)
+    step(s)
+    time.sleep(0.06)
+    run_all(s)
+    assert late.finish_reason == "deadline" and late.num_completion_tokens == 0
+    assert fine.finish_reason == "length"
+    assert s.drain_errors() == [(2, "DEADLINE_EXCEEDED",
+                                 "the request's deadline passed before it could start")]
+    assert s.num_deadline_drops == 1 and s.block_manager.num_free_blocks == 64
