@@ -162,22 +162,19 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, tp, backend, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, tp=tp)
-        # An EAGLE-3 head drafts from the hidden states entering these layers (models/eagle3.py):
-        # each forward then leaves them concatenated in aux_hidden [T, len(aux_layers) * H]
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final hidden [T, H], features): features are the residual stream entering each
+        of `feature_layers`, concatenated [T, len * H] (what an EAGLE-3 head drafts from,
+        models/eagle3.py), None where none are asked for."""
         hidden, residual = self.embed_tokens(input_ids), None
         aux = []
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, meta,
-                                     aux if i in self.aux_layers else None)
-        if aux:
-            self.aux_hidden = torch.cat(aux, dim=-1)
+                                     aux if i in feature_layers else None)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, (torch.cat(aux, dim=-1) if aux else None)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -205,7 +202,12 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size] (every token; pick rows for logits)."""
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)[0]
+
+    def features(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As forward, and the features entering `layers` (Qwen3Model.forward)."""
+        return self.model(input_ids, positions, meta, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size], full vocab on every rank."""

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanoserve.proposals import accepted_prefix
 from scheduler_service.block_manager import BlockManager
 from scheduler_service.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from scheduler_service.speculation import Speculator
@@ -532,8 +533,7 @@ class Scheduler:
             accepted = 0
             if proposal:   # (its only placeholder is this step's: it waited for the last)
                 seq.proposal = []
-                while accepted < len(proposal) and proposal[accepted] == sampled[row + accepted]:
-                    accepted += 1
+                accepted = accepted_prefix(proposal, sampled, row)
                 seq.spec.record(len(proposal), accepted)
                 if accepted < len(proposal) and not seq.kv_stale and seq.block_table:
                     seq.kv_stale = True

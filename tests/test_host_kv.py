@@ -50,7 +50,7 @@ def _step(runner, step_id, seq_id, tokens, start, table, transfers=()):
     if req.kv_transfers_i32:
         runner._transfer(np.frombuffer(req.kv_transfers_i32, "<i4").reshape(-1, 3))
     with torch.inference_mode():
-        logits = runner._logits(plan)
+        logits = runner.forward(plan).out
     runner.table.commit(plan)
     return logits[0]
 

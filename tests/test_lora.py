@@ -99,7 +99,7 @@ def _prefill_logits(runner, prompts: list[list[int]], adapter_ids: list[int], st
     req.token_ids_i32 = np.array([t for p in prompts for t in p], "<i4").tobytes()
     plan = runner.table.plan(req)
     with torch.inference_mode():
-        logits = runner._logits(plan)
+        logits = runner.forward(plan).out
     runner.table.commit(plan)
     return logits
 
@@ -342,6 +342,7 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
     forward: what a replay runs) with adapter slots in their static buffer gives the eager
     step's logits, padding rows included (slot -1); with every slot -1 it does not."""
     from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
+    from worker_service.executors import StepInputs
     runner = _runner(model_dir, adapters, max_loras=2)
     store = runner.adapters
     prompts = [list(range(10, 23)), list(range(40, 49)), list(range(3, 9))]
@@ -353,19 +354,18 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
     plan = runner.table.plan(req)
     kv = runner.kv_cache.clone()
     with torch.inference_mode():
-        eager = runner._logits(plan)
+        eager = runner.forward(plan).out
         runner.kv_cache.copy_(kv)
         slots = store.slots(runner.table.adapter[plan.rows], plan.num_tokens)
         assert sorted(slots.tolist()) == [-1, 0, 1]
         dg = DecodeGraphs(runner.model, runner.backend, 8, runner.max_model_len, 8,
                           runner.num_kv_heads, runner.device, store.ctx, 2)
-        bs = dg.load(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables,
-                     lora=slots)
+        bs = dg.load(StepInputs(plan, lora=slots))
         assert dg.lora_slot[:bs].tolist() == [*slots.tolist()] + [-1] * (bs - 3)
-        torch.testing.assert_close(dg._forward(bs)[:3], eager, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(dg._forward(bs).out[:3], eager, rtol=1e-4, atol=1e-4)
         runner.kv_cache.copy_(kv)
-        dg.load(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables)
-        assert (dg._forward(bs)[:3] - eager).abs().max() > 1e-3   # the base model's
+        dg.load(StepInputs(plan))
+        assert (dg._forward(bs).out[:3] - eager).abs().max() > 1e-3   # the base model's
         runner.kv_cache.copy_(kv)
         # a one-sequence prefill through the prefill graph's inputs
         req = worker_pb2.StepRequest(step_id=3)
@@ -373,10 +373,10 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
                      adapter_id=2, block_table_i32=np.arange(20, 22, dtype="<i4").tobytes())
         req.token_ids_i32 = np.arange(50, 61, dtype="<i4").tobytes()
         plan = runner.table.plan(req)
-        eager = runner._logits(plan)
+        eager = runner.forward(plan).out
         slots = store.slots(runner.table.adapter[plan.rows], plan.num_tokens)
         pg = PrefillGraphs(runner.model, 64, runner.max_model_len, 8, runner.device, store.ctx, 2)
-        padded = pg.forward(pg.load(plan, 0, slots))
+        padded = pg.forward(pg.load(StepInputs(plan, lora=slots), 0))
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
 
 

@@ -16,8 +16,9 @@ import torch
 from nanoserve.v1 import worker_pb2
 from tiny_checkpoint import tiny_qwen3_dir
 from kernels.attention import decode_runs
-from worker_service import model_runner
+from worker_service import step_meta
 from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
+from worker_service.executors import StepInputs
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 BS = 16
@@ -57,10 +58,10 @@ def padded_matches_eager(runner, pg, plan):
     """Eager logits == padded logits; the padded run writes only the plan's slots, and the
     same values there."""
     before = runner.kv_cache.clone()
-    eager = runner._logits(plan)
+    eager = runner.forward(plan).out
     after_eager = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
-    padded = pg.forward(pg.load(plan))
+    padded = pg.forward(pg.load(StepInputs(plan)))
     torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
     slots = torch.from_numpy(plan.slot_mapping.astype(np.int64))
@@ -80,7 +81,7 @@ def test_padded_prefill_matches_eager(runner, n):
     tokens = torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
     table = list(range(3, 3 + -(-n // BS)))[::-1]   # blocks out of order
     plan = runner.table.plan(prefill(1, 100 + n, tokens, 0, table))
-    assert pg.fits(plan)
+    assert pg.fits(StepInputs(plan))
     padded_matches_eager(runner, pg, plan)
     runner.table.commit(plan)
 
@@ -93,10 +94,10 @@ def test_padded_chunk_after_a_cached_prefix_matches_eager(runner):
     tokens = torch.randint(0, runner.vocab_size, (100,), generator=gen).tolist()
     table = [9, 2, 11, 5, 30, 6, 7]
     first = runner.table.plan(prefill(1, 7, tokens[:40], 0, table, sample=False))
-    assert runner._logits(first) is None          # a chunk that samples nothing
+    assert runner.forward(first).out is None          # a chunk that samples nothing
     runner.table.commit(first)
     second = runner.table.plan(prefill(2, 7, tokens[40:], 40))
-    assert second.start_pos[0] == 40 and pg.fits(second)
+    assert second.start_pos[0] == 40 and pg.fits(StepInputs(second))
     padded_matches_eager(runner, pg, second)
 
 
@@ -126,12 +127,12 @@ def test_a_few_sequences_replay_one_bucket_each(runner):
                                          (21, tok(25), 30, None, True),      # after its prefix
                                          (22, tok(9), 0, [9], False),        # a first chunk
                                          (23, tok(130), 0, list(range(10, 19)), True)]))
-    assert pg.fits(plan) and plan.num_samples == 3
+    assert pg.fits(StepInputs(plan)) and plan.num_samples == 3
     before = runner.kv_cache.clone()
-    eager = runner._logits(plan)
+    eager = runner.forward(plan).out
     after_eager = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
-    padded = [pg.forward(pg.load(plan, row)) for row in range(4)]
+    padded = [pg.forward(pg.load(StepInputs(plan), row)) for row in range(4)]
     torch.testing.assert_close(torch.cat([padded[i] for i in (0, 1, 3)]), eager,
                                rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
@@ -140,10 +141,11 @@ def test_a_few_sequences_replay_one_bucket_each(runner):
 def test_what_fits(runner):
     pg = PrefillGraphs(runner.model, 128, runner.max_model_len, BS, runner.device)
     rows = lambda k, n: several(1, [(s, list(range(n)), 0, [s], True) for s in range(1, k + 1)])
-    assert pg.fits(runner.table.plan(rows(4, 3)))
-    assert not pg.fits(runner.table.plan(rows(5, 3)))                         # eager beats 5 replays
-    assert not pg.fits(runner.table.plan(prefill(1, 3, [5], 0, [4])))         # one token: decode
-    assert not pg.fits(runner.table.plan(prefill(1, 4, list(range(129)), 0, list(range(9)))))
+    fits = lambda plan: pg.fits(StepInputs(plan))
+    assert fits(runner.table.plan(rows(4, 3)))
+    assert not fits(runner.table.plan(rows(5, 3)))                         # eager beats 5 replays
+    assert not fits(runner.table.plan(prefill(1, 3, [5], 0, [4])))         # one token: decode
+    assert not fits(runner.table.plan(prefill(1, 4, list(range(129)), 0, list(range(9)))))
 
 
 def test_decode_graph_inputs_with_fast_forward_rows_match_rows_one_by_one(runner, monkeypatch):
@@ -154,10 +156,10 @@ def test_decode_graph_inputs_with_fast_forward_rows_match_rows_one_by_one(runner
     runner.kv_cache.zero_()
     first = runner.table.plan(prefill(1, 1, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
                                       0, [4, 9]))
-    runner._logits(first)
+    runner.forward(first).out
     runner.table.commit(first)
     second = runner.table.plan(prefill(2, 2, [21, 22, 23], 0, [7]))
-    runner._logits(second)
+    runner.forward(second).out
     runner.table.commit(second)
     req = worker_pb2.StepRequest(step_id=3)
     req.decode.seq_ids_u64 = np.array([1, 2], "<u8").tobytes()
@@ -170,20 +172,19 @@ def test_decode_graph_inputs_with_fast_forward_rows_match_rows_one_by_one(runner
     def fresh():
         runner.kv_cache.copy_(before)
 
-    with_runs = runner._logits(plan)
+    with_runs = runner.forward(plan).out
     kv_runs = runner.kv_cache.clone()
     fresh()
     with monkeypatch.context() as m:
-        m.setattr(model_runner, "decode_runs", lambda rows: None)
-        one_by_one = runner._logits(plan)
+        m.setattr(step_meta, "decode_runs", lambda rows: None)
+        one_by_one = runner.forward(plan).out
     kv_rows = runner.kv_cache.clone()
     fresh()
     dg = DecodeGraphs(runner.model, runner.backend, 8, runner.max_model_len, BS,
                       runner.num_kv_heads, runner.device)
-    bs = dg.load(plan.token_ids, plan.positions, plan.slot_mapping, plan.block_tables,
-                 runs=decode_runs(plan.rows))
+    bs = dg.load(StepInputs(plan))
     assert bs == 8 and dg.runs[:2 * bs].view(2, bs)[:, :5].tolist() == [[0, 1, 2, 3, 0], [4, 3, 2, 1, 1]]
-    graph = dg._forward(bs)[np.flatnonzero(plan.sample)]
+    graph = dg._forward(bs).out[np.flatnonzero(plan.sample)]
     torch.testing.assert_close(with_runs, one_by_one, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(graph, one_by_one, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_runs, kv_rows, rtol=1e-5, atol=1e-5)

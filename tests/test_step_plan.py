@@ -190,7 +190,7 @@ def test_min_tokens_bans_are_minus_inf_until_their_length():
     """The worker's min_tokens: banned ids join the logit_bias entries at -inf while the
     row's context is shorter than banned_until, and only then."""
     import torch
-    from worker_service.model_runner import logit_bias
+    from worker_service.logits_processors import logit_bias
     t = SeqTable(NUM_BLOCKS, BS, VOCAB, MAX_LEN)
     params = t.plan(biased([5], [2.0], banned=[7, 8])).sampling
     rows, ids, biases = logit_bias(params, [8], torch.device("cpu"))

@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # after --help, which should not pay for importing torch
 
     from worker_service import distributed
-    from worker_service.model_runner import ModelRunner, RunnerConfig, phase, phases_line
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.phases import phase, phases_line
     from worker_service.server import serve
     phases = {"imports": time.perf_counter() - t0}
     if args.standby:

@@ -20,6 +20,10 @@ padded (slot -1: nothing stored).
 With LoRA adapters (models/lora.py) each token's adapter slot is one more static input
 (-1 for padding and the base model): the graph groups the rows by slot itself
 (kernels.lora.lora_rows), so one graph serves any mix of adapters.
+
+Each class is an executor (executors.py): `fits` says whether a step's shape has a graph,
+`run` loads the step into the static inputs (by name, one host-to-device copy: StaticLoad)
+and replays.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, decode_runs
 from kernels.lora import lora_rows
+from worker_service.executors import Forward, StepInputs
 from worker_service.transfers import to_device
 
 
@@ -38,10 +43,40 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
+def padded(values: np.ndarray | None, n: int, fill: int) -> np.ndarray:
+    """`values` followed by `fill` up to n entries (None: all fill)."""
+    out = np.full(n, fill, dtype=np.int64)
+    if values is not None:
+        out[:len(values)] = values
+    return out
+
+
+class StaticLoad:
+    """A step's values for the graphs' static input buffers, gathered by destination and
+    copied with one host-to-device transfer (a copy per buffer would be a launch each)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, np.ndarray]] = []
+
+    def put(self, dest: torch.Tensor, values: np.ndarray) -> None:
+        """dest (a view of a static buffer) takes `values` (as many entries, any int type)."""
+        self.parts.append((dest, values))
+
+    def copy(self, device: torch.device) -> None:
+        host = np.concatenate([np.asarray(v, np.int64).ravel() for _, v in self.parts])
+        dev = to_device(host, device)
+        at = 0
+        for dest, values in self.parts:
+            n = dest.numel()
+            dest.copy_(dev[at:at + n].view(dest.shape))
+            at += n
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor        # [bucket, vocab] output buffer of the captured LM head
+    out: torch.Tensor | tuple   # the captured forward's output buffers (logits, or the head's)
+    features: torch.Tensor | None = None   # the captured target features for an EAGLE-3 head
 
 
 def _capture(forward, pool, device: torch.device):
@@ -51,15 +86,31 @@ def _capture(forward, pool, device: torch.device):
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        logits = forward()
-    return _Graph(graph, logits), graph.pool() if pool is None else pool
+        out = forward()
+    features = None
+    if isinstance(out, Forward):
+        out, features = out.out, out.features
+    return _Graph(graph, out, features), graph.pool() if pool is None else pool
+
+
+def _sampling_rows(logits: torch.Tensor, plan) -> torch.Tensor:
+    """The sampling rows' logits among a decode step's (fast-forward rows sample only their
+    last token; a numpy index is copied from pageable memory: in stream order)."""
+    if plan.sample.all():
+        return logits
+    return logits.index_select(0, to_device(np.flatnonzero(plan.sample), logits.device))
 
 
 class DecodeGraphs:
+    """Decode steps of up to max_batch rows, one graph per bucket. feature_layers: the
+    target's features an EAGLE-3 head needs (each graph leaves them in a buffer)."""
+
     def __init__(self, model, backend, max_batch: int, max_model_len: int, block_size: int,
-                 num_kv_heads: int, device: torch.device, lora=None, num_slots: int = 0) -> None:
+                 num_kv_heads: int, device: torch.device, lora=None, num_slots: int = 0,
+                 feature_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.lora, self.num_slots = lora, num_slots   # models/lora.LoraContext, its slots
+        self.feature_layers = feature_layers
         self.backend = backend
         self.max_batch = max_batch
         self.max_model_len = max_model_len
@@ -79,10 +130,6 @@ class DecodeGraphs:
         self.lora_slot = torch.full((max_batch,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
-        # The target's features for an EAGLE-3 head (Qwen3Model.aux_hidden), each bucket's
-        # as its graph leaves them; last_aux: the last replay's rows
-        self.aux: dict[int, torch.Tensor] = {}
-        self.last_aux: torch.Tensor | None = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -92,11 +139,12 @@ class DecodeGraphs:
             max_seqlen_k=self.max_model_len, is_decode=True,
             decode_runs=self.runs[:2 * bs].view(2, bs))
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> Forward:
         if self.lora is not None:
             self.lora.rows = lora_rows(self.lora_slot[:bs], self.num_slots)
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-        return self.model.compute_logits(hidden)
+        hidden, features = self.model.features(self.input_ids[:bs], self.positions[:bs],
+                                               self._meta(bs), self.feature_layers)
+        return Forward(self.model.compute_logits(hidden), features)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -110,68 +158,54 @@ class DecodeGraphs:
                         bs, self.num_kv_heads, self.max_model_len, self.device)
                 self.graphs[bs], self.pool = _capture(lambda: self._forward(bs), self.pool,
                                                       self.device)
-                inner = getattr(self.model, "model", None)
-                if getattr(inner, "aux_layers", ()):
-                    self.aux[bs] = inner.aux_hidden
         finally:
             if hasattr(self.backend, "decode_splits"):
                 self.backend.decode_splits = saved
         torch.cuda.synchronize(self.device)
 
-    def load(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-             block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-             runs: np.ndarray | None = None, lora: np.ndarray | None = None) -> int:
-        """Copy one decode step of n = len(input_ids) rows into the static inputs; returns
-        the bucket that holds it (run() replays its graph).
+    def fits(self, step: StepInputs) -> bool:
+        plan = step.plan
+        return (plan.is_decode and len(plan.rows) <= self.max_batch
+                and plan.block_tables.shape[1] <= self.max_blocks)
 
-        block_tables: [n, w] int32 with w <= max_blocks (context length = position + 1);
-        fill: (rows, device ids) written over input_ids (placeholder inputs); runs: [2, n]
-        (decode_runs) where some rows are one sequence's tokens, None: a sequence each;
-        lora: [n] adapter slots (None: the base model for all)."""
-        n = len(input_ids)
+    def load(self, step: StepInputs) -> int:
+        """Copy a fitting decode step of n rows into the static inputs, padded to the
+        smallest bucket that holds it (padding rows store nothing, attend to nothing and
+        are runs of one); returns that bucket. Rows that are one sequence's fast-forward
+        tokens come with their runs (decode_runs)."""
+        plan = step.plan
+        n, w = len(plan.rows), plan.block_tables.shape[1]
         bs = next(b for b in self.buckets if b >= n)
-        w = block_tables.shape[1]
-        # One H2D copy: ids | positions | slots | context lengths | runs' places | rows left
-        # in runs (each bs long; padding rows store nothing, attend to nothing and are runs
-        # of one) | the n rows' tables | (LoRA) each row's adapter slot, bs long.
-        extra = bs if self.lora is not None else 0
-        host = np.zeros(6 * bs + n * w + extra, dtype=np.int64)
-        host[:n] = input_ids
-        host[bs:bs + n] = positions
-        host[2 * bs:3 * bs] = -1
-        host[2 * bs:2 * bs + n] = slot_mapping
-        host[3 * bs:3 * bs + n] = positions + 1
-        host[5 * bs:6 * bs] = 1
-        if runs is not None:
-            host[4 * bs:4 * bs + n] = runs[0]
-            host[5 * bs:5 * bs + n] = runs[1]
-        host[6 * bs:6 * bs + n * w] = block_tables.ravel()
-        if extra:
-            host[6 * bs + n * w:] = -1
-            if lora is not None:
-                host[6 * bs + n * w:6 * bs + n * w + n] = lora
-        dev = to_device(host, self.device)
-        self.input_ids[:bs].copy_(dev[:bs])
-        self.positions[:bs].copy_(dev[bs:2 * bs])
-        self.slot_mapping[:bs].copy_(dev[2 * bs:3 * bs])
-        self.context_lens[:bs].copy_(dev[3 * bs:4 * bs])
-        self.runs[:2 * bs].copy_(dev[4 * bs:6 * bs])
-        self.block_tables[:n, :w].copy_(dev[6 * bs:6 * bs + n * w].view(n, w))
-        if extra:
-            self.lora_slot[:bs].copy_(dev[6 * bs + n * w:])
-        if fill is not None:
-            self.input_ids[fill[0]] = fill[1]
+        runs = decode_runs(plan.rows)
+        ids = np.where(plan.token_ids < 0, 0, plan.token_ids) if step.ids is None else None
+        slots = plan.slot_mapping if step.slot_mapping is None else step.slot_mapping
+        load = StaticLoad()
+        load.put(self.input_ids[:bs], padded(ids, bs, 0))
+        load.put(self.positions[:bs], padded(plan.positions, bs, 0))
+        load.put(self.slot_mapping[:bs], padded(slots, bs, -1))
+        load.put(self.context_lens[:bs], padded(plan.positions + 1, bs, 0))
+        load.put(self.runs[:bs], padded(None if runs is None else runs[0], bs, 0))
+        load.put(self.runs[bs:2 * bs], padded(None if runs is None else runs[1], bs, 1))
+        load.put(self.block_tables[:n, :w], plan.block_tables)
+        if self.lora is not None:
+            load.put(self.lora_slot[:bs], padded(step.lora, bs, -1))
+        load.copy(self.device)
+        if step.ids is not None:
+            self.input_ids[:n] = step.ids
+        elif step.fill is not None:
+            self.input_ids[step.fill[0]] = step.fill[1]
         return bs
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            block_tables: np.ndarray, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-            runs: np.ndarray | None = None, lora: np.ndarray | None = None) -> torch.Tensor:
-        """One decode step (see load) -> logits [n, vocab]."""
-        bs = self.load(input_ids, positions, slot_mapping, block_tables, fill, runs, lora)
-        self.graphs[bs].graph.replay()
-        aux = self.aux.get(bs)
-        self.last_aux = None if aux is None else aux[:len(input_ids)]
-        return self.graphs[bs].logits[:len(input_ids)]
+    def run(self, step: StepInputs) -> Forward:
+        """One decode step -> the sampling rows' logits (None where the step asks for none
+        or none sample) and the target's features of its n rows."""
+        n = len(step.plan.rows)
+        g = self.graphs[self.load(step)]
+        g.graph.replay()
+        features = None if g.features is None else g.features[:n]
+        if not step.logits or not step.plan.num_samples:
+            return Forward(None, features)
+        return Forward(_sampling_rows(g.out[:n], step.plan), features)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -217,45 +251,34 @@ class PrefillGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
-    def fits(self, plan) -> bool:
-        return (len(plan.rows) <= MAX_ROWS and not plan.is_decode and plan.fill is None
+    def fits(self, step: StepInputs) -> bool:
+        plan = step.plan
+        return (step.logits and step.ids is None and step.hidden is None
+                and len(plan.rows) <= MAX_ROWS and not plan.is_decode and plan.fill is None
                 and int(plan.num_tokens.max()) <= self.max_tokens
                 and plan.block_tables.shape[1] <= self.max_blocks)
 
-    def load(self, plan, row: int = 0, lora: np.ndarray | None = None) -> int:
-        """Copy one row (sequence) of a fitting plan into the static inputs, padded;
-        returns its bucket. lora: the plan's [T] adapter slots (None: the base model)."""
+    def load(self, step: StepInputs, row: int = 0) -> int:
+        """Copy one row (sequence) of a fitting step into the static inputs, padded;
+        returns its bucket."""
+        plan = step.plan
         n = int(plan.num_tokens[row])
         first = int(plan.num_tokens[:row].sum())   # the row's tokens in the plan's arrays
         rows = slice(first, first + n)
         t, bucket = self.max_tokens, next(b for b in self.buckets if b >= n)
         ctx = int(plan.start_pos[row]) + n
-        # One H2D copy: ids | positions | slots | last, ctx, n, ctx | table.
-        extra = t if self.lora is not None else 0
-        host = np.zeros(3 * t + 4 + self.max_blocks + extra, dtype=np.int64)
-        host[:n] = plan.token_ids[rows]
-        host[t:t + n] = plan.positions[rows]
-        host[2 * t:3 * t] = -1
-        host[2 * t:2 * t + n] = plan.slot_mapping[rows]
-        host[3 * t:3 * t + 4] = (n - 1, ctx, n, ctx)
-        w = plan.block_tables.shape[1]
-        host[3 * t + 4:3 * t + 4 + w] = plan.block_tables[row]
-        lo = 3 * t + 4 + self.max_blocks
-        if extra:
-            host[lo:] = -1
-            if lora is not None:
-                host[lo:lo + n] = lora[rows]
-        dev = to_device(host, self.device)
-        self.input_ids.copy_(dev[:t])
-        self.positions.copy_(dev[t:2 * t])
-        self.slot_mapping.copy_(dev[2 * t:3 * t])
-        self.last.copy_(dev[3 * t:3 * t + 1])
-        self.context_lens.copy_(dev[3 * t + 1:3 * t + 2])
-        self.cu_seqlens_q[1:].copy_(dev[3 * t + 2:3 * t + 3])
-        self.cu_seqlens_k[1:].copy_(dev[3 * t + 3:3 * t + 4])
-        self.block_tables[0].copy_(dev[3 * t + 4:lo])
-        if extra:
-            self.lora_slot.copy_(dev[lo:])
+        load = StaticLoad()
+        load.put(self.input_ids, padded(plan.token_ids[rows], t, 0))
+        load.put(self.positions, padded(plan.positions[rows], t, 0))
+        load.put(self.slot_mapping, padded(plan.slot_mapping[rows], t, -1))
+        load.put(self.last, np.array([n - 1]))
+        load.put(self.context_lens, np.array([ctx]))
+        load.put(self.cu_seqlens_q[1:], np.array([n]))
+        load.put(self.cu_seqlens_k[1:], np.array([ctx]))
+        load.put(self.block_tables[0], padded(plan.block_tables[row], self.max_blocks, 0))
+        if self.lora is not None:
+            load.put(self.lora_slot, padded(None if step.lora is None else step.lora[rows], t, -1))
+        load.copy(self.device)
         return bucket
 
     def forward(self, bucket: int) -> torch.Tensor:
@@ -279,19 +302,19 @@ class PrefillGraphs:
                                                       self.device)
         torch.cuda.synchronize(self.device)
 
-    def run(self, plan, lora: np.ndarray | None = None) -> torch.Tensor | None:
-        """A fitting plan's prefill -> logits [sampling rows, vocab] of each sampling row's
+    def run(self, step: StepInputs) -> Forward:
+        """A fitting step's prefill -> logits [sampling rows, vocab] of each sampling row's
         last token (None: none samples). Each replay's logits are copied out before the
         next load (stream order)."""
-        out = []
+        plan, out = step.plan, []
         for row in range(len(plan.rows)):
-            g = self.graphs[self.load(plan, row, lora)]
+            g = self.graphs[self.load(step, row)]
             g.graph.replay()
             if plan.sample[row]:
-                out.append(g.logits if len(plan.rows) == 1 else g.logits.clone())
+                out.append(g.out if len(plan.rows) == 1 else g.out.clone())
         if not out:
-            return None
-        return out[0] if len(out) == 1 else torch.cat(out)
+            return Forward(None)
+        return Forward(out[0] if len(out) == 1 else torch.cat(out))
 
 
 class HeadGraphs(DecodeGraphs):
@@ -307,18 +330,15 @@ class HeadGraphs(DecodeGraphs):
         self.hidden = torch.zeros(max_batch, head.cfg.hidden_size, dtype=head.fc.weight.dtype,
                                   device=device)
 
-    def _forward(self, bs: int):
-        return self.model(self.input_ids[:bs], self.hidden[:bs], self.positions[:bs],
-                          self._meta(bs))
+    def _forward(self, bs: int) -> Forward:
+        return Forward(*self.model(self.input_ids[:bs], self.hidden[:bs], self.positions[:bs],
+                                   self._meta(bs)))
 
-    def run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: np.ndarray,
-            slot_mapping: np.ndarray, block_tables: np.ndarray, runs: np.ndarray | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: StepInputs) -> Forward:
         """One step of n rows (ids and hidden on the device) -> (next ids [n], hidden [n, H])."""
-        n = len(positions)
-        bs = self.load(np.zeros(n, np.int64), positions, slot_mapping, block_tables,
-                       (torch.arange(n, device=self.device), ids), runs)
-        self.hidden[:n].copy_(hidden)
-        self.graphs[bs].graph.replay()
-        out_ids, out_h = self.graphs[bs].logits
-        return out_ids[:n], out_h[:n]
+        n = len(step.plan.rows)
+        bs = self.load(step)
+        self.hidden[:n].copy_(step.hidden)
+        g = self.graphs[bs]
+        g.graph.replay()
+        return Forward(g.out[:n], g.features[:n])

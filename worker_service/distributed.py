@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from models import fast_all_reduce
 from models.parallel import TPGroup
-from worker_service.model_runner import ModelRunner, StepError, phase
+from worker_service.model_runner import ModelRunner, StepError
+from worker_service.phases import phase
 
 log = logging.getLogger("nanoserve.worker")
 

@@ -2,10 +2,10 @@
 next verify step checks (speculative decoding's `draft` proposer; DESIGN.md, one
 multi-token mechanism: the proposals travel as any other, in the scheduler's next step).
 
-It lives beside the target on every rank, with a paged KV cache of its own of the same
-block count and block size, addressed by the same block tables and slots. Whatever the
-target computes the draft computes too (ModelRunner runs each step's inputs through it:
-the mirror), so its cache holds every sequence's tokens with little bookkeeping of its
+It is a proposer (proposer.py). It lives beside the target on every rank, with a paged KV
+cache of its own of the same block count and block size, addressed by the same block
+tables and slots. Whatever the target computes the draft computes too (the step pipeline
+hands it each committed step: the mirror), so its cache holds every sequence's tokens with little bookkeeping of its
 own: prefix-cache hits, preemption, rewinds and restarts need nothing more. The one
 shortcut: a verify step's rows that are the drafts of the step before, at the positions
 they were drafted at, already have their draft KV (the draft passes wrote it), so the
@@ -43,17 +43,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from models.loader import load_config, load_model
 from models.parallel import TPGroup
-from models.qwen3 import _head_dim, kv_cache_layers
-from kernels.attention import decode_runs
+from models.qwen3 import kv_cache_layers
+from nanoserve.proposals import accepted_prefix
+from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.executors import Eager, Executor, Forward, StepInputs, input_ids, run
+from worker_service.kv_binding import KVFormat, bind_kv, unbind_kv
+from worker_service.phases import phase
 from worker_service.sampler import DraftCheck, SamplingBatch, _mix, distribution
-from worker_service.step_meta import step_metadata
-from worker_service.step_plan import DraftPlan, SeqTable
+from worker_service.step_plan import DraftPlan, SeqTable, StepPlan
 from worker_service.transfers import to_device, to_host
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -93,15 +97,16 @@ class Drafter:
         if sampling not in SAMPLING:
             raise ValueError(f"draft sampling {sampling!r}: one of {', '.join(SAMPLING)}")
         self.model_dir = model_dir
+        self.name = os.path.basename(os.path.normpath(model_dir))   # its checkpoint's
         self.device = device
         self.sampled = sampling == "sampled"
         self.rank = tp.rank
         self.model, self.hf_config = load_model(model_dir, tp=tp, dtype=dtype, device=device,
                                                 attn_backend=backend, quantization=quantization)
         self.layers = kv_cache_layers(self.model)
-        self.num_kv_heads = self.layers[0].num_kv_heads
-        self.head_dim = _head_dim(self.hf_config)
-        self.graphs = None   # DecodeGraphs of the draft model (CUDA), set by the runner
+        self.feature_layers: tuple[int, ...] = ()
+        self.backend = backend
+        self.executors: list[Executor] = [Eager(self.model, device)]
         # The last step's drafts: (copy-done event, host [D, w] ids, seq ids, position of
         # each one's first draft's input, drafts made); and, for the step being launched,
         # the sequences whose mirror was skipped -> the positions below which their KV is in
@@ -122,36 +127,55 @@ class Drafter:
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None
 
-    @property
-    def name(self) -> str:
-        return os.path.basename(os.path.normpath(self.model_dir))
+    def bind_kv(self, num_blocks: int, block_size: int, fmt: KVFormat) -> None:
+        self.kv_cache, self.kv_scales = bind_kv(self.layers, num_blocks, block_size, fmt,
+                                                self.device)
 
-    def mirror(self, runner, plan, samples: torch.Tensor | None) -> None:
+    def free_kv(self) -> None:
+        """The KV cache is freed: the last drafts, their q, every record and the graphs go
+        with it."""
+        self.kv_cache = self.kv_scales = None
+        self.executors = [Eager(self.model, self.device)]
+        self.last = self.q = None
+        self.behind.clear()
+        unbind_kv(self.layers)
+
+    def capture(self, max_batch: int, max_model_len: int, block_size: int,
+                phases: dict[str, float]) -> None:
+        graphs = DecodeGraphs(self.model, self.backend, max_batch, max_model_len, block_size,
+                              self.layers[0].num_kv_heads, self.device)
+        with phase(phases, f"{len(graphs.buckets)} draft decode graphs"):
+            graphs.capture()
+        self.executors = [graphs, Eager(self.model, self.device)]
+
+    def before_forward(self, plan: StepPlan, dropped: list[int]) -> DraftCheck | None:
+        self.forget(dropped)
+        return self.match(plan)
+
+    def mirror(self, step: StepInputs, table: SeqTable, forward: Forward,
+               samples: torch.Tensor | None) -> None:
         """Run the step's rows through the draft model (its KV), but those `match` marked;
         record a big step that asks for no drafts instead."""
         skip, self.skip = self.skip, None
+        plan = step.plan
         if plan.drafts is None and len(plan.rows) > MIRROR_ROWS:
-            self._record(runner, plan)
+            self._record(step)
             return
         if self.behind:
-            self._catch_up(runner.table, plan)
-        rest = plan if skip is None else plan.without(skip)
+            self._catch_up(table, plan)
+        rest = replace(step, logits=False) if skip is None else step.without(skip)
         if rest is not None:
-            runner._logits(rest, net=self)
+            run(self.executors, rest)
 
     def forget(self, seq_ids) -> None:
         """Sequences dropped or sent afresh: their records no longer apply."""
         for s in seq_ids:
             self.behind.pop(s, None)
 
-    def clear(self) -> None:
-        """The KV cache is freed: the last drafts, their q and every record go with it."""
-        self.last = self.q = None
-        self.behind.clear()
-
-    def _record(self, runner, plan) -> None:
+    def _record(self, step: StepInputs) -> None:
         """Keep the step's input ids (placeholders filled from the last samples, on the
         device) with their sequences and positions, in place of its mirror."""
+        plan = step.plan
         n = len(plan.token_ids)
         if n > RECORD_TOKENS:
             return   # (its sequences' catch-ups find the gap)
@@ -162,7 +186,7 @@ class Drafter:
         if at + n > RECORD_TOKENS:   # wrap around (the tail keeps its older entries)
             self.written += RECORD_TOKENS - at
             at = 0
-        self.rec_ids[at:at + n] = runner.input_ids(plan)
+        self.rec_ids[at:at + n] = input_ids(step, dev)
         self.rec_seq[at:at + n] = np.repeat(np.asarray(plan.seq_ids, np.int64), plan.num_tokens)
         self.rec_pos[at:at + n] = plan.positions
         self.rec_stamp[at:at + n] = np.arange(self.written, self.written + n)
@@ -209,7 +233,7 @@ class Drafter:
         chunk = table.chunk_plan(np.array(rows), np.array(starts),
                                  np.array([len(e) for e in entries]))
         ids = self.rec_ids.index_select(0, to_device(np.concatenate(entries), self.device))
-        self.model(ids, to_device(chunk.positions, self.device), step_metadata(chunk, self.device))
+        run(self.executors, StepInputs(chunk, ids=ids, logits=False))
 
     def match(self, plan) -> DraftCheck | None:
         """Find the last step's drafts among `plan`'s rows, before its forward: the rows the
@@ -230,24 +254,25 @@ class Drafter:
         where = {s: i for i, s in enumerate(seq_ids)}
         skip = np.zeros(len(plan.rows), bool)
         tok = np.cumsum(plan.num_tokens) - 1
-        matched: dict[int, int] = {}   # seq -> positions matched so far past its start
-        prev: dict[int, int] = {}      # seq -> its last matched row
+        rows_of: dict[int, list[int]] = {}   # seq -> its one-token sampling rows, in order
+        for r, seq_id in enumerate(plan.seq_ids):   # (a verify step's rows all sample; a
+            if seq_id in where and plan.num_tokens[r] == 1 and plan.sample[r]:   # format's
+                rows_of.setdefault(seq_id, []).append(r)                        # forced: not)
+        matched: dict[int, int] = {}   # seq -> its rows that hold its drafts' inputs
         checks: list[tuple[int, int, int]] = []   # (row, draft's sequence, draft index)
-        for r, seq_id in enumerate(plan.seq_ids):
-            i = where.get(seq_id)
-            if i is None or plan.num_tokens[r] != 1 or not plan.sample[r]:
-                continue   # (a verify step's rows all sample; a format's forced ones do not)
-            t = tok[r]
-            j = int(plan.positions[t]) - int(start[i])
-            if j != matched.get(seq_id, 0) or j > k[i]:
+        for seq_id, rs in rows_of.items():
+            i = where[seq_id]
+            pos = plan.positions[tok[rs]] - int(start[i])
+            m = 0   # rows at the drafts' positions, in order: the newest token, then drafts
+            while m < len(rs) and pos[m] == m and m <= k[i]:
+                m += 1
+            if not m:
                 continue
-            if j and int(plan.token_ids[t]) != drafts[i, j - 1]:
-                continue
-            if j and q is not None and q[1][i]:
-                checks.append((prev[seq_id], i, j - 1))
-            matched[seq_id] = j + 1
-            prev[seq_id] = r
-            skip[r] = True
+            n = 1 + accepted_prefix(plan.token_ids[tok[rs[1:m]]].tolist(), drafts[i].tolist())
+            if q is not None and q[1][i]:
+                checks += [(rs[j - 1], i, j - 1) for j in range(1, n)]
+            matched[seq_id] = n
+            skip[rs[:n]] = True
         # positions start..start+k-1 were written by the passes (the last draft's by none)
         self.valid_end = {s: int(start[where[s]]) + min(n, int(k[where[s]]))
                           for s, n in matched.items()}
@@ -265,14 +290,8 @@ class Drafter:
                 rows: np.ndarray) -> torch.Tensor:
         """One decode step of the draft, a token a row (a sequence's rows consecutive, at
         consecutive positions) -> logits [n, vocab]."""
-        plan = table.decode_plan(rows, positions)
-        g = self.graphs
-        if g is not None and len(rows) <= g.max_batch and plan.block_tables.shape[1] <= g.max_blocks:
-            fill = (torch.arange(len(rows), device=self.device), ids)
-            return g.run(plan.token_ids, positions, plan.slot_mapping, plan.block_tables, fill)
-        meta = step_metadata(plan, self.device)
-        hidden = self.model(ids, to_device(positions.astype(np.int64), self.device), meta)
-        return self.model.compute_logits(hidden)
+        plan = table.decode_plan(rows, positions, sample=True)
+        return run(self.executors, StepInputs(plan, ids=ids)).out
 
     def _sampled(self, drafts: DraftPlan, table: SeqTable) -> np.ndarray:
         """[D] which sequences draw their drafts from q (the rest: greedy)."""
@@ -367,109 +386,3 @@ class Drafter:
         self.last = (event, host, drafts.seq_ids, start, k)
         self.q = (q_out, sampled) if q_out is not None else None
         return host
-
-
-class Eagle3Drafter:
-    """An EAGLE-3 head (models/eagle3.py) as the drafter: one layer with a KV cache of its
-    own in the same blocks, fed the target's features of each token (ModelRunner.step_aux).
-
-    Its position i pairs the token after i with the features at i, so a step's rows are
-    mirrored shifted by one: a row takes the next row's token, a sequence's last sampling
-    row its sample (still on the device: no sync), a prefill chunk's last row nothing (its
-    next token is the next chunk's; that one position keeps stale KV: worse drafts, never
-    wrong output). A verify row whose next row was a rejected proposal is re-done by the
-    first draft pass, which pairs the newest token with the features of the position
-    before it; later passes feed the head's own output back."""
-
-    def __init__(self, model_dir: str, target, target_config, backend, device: torch.device,
-                 dtype: torch.dtype):
-        from models.eagle3 import load_eagle3
-        self.model_dir = model_dir
-        self.device = device
-        self.head = load_eagle3(model_dir, target_config, target.model.embed_tokens, backend,
-                                device, dtype)
-        target.model.aux_layers = self.head.cfg.aux_layers
-        self.layers = [self.head.attn]
-        self.num_kv_heads, self.head_dim = self.head.cfg.num_kv_heads, self.head.cfg.head_dim
-        self.graphs = None   # HeadGraphs (CUDA), set by the runner
-        self.kv_cache: torch.Tensor | None = None
-        self.kv_scales: torch.Tensor | None = None
-        self.aux: torch.Tensor | None = None   # the step's features (ModelRunner.step_aux)
-        self.last = None   # (Drafter's record of the last drafts; the head mirrors every row)
-
-    def match(self, plan) -> None:
-        """(Drafter.match: the head mirrors every row and drafts greedily.)"""
-        return None
-
-    def forget(self, seq_ids) -> None:
-        """(Drafter.forget: the head mirrors every step.)"""
-
-    def clear(self) -> None:
-        """(Drafter.clear: the head keeps no record of its drafts.)"""
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(os.path.normpath(self.model_dir))
-
-    @torch.inference_mode()
-    def mirror(self, runner, plan, samples: torch.Tensor | None) -> None:
-        self.aux = runner.step_aux
-        n = len(plan.token_ids)
-        token_row = np.repeat(np.arange(len(plan.rows)), plan.num_tokens)
-        same = np.zeros(n, bool)   # the next token is the sequence's next row's input
-        if n > 1:
-            seq = np.asarray(plan.seq_ids, dtype=np.int64)[token_row]
-            same[:-1] = seq[1:] == seq[:-1]
-        nxt = np.zeros(n, np.int64)
-        nxt[:-1] = plan.token_ids[1:]
-        last = plan.last_token_index()   # sampling rows' last tokens, in sample order
-        sampled = np.zeros(n, bool)
-        sampled[last] = True
-        sampled &= ~same
-        slots = np.where(same | sampled, plan.slot_mapping, -1).astype(np.int32)
-        ids = to_device(np.where(same, nxt, 0), self.device)
-        if sampled.any():
-            at = np.flatnonzero(sampled)
-            order = np.searchsorted(last, at)   # each one's sample
-            ids[to_device(at, self.device)] = samples.index_select(0, to_device(order, self.device))
-        hidden = self.head.fuse(self.aux)
-        g = self.graphs
-        if plan.is_decode and g is not None and n <= g.max_batch \
-                and plan.block_tables.shape[1] <= g.max_blocks:
-            g.run(ids, hidden, plan.positions, slots, plan.block_tables, decode_runs(plan.rows))
-            return
-        meta = step_metadata(plan, self.device, slots)
-        self.head(ids, hidden, to_device(plan.positions, self.device), meta)
-
-    @torch.inference_mode()
-    def propose(self, drafts: DraftPlan, samples: torch.Tensor, table: SeqTable,
-                step_id: int = 0) -> torch.Tensor:
-        """As Drafter.propose (greedy drafts only); pass j writes the head's KV at the newest token's position
-        - 1 + j."""
-        newest, start, k = drafts.settle(samples.cpu().numpy(), table)   # (the sync)
-        n, width = len(k), int(drafts.k.max())
-        dev = self.device
-        out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
-        ids = samples.index_select(0, to_device(newest, dev))
-        rows_tok = drafts.first_token + (newest - drafts.first_sample)   # who sampled them
-        hidden = self.head.fuse(self.aux.index_select(0, to_device(rows_tok, dev)))
-        for j in range(int(k.max())):
-            live = np.flatnonzero(k > j)
-            idx = None if len(live) == n else to_device(live, dev)
-            pos = start[live] - 1 + j
-            plan = table.decode_plan(drafts.rows[live], pos)
-            x, h = (ids, hidden) if idx is None else (ids.index_select(0, idx),
-                                                      hidden.index_select(0, idx))
-            g = self.graphs
-            if g is not None and len(live) <= g.max_batch and plan.block_tables.shape[1] <= g.max_blocks:
-                nxt, h = g.run(x, h, pos, plan.slot_mapping, plan.block_tables)
-            else:
-                nxt, h = self.head(x, h, to_device(pos, dev), step_metadata(plan, dev))
-            if idx is None:
-                ids, hidden = nxt, h
-                out[:, j] = nxt
-            else:
-                ids, hidden = ids.index_copy(0, idx, nxt), hidden.index_copy(0, idx, h)
-                out[:, j].index_copy_(0, idx, nxt)
-        return to_host(out.to(torch.int32))
-

@@ -31,6 +31,7 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from nanoserve.compiled_grammars import CompiledGrammars
+from nanoserve.proposals import accepted_prefix
 from nanoserve.v1 import worker_pb2
 from worker_service.step_plan import verify_drafts
 
@@ -127,9 +128,8 @@ class GrammarState:
                 for i, m in a.rows:
                     first.setdefault(m, i)
                 for m, drafts in a.drafts.items():
-                    row, j = first[m], 0
-                    while j < len(drafts) and drafts[j] == tokens[row + j]:
-                        j += 1
+                    row = first[m]
+                    j = accepted_prefix(drafts, tokens, row)
                     m.m.consume_tokens(tokens[row:row + j + 1])
             rest = [(m.m, tokens[i]) for i, m in sorted(a.rows, key=lambda r: r[1].root)
                     if m not in a.drafts]

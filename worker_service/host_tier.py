@@ -26,6 +26,8 @@ class HostTier:
     stage_scales: torch.Tensor | None = None
     seconds: float = 0.0                   # copy time measured so far (take_seconds)
     _timing: list = field(default_factory=list)   # CUDA: (start, end) events not yet read
+    stream: object = None                  # CUDA: the copy stream, beside the forwards
+    done: object = None                    # CUDA event: the last step's copies
 
     @classmethod
     def allocate(cls, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
@@ -83,6 +85,40 @@ class HostTier:
             self._timing.append((start, end))
         else:
             self.seconds += time.perf_counter() - t0
+
+    def transfer(self, ops: np.ndarray, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                 sync: bool = False) -> None:
+        """A step's copies (check_ops' triples; ValueError names a bad one). On CUDA they run
+        on the copy stream after everything queued so far (the steps before) and beside this
+        step's forward, which the scheduler keeps off those blocks; the next step waits for
+        them (`wait`; sync: this one does). On a CPU they run at once."""
+        checked = check_ops(ops, kv_cache.shape[2], self.num_slots)
+        if not kv_cache.is_cuda:
+            self.copy(checked, kv_cache, kv_scales)
+            return
+        compute = torch.cuda.current_stream(kv_cache.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(kv_cache.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            self.copy(checked, kv_cache, kv_scales)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        if sync:
+            compute.wait_event(done)
+        else:
+            self.done = done
+
+    def wait(self, device: torch.device) -> None:
+        """The next step's work waits for the last step's copies."""
+        if self.done is not None:
+            torch.cuda.current_stream(device).wait_event(self.done)
+            self.done = None
+
+    def drain(self) -> None:
+        """Wait for every copy in flight (before its buffers are freed)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def _harvest(self) -> None:
         """Move the completed copies' event times into `seconds` (never waits)."""

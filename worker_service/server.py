@@ -21,7 +21,8 @@ from nanoserve.security import OPEN_WORKER, SyncGuard, add_port
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.adapters import AdapterError
 from worker_service.metrics import WorkerMetrics
-from worker_service.model_runner import ModelRunner, StepError, phases_line
+from worker_service.model_runner import ModelRunner, StepError
+from worker_service.phases import phases_line
 
 log = logging.getLogger("nanoserve.worker")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nanoserve.proposals import accepted_prefix
 from nanoserve.v1 import worker_pb2
 
 PLACEHOLDER = -1
@@ -113,10 +114,7 @@ class DraftPlan:
         newest token."""
         accepted = np.zeros(len(self.k), np.int64)
         for i, proposal in enumerate(self.proposals):
-            f, a = int(self.first_sample[i]), 0
-            while a < len(proposal) and proposal[a] == samples[f + a]:
-                a += 1
-            accepted[i] = a
+            accepted[i] = accepted_prefix(proposal, samples, int(self.first_sample[i]))
         start = self.position + accepted + 1
         room = np.minimum(table.table_len[self.rows] * table.block_size, table.max_model_len)
         return self.first_sample + accepted, start, np.clip(np.minimum(self.k, room - start), 0, None)
@@ -413,10 +411,13 @@ class SeqTable:
         return (tables[token_row, positions // bs].astype(np.int64) * bs
                 + positions % bs).astype(np.int32)
 
-    def decode_plan(self, rows: np.ndarray, positions: np.ndarray) -> StepPlan:
-        """A plan of one token a row at `positions` of these rows, nothing sampled, no ids:
-        what a drafter's own decode passes give step_metadata (worker_service/drafter.py)."""
-        return self.chunk_plan(rows, positions, np.ones(len(rows), np.int64))
+    def decode_plan(self, rows: np.ndarray, positions: np.ndarray, sample: bool = False
+                    ) -> StepPlan:
+        """A plan of one token a row at `positions` of these rows, no ids: a drafter's own
+        decode passes (worker_service/drafter.py); sample: every row's logits are wanted."""
+        plan = self.chunk_plan(rows, positions, np.ones(len(rows), np.int64))
+        plan.sample[:] = sample
+        return plan
 
     def chunk_plan(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> StepPlan:
         """A plan of counts[i] tokens of rows[i] at positions starts[i] on (what comes before

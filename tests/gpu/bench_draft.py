@@ -67,15 +67,15 @@ def graphs_match_eager(runner, seq: dict, step: list, k: int) -> bool:
     """One loop step's drafts twice from the same state: with the drafter's CUDA graphs,
     then eager (the same KV positions written from the same inputs)."""
     outs = []
-    saved = runner.drafter.graphs
-    for graphs in (saved, None):
-        runner.drafter.graphs = graphs
+    saved = runner.drafter.executors   # [graphs, eager]
+    for executors in (saved, saved[-1:]):
+        runner.drafter.executors = executors
         step[0] += 1
         d = seq["drafts"]
         req = decode_req(step[0], [seq["newest"], *d], 1 + len(d), k, seq["known"] - 1)
         resp = runner.step(req)
         outs.append(np.frombuffer(resp.draft_token_ids_i32, "<i4").tolist())
-    runner.drafter.graphs = saved
+    runner.drafter.executors = saved
     if outs[0] != outs[1]:
         print(f"graphs {outs[0]} vs eager {outs[1]}")
     return outs[0] == outs[1]
@@ -130,12 +130,10 @@ def main() -> None:
         whose features an EAGLE-3 head reads)."""
         plan = runner.table.plan(decode_req(0, [7] * rows, rows, 0, ctx))
         samples = torch.full((rows,), 7, dtype=torch.int64, device=runner.device)
-        runner._logits(plan)
-        aux = runner.step_aux
+        fwd = runner.forward(plan)
 
         def go():
-            runner.step_aux = aux
-            runner.drafter.mirror(runner, plan, samples)
+            runner.drafter.mirror(runner.inputs(plan), runner.table, fwd, samples)
         return go
 
     with torch.inference_mode():

@@ -68,6 +68,12 @@
 #            TP=1 and TP=2 (--all-reduce auto / unfused: with and without the fused all-reduce +
 #            norm; tests/gpu/profile_decode.py --tp), then the launcher, nano-vllm's workload, 2 runs:
 #            TP=1 and TP=2, and TP=2 unfused
+#   seam     the worker's decode seam (issue 70), this tree against SEAM_BASE (a copy of an older
+#            checkout, stubs included) alternately, SEAM_ROUNDS (1) times each, one worker +
+#            scheduler per setting through gRPC: the random 0.6B at batch 1 and 8 (256 in, 512 out,
+#            greedy) and nano-vllm's workload (SEAM_BIG_RUNS, 2); the 0.6B "count" model drafting
+#            for itself (k=4: every draft right) and a random EAGLE-3 head at the 0.6B's shapes,
+#            batch 1 and 8: tok/s and acceptance must be unchanged within noise
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
 #            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
 #            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
@@ -467,6 +473,37 @@ for w in ${*:-kernels model bench}; do
       done
       cat "$OUT/hostkv_copies.md"; cat "$OUT"/hostkv_chat_*.txt "$OUT"/hostkv_paced_*.txt 2>/dev/null
       grep -H "output tok/s  " "$OUT"/hostkv_big_*.txt 2>/dev/null ;;
+    seam)   # issue 70: the same figures from this tree and SEAM_BASE, alternately
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      D=/dev/shm/qwen3-0.6b-count; E=/dev/shm/qwen3-0.6b-eagle3
+      [ -f $D/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $D Qwen3-0.6B 0 count >/dev/null 2>&1
+      [ -f $E/config.json ] || eagle3_head $E eagle 1024 16 3072 || rc=1
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --target 127.0.0.1:50051
+         --client-procs 1 --min-input-len 256 --max-input-len 256 --min-output-len 512
+         --max-output-len 512 --temperature 0 --warmup 2 --runs "${SEAM_RUNS:-3}")
+      trees=""; for i in $(seq "${SEAM_ROUNDS:-1}"); do trees="$trees ${SEAM_BASE:-} $PWD"; done
+      for tree in $trees; do
+        who=$( [ "$tree" = "$PWD" ] && echo this || echo base)
+        for cfg in "plain:$NANOSERVE_QWEN06B:" "draft:$D:$D" "eagle3:$NANOSERVE_QWEN06B:$E"; do
+          tag=${cfg%%:*}; rest=${cfg#*:}; M=${rest%%:*}; DM=${rest#*:}; WA=(); SA=()
+          [ -n "$DM" ] && WA=(--draft-model "$DM") && SA=(--speculative draft
+            --num-speculative-tokens 4 --no-speculative-adaptive)
+          ( cd "$tree" && export PYTHONPATH="$tree:$tree/protos:${PYTHONPATH#*protos:}"
+            python3 -m worker_service --model "$M" --port 50061 --max-model-len 4096 \
+              --log-level WARNING "${WA[@]}" > "$OUT/seam_worker.log" 2>&1 & WP=$!
+            python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
+              --max-model-len 4096 --log-level WARNING "${SA[@]}" > "$OUT/seam_sched.log" 2>&1 & SP=$!
+            batches_1_8 "$OUT/seam_sched.log" seam "${who}_$tag"
+            if [ "$tag" = plain ]; then
+              echo "== ${who}_$tag nano-vllm workload"
+              timeout 200 python3 -m client.bench --no-progress --device-name "$GPU" \
+                --target 127.0.0.1:50051 --warmup 8 --runs "${SEAM_BIG_RUNS:-2}" \
+                --json "$OUT/seam_${who}_big.json" > "$OUT/seam_${who}_big.txt" 2>&1
+              grep -h "output tok/s  \|^step wall\|GPU idle" "$OUT/seam_${who}_big.txt"
+            fi
+            kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null ) || rc=1
+        done
+      done ;;
     small)  # the single caller (issue 44): batch 1 and 8 through gRPC (256-token prompts, 512
       # out, greedy, SMALL_RUNS (3) after 2 warm-ups) for each SMALL_CONFIGS entry
       # (model:worker flags, "_" for spaces) with the decode GEMV off (NANOSERVE_GEMV_MAX_TOKENS=0)

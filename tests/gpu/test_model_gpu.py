@@ -166,8 +166,13 @@ def prefill_graph_check(path, kv_fp8: bool = False, reps: int = 7) -> list[dict]
                                       attention_backend="triton", gpu_memory_utilization=0.5,
                                       max_model_len=4096, kv_cache_dtype="fp8" if kv_fp8 else "auto"))
     runner.init_kv(64, 256)
-    graphs = runner.prefill_graphs
-    assert graphs is not None and graphs.max_tokens == 2048
+    from worker_service.cuda_graphs import PrefillGraphs
+    executors = list(runner.executors)
+    graphs = next(e for e in executors if isinstance(e, PrefillGraphs))
+    assert graphs.max_tokens == 2048
+
+    def use(on: bool):
+        runner.executors = executors if on else [e for e in executors if e is not graphs]
     gen = torch.Generator().manual_seed(3)
     seq = iter(range(1, 10**6))
 
@@ -182,14 +187,14 @@ def prefill_graph_check(path, kv_fp8: bool = False, reps: int = 7) -> list[dict]
         return req
 
     def logits(req, use_graphs):
-        runner.prefill_graphs = graphs if use_graphs else None
+        use(use_graphs)
         plan = runner.table.plan(req)
         with torch.inference_mode():
-            out = runner._logits(plan).float()
+            out = runner.forward(plan).out.float()
         return out, plan
 
     def step_ms(n, use_graphs):
-        runner.prefill_graphs = graphs if use_graphs else None
+        use(use_graphs)
         times, last = [], None
         for _ in range(reps + 1):
             req = request(n, drop=[last] if last else [])
