@@ -989,6 +989,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "exact sends them, half replaces every other 16-token run with random "
                          "ids, wrong sends another request's answer. The measured runs repeat "
                          "the same prompts (their prefill hits the prefix cache)")
+    from client import mixed
+    mixed.add_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the full report (and the command) here")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -1095,6 +1097,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                           seed=args.seed, request_rate=args.request_rate,
                           json_schema=_read_text(args.json_schema),
                           constrained_fraction=args.constrained_fraction)
+    if args.mixed:
+        if args.in_process:
+            parser.error("--mixed needs gRPC (--target or --null-worker)")
+        from client import mixed
+        return mixed.run(args, lambda vocab, max_len: [
+            (r.prompt_ids, r.max_tokens) for r in make_workload(wcfg, vocab, max_len)], argv)
     run: Callable = (run_in_process if args.in_process else run_null if args.null_worker
                      else run_grpc)
     outcomes, workload = run(args, wcfg)

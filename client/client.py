@@ -270,10 +270,14 @@ def _chat_proto(messages: Sequence[dict]) -> generate_pb2.Chat:
 
 
 def _generate_request(prompt: Prompt, params: SamplingParams | None, request_id: str,
-                      skip_special_tokens: bool, adapter: str = "") -> generate_pb2.GenerateRequest:
-    """adapter: a LoRA adapter's name (GetModelInfo lists them), "" = the base model."""
+                      skip_special_tokens: bool, adapter: str = "",
+                      priority: int | None = None) -> generate_pb2.GenerateRequest:
+    """adapter: a LoRA adapter's name (GetModelInfo lists them), "" = the base model;
+    priority: lower runs earlier (None: the server's default for the caller's key)."""
     req = generate_pb2.GenerateRequest(request_id=request_id, adapter=adapter,
                                        skip_special_tokens=skip_special_tokens)
+    if priority is not None:
+        req.priority = priority
     if params is not None:
         req.sampling.CopyFrom(params.to_proto())
     if isinstance(prompt, str):
@@ -393,11 +397,12 @@ class Client:
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, stream: bool = True,
                  *, request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
+                 priority: int | None = None,
                  timeout: float | None = None) -> Iterator[GenerationChunk]:
         """Chunks as they are produced (stream=False: one chunk, from Complete). Leaving
         the loop early (break, close, garbage collection) cancels the request on the
         server, which frees its KV blocks. A bad prompt type raises here, not on next()."""
-        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter, priority)
         if not stream:
             return iter([_chunk(self._unary(self._stub.Complete, req, timeout))])
         return self._stream(req, timeout)
@@ -415,8 +420,8 @@ class Client:
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                  request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
-                 timeout: float | None = None) -> Completion:
-        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
+                 priority: int | None = None, timeout: float | None = None) -> Completion:
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter, priority)
         return _completion(self._unary(self._stub.Complete, req, timeout))
 
     def tokenize(self, prompt: str | Sequence[dict], timeout: float | None = None) -> list[int]:
@@ -476,9 +481,10 @@ class AsyncClient:
     def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                  stream: bool = True, *, request_id: str = "",
                  skip_special_tokens: bool = False, adapter: str = "",
+                 priority: int | None = None,
                  timeout: float | None = None) -> AsyncIterator[GenerationChunk]:
         """Async iterator of chunks; leaving the loop early cancels the request."""
-        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter, priority)
         return self._stream(req, stream, timeout)
 
     async def _stream(self, req: generate_pb2.GenerateRequest, stream: bool,
@@ -497,8 +503,8 @@ class AsyncClient:
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
-                       timeout: float | None = None) -> Completion:
-        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter)
+                       priority: int | None = None, timeout: float | None = None) -> Completion:
+        req = _generate_request(prompt, params, request_id, skip_special_tokens, adapter, priority)
         return _completion(await self._unary(self._stub.Complete, req, timeout))
 
     async def tokenize(self, prompt: str | Sequence[dict],

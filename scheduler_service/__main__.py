@@ -4,7 +4,7 @@ This process is a supervisor. It starts the engine core (queues, BlockManager, t
 workers' Step streams) and, beside it, N frontend processes serving the public gRPC API
 on one port once the core has reached the workers (their imports and tokenizer load
 overlap the workers' start-up); it restarts either if it dies, and on SIGTERM/SIGINT
-drains the frontends, then stops the core.
+drains the frontends, then stops the core; SIGHUP has them all re-read --api-keys.
 """
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="context length: prompt + completion (0 = the workers' limit)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued or running before new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--priority-preemption-gap", type=int, default=1, metavar="N",
+                   help="a waiting request (GenerateRequest.priority, OpenAI `priority`: lower "
+                        "runs earlier) that finds the batch or the KV cache full preempts the "
+                        "newest running request of the lowest class, if that class's value is "
+                        "at least N above its own (the preempted one is recomputed later, its "
+                        "output unchanged; >= 1: equal classes never preempt each other)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="completion length when a request sets no max_tokens")
     p.add_argument("--max-message-mb", type=int, default=16,
@@ -130,6 +136,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Defaults: loopback, plaintext, no auth. Before exposing the public port set --api-key "
         "and TLS; workers on other hosts need --worker-secret and/or mutual TLS.")
     cli.add_api_key_flag(sec)
+    sec.add_argument("--api-keys", default=None, metavar="FILE",
+                     help="several API keys, each with a name and optional limits: a JSON list "
+                          "of {name, key, max_concurrent, tokens_per_minute, highest_priority, "
+                          "default_priority, load_adapters} (scheduler_service/api_keys.py). "
+                          "A key over a limit gets RESOURCE_EXHAUSTED / HTTP 429 with "
+                          "Retry-After; its name labels metrics and logs and is the unit of "
+                          "fair shares. Re-read on SIGHUP (streams keep running; a bad file "
+                          "keeps the old keys). --api-key still works beside it (a key named "
+                          "`default` without limits)")
     cli.add_tls_flags(sec, "the public port")
     sec.add_argument("--worker-tls-ca", default=None,
                      help="PEM CA that signed the workers' certificates: talk TLS to the workers "
@@ -178,6 +193,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stream-deltas-per-turn must be >= 0")
     if args.http_request_timeout < 0:
         p.error("--http-request-timeout must be >= 0")
+    if args.priority_preemption_gap < 1:
+        p.error("--priority-preemption-gap must be >= 1")
+    if args.api_keys:
+        from scheduler_service.api_keys import KeyRing
+        try:   # a bad file fails here, not in every child
+            KeyRing(args.api_keys, args.api_key)
+        except (OSError, ValueError) as e:
+            p.error(f"--api-keys {args.api_keys}: {e}")
     return args
 
 
@@ -209,7 +232,8 @@ class ControlPlane:
             speculation=args.speculation,
             worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret,
-            adapters=tuple(args.adapters))
+            adapters=tuple(args.adapters), api_keys=args.api_keys,
+            priority_preemption_gap=args.priority_preemption_gap)
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
             reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,
@@ -218,7 +242,8 @@ class ControlPlane:
             served_model_name=args.served_model_name, api_key=args.api_key or None,
             http_request_timeout=args.http_request_timeout, tls_cert=args.tls_cert,
             tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-            deltas_per_turn=args.stream_deltas_per_turn, adapter_root=args.adapter_root)
+            deltas_per_turn=args.stream_deltas_per_turn, adapter_root=args.adapter_root,
+            api_keys=args.api_keys)
             for i in range(args.frontends)]
         self.policies = {name: RestartPolicy() for name in
                          ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}
@@ -349,6 +374,7 @@ class ControlPlane:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_hangup)
         code = 0
         try:
             if self.metrics_dir:
@@ -370,6 +396,13 @@ class ControlPlane:
 
     def _on_signal(self, *_) -> None:
         self.stopping = True
+
+    def _on_hangup(self, *_) -> None:
+        """SIGHUP: the engine core and the frontends re-read --api-keys."""
+        log.info("SIGHUP: reloading --api-keys")
+        for p in (self.core, *self.frontends):
+            if p is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGHUP)
 
     def watch(self) -> int:
         """Until a signal: restart whatever dies. 1 on a crash loop."""

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from nanoserve.adapter_root import describe
 from nanoserve.security import channel_credentials
 from nanoserve.worker_group import WorkerGroupError
 from scheduler_service import ipc, metrics
+from scheduler_service.api_keys import KeyRing, Quotas
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.fast_forward import FastForward
 from scheduler_service.speculation import SpecConfig, Speculator
@@ -59,6 +61,8 @@ class EngineCoreConfig:
     worker_tls_key: str | None = None
     worker_secret: str | None = None     # sent with every worker call
     adapters: tuple[tuple[str, str], ...] = ()   # --lora-modules: (name, path) each
+    api_keys: str | None = None          # --api-keys FILE: per-key quotas (api_keys.py)
+    priority_preemption_gap: int = 1     # --priority-preemption-gap (scheduler.py)
 
 
 class EngineCore:
@@ -68,6 +72,7 @@ class EngineCore:
         self.info: dict = {}
         self.sock: zmq.asyncio.Socket | None = None
         self.frontends: set[bytes] = set()
+        self.quotas = Quotas(KeyRing(config.api_keys))   # per key, across all frontends
 
     async def serve(self, ready) -> None:
         """Connect to the workers, tell the supervisor (`ready`, a Connection), run."""
@@ -86,7 +91,8 @@ class EngineCore:
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id,
                                 max_loras=info.max_loras,
-                                num_host_kv_blocks=info.num_host_kv_blocks)
+                                num_host_kv_blocks=info.num_host_kv_blocks,
+                                priority_preemption_gap=cfg.priority_preemption_gap)
         self.group = group
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
                      "adapters": self._adapter_names()}
@@ -111,6 +117,7 @@ class EngineCore:
         self.sock.bind(path)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.engine.stop)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_keys)
         ready.send(("ready", self.info))
         tasks = [asyncio.ensure_future(self._read())]
         if metrics.enabled():
@@ -155,6 +162,7 @@ class EngineCore:
                 self._add(ident, *msg[1:])
             elif kind == ipc.ABORT:
                 engine.abort(msg[1])
+                self.quotas.release(msg[1])
             elif kind == ipc.STATS:
                 sock.send_multipart([ident, ipc.pack([ipc.STATS, msg[1], self._stats()])])
             elif kind == ipc.ADAPTER:
@@ -245,6 +253,7 @@ class EngineCore:
         stale = [s.seq_id for s in self.engine.sequences() if ipc.owner(s.seq_id) == index]
         for seq_id in stale:
             self.engine.abort(seq_id)
+            self.quotas.release(seq_id)
         if stale:
             log.warning("frontend %d %s: aborted its %d requests", index, why, len(stale))
         self.sock.send_multipart([ident, ipc.pack([ipc.INFO, self.info, self.engine.healthy])])
@@ -268,6 +277,14 @@ class EngineCore:
         ids, out = array("i"), array("i")
         ids.frombytes(prompt)
         out.frombytes(output)
+        if output:
+            self.quotas.track(seq_id, opts.tenant)
+        elif refused := self.quotas.admit(seq_id, opts.tenant, opts.n,
+                                          len(ids) + opts.max_tokens * opts.n):
+            why, retry_s = refused
+            self._send_outputs(StepOutputs(errors=[(
+                seq_id, "RESOURCE_EXHAUSTED", f"{why} (retry after {math.ceil(retry_s)} s)")]))
+            return
         engine.add_request(seq_id, ids.tolist(), opts,
                            time.monotonic(), out.tolist())
 
@@ -286,8 +303,17 @@ class EngineCore:
 
     # ---- core -> frontends ------------------------------------------------------------
 
+    def _reload_keys(self) -> None:
+        if self.quotas.ring.reload():
+            self.quotas.reload()
+
     def _send_outputs(self, out: StepOutputs) -> None:
         """One message per frontend that has sequences in this step's output."""
+        if self.quotas.owner:   # sequences of keys with limits end
+            for f in out.finished:
+                self.quotas.release(f[0])
+            for e in out.errors:
+                self.quotas.release(e[0])
         shift = ipc.OWNER_SHIFT
         owners = {s >> shift for s in out.seq_ids}
         owners.update(f[0] >> shift for f in out.finished)

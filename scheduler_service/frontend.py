@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from nanoserve.security import OPEN_PUBLIC, AsyncGuard, add_port, server_credentials
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_service import metrics
+from scheduler_service.api_keys import OPEN, ApiKey, KeyRing
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, adapter_id,
                                           invalid, sampling_from_proto)
@@ -35,9 +36,14 @@ _FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINIS
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     """nanoserve.v1.Generation over gRPC: a thin adapter on `Generation`."""
 
-    def __init__(self, gen: Generation, model_name: str):
+    def __init__(self, gen: Generation, model_name: str, keys: KeyRing | None = None):
         self.gen = gen
         self.model_name = model_name
+        self.keys = keys or KeyRing()
+
+    def _key(self, context) -> ApiKey:
+        """The caller's key (the interceptor let only known keys in)."""
+        return self.keys.from_metadata(context.invocation_metadata()) or OPEN
 
     def _prompt(self, request) -> list[int]:
         kind = request.WhichOneof("input")
@@ -57,8 +63,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 sampling = sampling_from_proto(request.sampling, len(ids), self.gen.limits,
                                                self.gen.encode_output)
                 sampling.adapter_id = adapter_id(request.adapter, self.gen.engine.adapters)
-                if request.HasField("priority"):
-                    sampling.priority = request.priority
+                self.gen.apply_key(self._key(context), sampling, request.priority
+                                   if request.HasField("priority") else None)
                 remaining = context.time_remaining()
                 if remaining is not None:   # the caller's deadline, on the engine core's clock
                     sampling.deadline = time.monotonic() + remaining
@@ -69,7 +75,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                                request.skip_special_tokens):
                 yield delta
         except RequestError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            await _abort(context, e)
 
     async def Generate(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -136,7 +142,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _change_adapter(self, context, op: str, name: str, path: str = ""):
         try:
-            await self.gen.change_adapter(self.model_name, op, name, path)
+            await self.gen.change_adapter(self.model_name, op, name, path, self._key(context))
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         return generate_pb2.AdaptersResponse(adapters=list(self.gen.engine.adapters))
@@ -147,6 +153,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         except EngineUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return generate_pb2.Stats(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
+
+
+async def _abort(context, e: RequestError) -> None:
+    if e.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
+    await context.abort(getattr(grpc.StatusCode, e.code), e.message)
 
 
 def _top(top: list[tuple[list[int], list[float]]]) -> list[generate_pb2.TopLogprobs]:
@@ -169,9 +181,12 @@ async def build_server(service: GenerationService, host: str, port: int, max_mes
                        credentials: grpc.ServerCredentials | None = None
                        ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """The public server, serving; reuse_port lets several frontends share one port.
-    api_key: calls other than health and reflection need it (`authorization: Bearer`);
+    api_key: calls other than health and reflection need it (`authorization: Bearer`), or
+    one of the service's keys (--api-keys) when it has any;
     credentials: TLS (nanoserve.security.server_credentials), None = plaintext."""
-    server = grpc.aio.server(interceptors=[AsyncGuard(api_key, OPEN_PUBLIC)], options=[
+    keys = service.keys
+    check = (lambda metadata: keys.from_metadata(metadata) is not None) if keys.enabled else None
+    server = grpc.aio.server(interceptors=[AsyncGuard(api_key, OPEN_PUBLIC, check)], options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port))])
@@ -216,14 +231,17 @@ class FrontendConfig:
     tls_client_ca: str | None = None  # require client certs signed by this CA
     deltas_per_turn: int = 8      # stream deltas per event-loop turn (turn_budget.py); 0 = any
     adapter_root: str | None = None   # LoRA adapters at run time from here (None: off)
+    api_keys: str | None = None       # --api-keys FILE (api_keys.py), re-read on SIGHUP
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
     """Connect to the engine core, serve until SIGTERM/SIGINT, then drain: no new
     requests, in-flight ones get `shutdown_grace` seconds to finish."""
+    keys = KeyRing(cfg.api_keys, cfg.api_key)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, keys.reload)   # streams in flight keep running
     tokenizer = Tokenizer.from_dir(cfg.model)
     health_servicer = None
-    loop = asyncio.get_running_loop()
 
     def on_state(serving: bool) -> None:   # mirror the engine core in grpc.health.v1
         if health_servicer is not None and gen.accepting:
@@ -237,7 +255,7 @@ async def serve(cfg: FrontendConfig, ready) -> None:
                     structured_output=bool(info.get("structured_output")))
     gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn, cfg.adapter_root)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
-    service = GenerationService(gen, name)
+    service = GenerationService(gen, name, keys)
     server, port, health_servicer = await build_server(
         service, cfg.host, cfg.port, cfg.max_message_mb << 20, cfg.reuse_port, cfg.api_key,
         server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
@@ -245,7 +263,7 @@ async def serve(cfg: FrontendConfig, ready) -> None:
     if cfg.http_port is not None:
         from scheduler_service import openai_api
         http_runner, http_port = await openai_api.start(
-            gen, openai_api.HttpConfig(name, cfg.api_key, cfg.http_request_timeout),
+            gen, openai_api.HttpConfig(name, cfg.api_key, cfg.http_request_timeout, keys),
             cfg.host, cfg.http_port, cfg.reuse_port)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

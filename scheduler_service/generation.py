@@ -13,7 +13,9 @@ the sequence.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -21,6 +23,7 @@ from typing import AsyncIterator, Callable
 from nanoserve.adapter_root import DISABLED, confined
 from nanoserve.v1 import generate_pb2
 from scheduler_service import metrics
+from scheduler_service.api_keys import OPEN, ApiKey
 from scheduler_service.constraints import FormatError, grammar_from_proto
 from scheduler_service.detokenizer import IncrementalDetokenizer
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
@@ -28,14 +31,27 @@ from scheduler_service.sequence import SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.turn_budget import TurnBudget
 
+log = logging.getLogger("nanoserve.frontend")
+
 
 class RequestError(Exception):
-    """A request that cannot be served; `code` is a grpc.StatusCode name."""
+    """A request that cannot be served; `code` is a grpc.StatusCode name; `retry_after`:
+    seconds after which it may be served (a key over its quota: Retry-After)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after = retry_after
+
+
+_RETRY = re.compile(r"\(retry after (\d+) s\)$")
+
+
+def core_error(code: str, message: str) -> RequestError:
+    """An error the engine core sent; a quota's carries its retry time in the message."""
+    m = _RETRY.search(message) if code == "RESOURCE_EXHAUSTED" else None
+    return RequestError(code, message, int(m.group(1)) if m else None)
 
 
 MAX_N = 16               # completions per request
@@ -189,6 +205,18 @@ def prediction_from_proto(p: generate_pb2.Prediction, limits: Limits,
     return tuple(ids)
 
 
+_last_refusal: dict[str, float] = {}
+
+
+def _refused(tenant: str, why: str) -> None:
+    """Log a refusal with the key's name, at most once per key per 10 s (a client that
+    ignores Retry-After would fill the log)."""
+    now = time.monotonic()
+    if now - _last_refusal.get(tenant, -1e9) >= 10.0:
+        _last_refusal[tenant] = now
+        log.warning("key %s: refused: %s", tenant or "-", why)
+
+
 class Generation:
     """The request path shared by every protocol a frontend serves."""
 
@@ -213,13 +241,18 @@ class Generation:
 
     # ---- LoRA adapters at run time ----------------------------------------------------
 
-    async def change_adapter(self, model_name: str, op: str, name: str, path: str = "") -> None:
+    async def change_adapter(self, model_name: str, op: str, name: str, path: str = "",
+                             key: ApiKey = OPEN) -> None:
         """Load ("load", from `path`) or unload a LoRA adapter, for every API. Off without
         an adapter root (PERMISSION_DENIED); a load's path goes to the workers in the
         confined form (nanoserve/adapter_root.py), so they read nothing outside the root.
-        RequestError says why not."""
+        With --api-keys, only keys with load_adapters may. RequestError says why not."""
         if self.adapter_root is None:
             raise RequestError(*DISABLED)
+        if key is not OPEN and not key.load_adapters:
+            log.warning("key %s: adapter %s refused (no load_adapters)", key.name, op)
+            raise RequestError("PERMISSION_DENIED", f"API key `{key.name}` may not load or "
+                               "unload LoRA adapters (load_adapters in --api-keys)")
         if not name or len(name) > 256:
             raise invalid("an adapter name of 1-256 characters is needed")
         if name == model_name:
@@ -239,6 +272,19 @@ class Generation:
             raise RequestError("UNAVAILABLE", str(e)) from None
         if error:
             raise RequestError(*error)
+        log.info("key %s: LoRA adapter %s %sed", key.name or "-", name, op)
+
+    # ---- callers ----------------------------------------------------------------------
+
+    @staticmethod
+    def apply_key(key: ApiKey, opts: SamplingOptions, priority: int | None) -> None:
+        """What the caller's key says about its request: its name (quotas, fair shares,
+        metrics), its default priority, and the highest priority it may ask for."""
+        opts.tenant = key.name
+        opts.priority = key.default_priority if priority is None else priority
+        why = key.check_priority(opts.priority)
+        if why is not None:
+            raise RequestError("PERMISSION_DENIED", why)
 
     # ---- prompts ----------------------------------------------------------------------
 
@@ -285,6 +331,7 @@ class Generation:
         with its index and detokenized on its own; a completion's last delta has its
         finish_reason, the request's last delta also the usage summed over all of them."""
         start = time.monotonic()
+        who = metrics.caller(sampling.tenant, sampling.priority)
         if not self.accepting:
             metrics.request_ended("error", "UNAVAILABLE")
             raise RequestError("UNAVAILABLE", "server is shutting down")
@@ -320,10 +367,13 @@ class Generation:
                     released[i] = True   # the core has forgotten it already
                     self.engine.release(handles[i], abort=False)
                     outcome = ("error", error[0])
-                    raise RequestError(*error)
+                    if error[0] == "RESOURCE_EXHAUSTED":
+                        _refused(sampling.tenant, error[1])
+                    raise core_error(*error)
                 if not first and token_ids:
                     first = time.monotonic()
                     metrics.TTFT.observe(first - start)
+                    metrics.CALLER_TTFT.labels(*who).observe(first - start)
                 completion += len(token_ids)
                 detok = detoks[i]
                 text = detok.add(token_ids)
@@ -346,11 +396,12 @@ class Generation:
                                                 host_cached, queue_ms)
                 if usage is not None:
                     outcome = (reason, "OK")
-                    self._finished(start, first, usage)
+                    self._finished(start, first, usage, who)
                 yield Delta(token_ids, text + detok.finish(), logprobs, reason, usage,
                             index=i, top_logprobs=top)
         finally:
             metrics.request_ended(*outcome)
+            metrics.CALLER_REQUESTS.labels(*who, *outcome).inc()
             for fut in waits:
                 fut.cancel()
             for handle, done in zip(handles, released):
@@ -373,7 +424,7 @@ class Generation:
         return waits.pop(fut), fut.result()
 
     @staticmethod
-    def _finished(start: float, first: float, usage: Usage) -> None:
+    def _finished(start: float, first: float, usage: Usage, who: tuple[str, str]) -> None:
         """Per-request metrics of a request that ran to its end (a few observes, once)."""
         end = time.monotonic()
         metrics.E2E.observe(end - start)
@@ -382,3 +433,6 @@ class Generation:
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.GENERATION_TOKENS.inc(usage.completion_tokens)
         metrics.PREFIX_HIT_TOKENS.inc(usage.cached_tokens)
+        metrics.CALLER_QUEUE_TIME.labels(*who).observe(usage.queue_ms / 1e3)
+        metrics.CALLER_TOKENS.labels(*who, "prompt").inc(usage.prompt_tokens)
+        metrics.CALLER_TOKENS.labels(*who, "generation").inc(usage.completion_tokens)

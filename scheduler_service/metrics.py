@@ -44,6 +44,20 @@ PROMPT_TOKENS = Counter("nanoserve_prompt_tokens", "Prompt tokens of ended reque
 GENERATION_TOKENS = Counter("nanoserve_generation_tokens", "Tokens generated for clients")
 PREFIX_HIT_TOKENS = Counter("nanoserve_prefix_cache_hit_tokens",
                             "Prompt tokens served from the prefix cache (at first admission)")
+# Per caller: the API key's name (--api-keys; "default" for --api-key, "-" without keys) and
+# the priority class (GenerateRequest.priority / OpenAI `priority`), one update per request.
+CALLER_REQUESTS = Counter("nanoserve_caller_requests", "Generation requests ended, by API key, "
+                          "priority, finish reason and gRPC status code (429s: "
+                          "RESOURCE_EXHAUSTED)", ["key", "priority", "finish_reason", "code"])
+CALLER_TTFT = Histogram("nanoserve_caller_time_to_first_token_seconds",
+                        "Request arrival at the frontend to its first token, by API key and "
+                        "priority", ["key", "priority"], buckets=_LATENCY)
+CALLER_QUEUE_TIME = Histogram("nanoserve_caller_queue_time_seconds",
+                              "Arrival at the engine core to the first scheduled step (the "
+                              "longest of n completions), by API key and priority",
+                              ["key", "priority"], buckets=_LATENCY)
+CALLER_TOKENS = Counter("nanoserve_caller_tokens", "Tokens of ended requests by API key, "
+                        "priority and kind (prompt, generation)", ["key", "priority", "kind"])
 
 # ---- engine core: synced from its own counters --------------------------------------------
 QUEUE_TIME = Histogram("nanoserve_request_queue_time_seconds",
@@ -96,6 +110,11 @@ def enabled() -> bool:
 
 def request_ended(finish_reason: str, code: str = "OK") -> None:
     REQUESTS.labels(finish_reason, code).inc()
+
+
+def caller(key: str, priority: int) -> tuple[str, str]:
+    """The per-caller labels of a request."""
+    return key or "-", str(priority)
 
 
 class EngineCoreMetrics:

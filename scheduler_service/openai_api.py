@@ -25,11 +25,13 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from nanoserve.v1 import generate_pb2
+from scheduler_service.api_keys import OPEN, ApiKey, KeyRing
 from scheduler_service.chat_output import (ChatOutputParser, Content, Reasoning, ToolCallArguments,
                                            ToolCallStart, parse_chat_output)
 from scheduler_service.generation import (Delta, Generation, RequestError, invalid,
                                           sampling_from_proto)
 from scheduler_service.openai_structured import structured_output, tool_setup
+from scheduler_service.sequence import SamplingOptions
 
 log = logging.getLogger("nanoserve.http")
 
@@ -54,6 +56,7 @@ class HttpConfig:
     model_name: str                  # the one id /v1/models lists and requests must name
     api_key: str | None = None       # bearer token every /v1 route requires when set
     request_timeout: float = 0.0     # seconds per request (0 = none): DEADLINE_EXCEEDED -> 504
+    keys: KeyRing | None = None      # several keys (--api-keys; with api_key as "default")
 
 
 def error_body(e: RequestError) -> tuple[int, dict]:
@@ -64,7 +67,8 @@ def error_body(e: RequestError) -> tuple[int, dict]:
 
 def error_response(e: RequestError) -> web.Response:
     status, body = error_body(e)
-    return web.json_response(body, status=status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 # ---------------------------------------------------------------------------- requests
@@ -83,8 +87,9 @@ class Request:
     in_reasoning: bool = False   # chat: the prompt opened <think> (the answer starts inside)
     tool_calls: bool = False     # chat: parse <tool_call> blocks into tool_calls
     adapter: int = 0             # the LoRA adapter `model` named (0: the base model)
-    priority: int = 0            # vLLM's extra field: lower runs earlier
+    priority: int | None = None  # vLLM's extra field: lower runs earlier (None: the key's)
     deadline: float = 0.0        # time.monotonic() of --http-request-timeout (0: none)
+    key: ApiKey = OPEN           # the caller's API key
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -245,8 +250,15 @@ class OpenAIApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.cfg.api_key
-        if key and request.path != "/health":
+        key, keys = self.cfg.api_key, self.cfg.keys
+        request["api_key"] = OPEN
+        if keys is not None and keys.enabled and request.path != "/health":
+            found = keys.from_bearer(request.headers.get("Authorization"))
+            if found is None:
+                return error_response(RequestError(
+                    "UNAUTHENTICATED", "missing or wrong API key (Authorization: Bearer ...)"))
+            request["api_key"] = found
+        elif key and request.path != "/health":
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return error_response(RequestError(
@@ -292,7 +304,8 @@ class OpenAIApi:
             body = await _json_body(request)
             name = _field(body, "lora_name", (str,), "")
             path = _field(body, "lora_path", (str,), "") if op == "load" else ""
-            await self.gen.change_adapter(self.cfg.model_name, op, name, path)
+            await self.gen.change_adapter(self.cfg.model_name, op, name, path,
+                                          request["api_key"])
         except RequestError as e:
             return error_response(e)
         done = "added" if op == "load" else "removed"
@@ -353,8 +366,8 @@ class OpenAIApi:
             sampling_from_proto(sampling, len(ids), self.gen.limits, self.gen.encode_output)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
-        priority = _field(body, "priority", (int,), 0)
-        if not -2**31 <= priority < 2**31:
+        priority = _field(body, "priority", (int,))
+        if priority is not None and not -2**31 <= priority < 2**31:
             raise invalid("'priority' must be a 32-bit integer")
         timeout = self.cfg.request_timeout
         return Request(prompts, sampling, sampling.n, stream, bool(options.get("include_usage")),
@@ -393,7 +406,8 @@ class OpenAIApi:
                 opts = sampling_from_proto(req.sampling, len(ids), self.gen.limits,
                                            self.gen.encode_output)
                 opts.adapter_id = req.adapter
-                opts.priority, opts.deadline = req.priority, req.deadline
+                opts.deadline = req.deadline
+                self.gen.apply_key(req.key, opts, req.priority)
                 async for delta in self.gen.stream(ids, opts, list(req.sampling.stop),
                                                    req.skip_special_tokens):
                     queue.put_nowait((i * req.n + delta.index, delta))
@@ -433,8 +447,10 @@ class OpenAIApi:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             req = await self._parse(request, chat)
+            self.gen.apply_key(request["api_key"], SamplingOptions(), req.priority)
         except RequestError as e:
             return error_response(e)
+        req.key = request["api_key"]
         out = Output(self.gen, req, chat, self.cfg.model_name)
         if req.stream:
             return await self._stream(request, req, out)

@@ -14,7 +14,7 @@ import pytest
 
 from client.null_model import write_null_model
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
-from services import start_null_worker, start_scheduler, wait_until
+from services import free_port, start_null_worker, start_scheduler, wait_until
 from worker_service.null_worker import expected_tokens
 
 pytestmark = pytest.mark.slow
@@ -74,8 +74,8 @@ def test_priority_orders_the_queue(serve, eos):
     """One seat: a running request, then three queued with priorities 3, 1, 2 (a higher
     priority is never preempted by the lower ones): they finish 1, 2, 3."""
     stub, _ = serve(extra=["--max-num-seqs", "1"])
-    blocker = stub.Generate(request([1, 2, 3], 60, priority=-1), timeout=60)
-    next(blocker)
+    blocker = stub.Generate(request([1, 2, 3], 1500, priority=-1), timeout=60)
+    head = next(blocker)
     finished: list[int] = []
     lock = threading.Lock()
 
@@ -96,7 +96,7 @@ def test_priority_orders_the_queue(serve, eos):
             f.result()
     assert finished == [1, 2, 3]
     assert stub.GetStats(generate_pb2.StatsRequest()).num_preemptions == 0
-    assert len(ids_of(rest)) == 59
+    assert len(ids_of([head, *rest])) == 1500
 
 
 @pytest.mark.parametrize("full", ["batch", "kv"])
@@ -131,7 +131,7 @@ def test_high_priority_preempts_and_low_outputs_are_unchanged(serve, eos, full):
 
 def test_deadline_that_cannot_be_met_is_dropped_before_prefill(serve):
     stub, _ = serve(extra=["--max-num-seqs", "1"])
-    blocker = stub.Generate(request([1], 200), timeout=60)
+    blocker = stub.Generate(request([1], 1000), timeout=60)
     next(blocker)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(request([2], 5), timeout=0.3))
@@ -140,3 +140,206 @@ def test_deadline_that_cannot_be_met_is_dropped_before_prefill(serve):
     assert wait_until(lambda: stub.GetStats(generate_pb2.StatsRequest()).num_waiting == 0,
                       timeout=10)
     list(blocker)
+
+
+# ---- API keys ---------------------------------------------------------------------------
+
+KEYS = [
+    {"name": "team-a", "key": "sk-team-a-0001", "max_concurrent": 2, "load_adapters": True},
+    {"name": "team-b", "key": "sk-team-b-0002", "tokens_per_minute": 100},
+    {"name": "bulk", "key": "sk-bulk-00003", "highest_priority": 5, "default_priority": 10},
+]
+
+
+def bearer(key: str) -> tuple:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def http(port: int, path: str, key: str | None, body: dict) -> tuple[int, dict, dict]:
+    """POST JSON; (status, headers, body)."""
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json",
+                                  **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = {"text": raw.decode()}
+        return e.code, dict(e.headers), data
+
+
+def test_keys_limits_and_permissions(serve, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    root = tmp_path / "adapters"
+    root.mkdir()
+    stub, sched = serve(extra=["--api-keys", str(keys), "--api-key", "legacy-key-0",
+                               "--http-port", "0", "--adapter-root", str(root)])
+    port = sched.http_port
+    # who: no key / a wrong key -> UNAUTHENTICATED, 401; the single --api-key still works
+    for md in ((), bearer("sk-nobody-0000")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(request([1], 2), metadata=md, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert http(port, "/v1/completions", None, {"prompt": [1], "max_tokens": 1})[0] == 401
+    assert len(stub.Complete(request([1], 2), metadata=bearer("legacy-key-0"),
+                             timeout=10).token_ids) == 2
+    # team-a: two requests in flight at most (across the whole deployment)
+    a = bearer("sk-team-a-0001")
+    streams = [stub.Generate(request([5 + i], 400), metadata=a, timeout=60) for i in range(2)]
+    for s in streams:
+        next(s)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Complete(request([9], 2), metadata=a, timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(e.value.trailing_metadata())["retry-after"] == "1"
+    assert "team-a" in e.value.details()
+    status, headers, body = http(port, "/v1/completions", "sk-team-a-0001",
+                                 {"prompt": [1], "max_tokens": 1})
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert body["error"]["type"] == "rate_limit_error"
+    for s in streams:
+        s.cancel()
+    assert wait_until(lambda: stub.Complete(request([9], 1), metadata=a, timeout=10)
+                      .token_ids, timeout=10)
+    # team-b: 100 tokens a minute, charged as prompt + max_tokens
+    b = bearer("sk-team-b-0002")
+    assert len(stub.Complete(request([1] * 10, 50), metadata=b, timeout=10).token_ids) == 50
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Complete(request([1] * 10, 50), metadata=b, timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert 50 <= int(dict(e.value.trailing_metadata())["retry-after"]) <= 60
+    status, headers, _ = http(port, "/v1/completions", "sk-team-b-0002",
+                              {"prompt": [1] * 10, "max_tokens": 50})
+    assert status == 429 and 50 <= int(headers["Retry-After"]) <= 60
+    assert len(stub.Complete(request([1] * 10, 30), metadata=b, timeout=10).token_ids) == 30
+    # bulk: its default priority is 10; it may not ask for less than 5, nor load adapters
+    bulk = bearer("sk-bulk-00003")
+    assert stub.Complete(request([1], 1, priority=5), metadata=bulk, timeout=10).token_ids
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Complete(request([1], 1, priority=0), metadata=bulk, timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert http(port, "/v1/completions", "sk-bulk-00003",
+                {"prompt": [1], "max_tokens": 1, "priority": 4})[0] == 403
+    assert http(port, "/v1/completions", "sk-bulk-00003",
+                {"prompt": [1], "max_tokens": 1})[0] == 200
+    status, _, body = http(port, "/v1/load_lora_adapter", "sk-bulk-00003",
+                           {"lora_name": "x", "lora_path": "x"})
+    assert status == 403 and "load_adapters" in body["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.LoadAdapter(generate_pb2.LoadAdapterRequest(name="x", path="x"), metadata=bulk,
+                         timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # team-a may: the request goes on to the workers (the null worker has no LoRA slots)
+    status, _, body = http(port, "/v1/load_lora_adapter", "sk-team-a-0001",
+                           {"lora_name": "x", "lora_path": "x"})
+    assert status != 403 and "load_adapters" not in json.dumps(body)
+
+
+def test_sighup_reloads_keys_without_dropping_streams(serve, tmp_path, eos):
+    import signal
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS[:1]))
+    stub, sched = serve(step_ms=3, extra=["--api-keys", str(keys)])
+    a = bearer("sk-team-a-0001")
+    stream = stub.Generate(request([3], 300), metadata=a, timeout=60)
+    first = next(stream)
+    keys.write_text(json.dumps([{"name": "team-d", "key": "sk-team-d-0004",
+                                 "max_concurrent": 1}]))
+    sched.popen.send_signal(signal.SIGHUP)
+
+    def refused_a() -> bool:
+        try:
+            stub.Complete(request([1], 1), metadata=a, timeout=5)
+            return False
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert wait_until(refused_a, timeout=10)
+    d = bearer("sk-team-d-0004")
+    assert stub.Complete(request([1], 1), metadata=d, timeout=10).token_ids
+    # a file that does not parse keeps the keys
+    keys.write_text("{not json")
+    sched.popen.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert stub.Complete(request([1], 1), metadata=d, timeout=10).token_ids
+    assert sched.popen.poll() is None
+    rest = list(stream)   # the stream of the key that is gone ran to its end
+    assert ids_of([first, *rest]) == expected_tokens([3], 300, VOCAB, eos)
+    assert "not reloaded" in sched.output(None)
+
+
+def test_fair_shares_between_two_saturating_keys(serve, tmp_path):
+    """Key a keeps 24 requests in flight, key b 8, on 8 seats: first come first served
+    would give a 3 tokens for every one of b's; fair shares give each half (within 10%).
+    With b gone quiet, a alone keeps all 8 seats."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"name": "a", "key": "sk-fair-aaaa"},
+                                {"name": "b", "key": "sk-fair-bbbb"}]))
+    metrics_port = free_port()
+    stub, _ = serve(step_ms=2, extra=["--api-keys", str(keys), "--max-num-seqs", "8",
+                                      "--metrics-port", str(metrics_port)])
+    tokens = {"a": 0, "b": 0}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def loop(name: str) -> None:
+        md = bearer(f"sk-fair-{name * 4}")
+        while not stop.is_set():
+            n = len(stub.Complete(request([7], 16), metadata=md, timeout=60).token_ids)
+            with lock:
+                tokens[name] += n
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        futs = [pool.submit(loop, "a") for _ in range(24)] + \
+               [pool.submit(loop, "b") for _ in range(8)]
+        time.sleep(2)   # warm up
+        with lock:
+            start = dict(tokens)
+        time.sleep(8)
+        with lock:
+            got = {k: tokens[k] - start[k] for k in tokens}
+        stop.set()
+        for f in futs:
+            f.result()
+    share = got["a"] / (got["a"] + got["b"])
+    print(f"fair shares: tokens a={got['a']} b={got['b']} (a's share {share:.3f})")
+    assert abs(got["a"] - got["b"]) <= 0.1 * max(got.values()), got
+    # per caller in the metrics: requests, tokens, TTFT and queue time by key and priority
+    from test_metrics import scrape_until, value
+
+    def counted(m) -> bool:
+        return sum(value(m, "nanoserve_caller_tokens_total", key=k, priority="0",
+                         kind="generation") for k in "ab") == sum(tokens.values())
+    m = scrape_until(metrics_port, counted)
+    assert counted(m)
+    for k in "ab":
+        n = value(m, "nanoserve_caller_requests_total", key=k, priority="0",
+                  finish_reason="length", code="OK")
+        assert n > 0 and value(m, "nanoserve_caller_time_to_first_token_seconds_count",
+                               key=k, priority="0") == n
+        assert value(m, "nanoserve_caller_queue_time_seconds_count", key=k, priority="0") == n
+
+
+def test_bench_mixed_mode_on_the_null_worker(tmp_path):
+    """client.bench --mixed: the interactive stream's TTFT under the flood, with priorities
+    and as one class (where it queues behind the flood)."""
+    from client import bench
+    out = tmp_path / "mixed.json"
+    assert bench.main(["--null-worker", "--step-ms", "2", "--mixed", "--num-seqs", "48",
+                       "--min-input-len", "20", "--max-input-len", "100", "--min-output-len",
+                       "100", "--max-output-len", "200", "--interactive-requests", "8",
+                       "--interactive-input-len", "32", "--interactive-output-len", "16",
+                       "--interactive-concurrency", "2", "--no-progress",
+                       "--scheduler-args", "--max-num-seqs 16 --frontends 1",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["idle"]["requests"] == 8 and r["flood"]["output_tok_per_s"] > 0
+    for phase in ("priority", "fcfs"):
+        assert r[phase]["requests"] > 0 and r[phase]["flood_failed"] == 0
+    assert r["priority"]["ttft_ms"]["p99"] < r["fcfs"]["ttft_ms"]["p99"]

@@ -75,7 +75,8 @@ def add_adapter_root_flag(parser) -> None:
                              "to DIR (lora_path `sql` reads DIR/sql); the workers resolve it "
                              "(symlinks, `..`) and refuse anything outside DIR (PERMISSION_DENIED, "
                              "HTTP 403). Any caller of the public API (holding the --api-key, "
-                             "when set) may load any adapter under DIR. Unset or empty (the default): both are off "
+                             "when set; with --api-keys, a key with load_adapters) may load any "
+                             "adapter under DIR. Unset or empty (the default): both are off "
                              "(PERMISSION_DENIED, HTTP 403); --lora-modules works either way")
 
 

@@ -101,19 +101,23 @@ def _kind(h: grpc.RpcMethodHandler) -> str:
 
 class AsyncGuard(grpc.aio.ServerInterceptor):
     """grpc.aio server interceptor: a token (if set) on every method but the open ones,
-    requests parsed inside the handler (garbage -> INVALID_ARGUMENT)."""
+    requests parsed inside the handler (garbage -> INVALID_ARGUMENT). `check` instead of a
+    token: whether a call's metadata may pass (several keys)."""
 
-    def __init__(self, token: str | None, open_prefixes: tuple[str, ...] = ()):
+    def __init__(self, token: str | None, open_prefixes: tuple[str, ...] = (),
+                 check: Callable[[Iterable | None], bool] | None = None):
         self.token = token or None
         self.open_prefixes = open_prefixes
+        self.check = check or (None if self.token is None
+                               else lambda metadata: authorized(metadata, self.token))
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
         kind = _kind(handler)
-        if self.token and not details.method.startswith(self.open_prefixes) \
-                and not authorized(details.invocation_metadata, self.token):
+        if self.check is not None and not details.method.startswith(self.open_prefixes) \
+                and not self.check(details.invocation_metadata):
             return _rebuild(handler, kind, None, _async_reject(kind))
         return _rebuild(handler, kind, None,
                         _async_parsing(kind, getattr(handler, kind), handler.request_deserializer))
