@@ -249,6 +249,8 @@ class Stats:
     num_host_kv_blocks: int = 0             # the prefix cache's host tier, in blocks
     num_host_kv_offloaded_blocks: int = 0
     num_host_kv_restored_blocks: int = 0
+    num_priority_preemptions: int = 0       # of num_preemptions, for a higher priority
+    num_deadline_drops: int = 0             # dropped before prefill: deadline unmeetable
 
 
 # ---------------------------------------------------------------------------- conversions

@@ -295,6 +295,8 @@ class EngineCore:
                 "num_kv_blocks": sched.block_manager.num_blocks,
                 "num_free_kv_blocks": sched.block_manager.num_free_blocks,
                 "num_preemptions": sched.num_preemptions, "workers_healthy": e.healthy,
+                "num_priority_preemptions": sched.num_priority_preemptions,
+                "num_deadline_drops": sched.num_deadline_drops,
                 "num_fast_forward_mismatches": sched.num_fast_forward_mismatches,
                 "num_host_kv_blocks": sched.block_manager.num_host_blocks,
                 "num_host_kv_offloaded_blocks": sched.block_manager.num_offloaded,

@@ -214,7 +214,7 @@ class Scheduler:
         gap = now - self._last_schedule
         self._last_schedule = now
         if gap < 1.0:   # busy: a step's time, smoothed (an idle gap is not a step)
-            self._step_s += 0.1 * (gap - self._step_s)
+            self._step_s += (0.1 if self._step_s else 1.0) * (gap - self._step_s)
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
@@ -293,7 +293,8 @@ class Scheduler:
             spec = None     # big batches, or a back-off: every sequence decodes overlapped
         proposals: list[list[int]] | None = None
         drafts: list[int] | None = None
-        if len(self._priorities) > 1:   # highest class first: KV pressure takes the lowest
+        if len(self._priorities) > 1 and bm.num_free_blocks < 2 * len(self.running):
+            # highest class first, where blocks may run out: preemption takes the lowest
             self.running = deque(sorted(self.running, key=_rank))
         while self.running and rows < limit:
             seq = self.running.popleft()

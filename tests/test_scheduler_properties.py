@@ -241,13 +241,15 @@ def reference_completion(seq: Sequence, cfg: SchedulerConfig) -> tuple[list[int]
             return tokens, "length"
 
 
-def admissible_requests(cfg: SchedulerConfig, reqs, base):
+def admissible_requests(cfg: SchedulerConfig, reqs, base, callers: bool = False):
     """(pending [(arrival step, seq)], seqs by id, expected completions, empty streams) for
-    the requests whose prompts fit the config."""
+    the requests whose prompts fit the config. callers: each has one of three priorities
+    and one of two keys (priority preemption, fair shares)."""
     pending = []
     for i, (k, tail, max_tokens, ignore_eos, arrival) in enumerate(reqs):
+        who = dict(priority=(i * 7 + k) % 3, tenant="ab"[(i + arrival) % 2]) if callers else {}
         seq = Sequence(i, base[:k] + tail, SamplingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                           stop_token_ids=(STOP,)))
+                                                           stop_token_ids=(STOP,), **who))
         if 1 <= seq.num_tokens <= cfg.max_model_len and seq.num_blocks(cfg.block_size) <= cfg.num_kv_blocks:
             pending.append((arrival, seq))
     seqs = {seq.seq_id: seq for _, seq in pending}
@@ -268,15 +270,15 @@ def workloads(draw):
     return cfg, reqs
 
 
-@pytest.mark.parametrize("collide", [False, True])
+@pytest.mark.parametrize("collide, callers", [(False, False), (True, False), (False, True)])
 @settings(max_examples=100, deadline=None)
 @given(workload=workloads(), base=base_prompts)
-def test_runs_to_the_reference_completion(collide, workload, base):
+def test_runs_to_the_reference_completion(collide, callers, workload, base):
     cfg, reqs = workload
     with colliding(collide):
         sched = Scheduler(cfg)
         kv = KVModel(sched)
-        pending, seqs, expected, streamed = admissible_requests(cfg, reqs, base)
+        pending, seqs, expected, streamed = admissible_requests(cfg, reqs, base, callers)
         steps = 0
         while pending or sched.has_work():
             for arrival, seq in [p for p in pending if p[0] <= steps]:
@@ -297,6 +299,8 @@ def test_runs_to_the_reference_completion(collide, workload, base):
             check_invariants(sched, kv)
         if sched.num_preemptions:
             event("preemption")
+        if sched.num_priority_preemptions:
+            event("priority preemption")
         assert sched.block_manager.num_free_blocks == cfg.num_kv_blocks
         for seq_id, (tokens, reason) in expected.items():
             seq = seqs[seq_id]
@@ -305,10 +309,10 @@ def test_runs_to_the_reference_completion(collide, workload, base):
             assert streamed[seq_id] == seq.completion_token_ids  # each token streamed once
 
 
-@pytest.mark.parametrize("collide", [False, True])
+@pytest.mark.parametrize("collide, callers", [(False, False), (True, False), (False, True)])
 @settings(max_examples=100, deadline=None)
 @given(workload=workloads(), base=base_prompts)
-def test_overlapped_steps_reach_the_reference_completion(collide, workload, base):
+def test_overlapped_steps_reach_the_reference_completion(collide, callers, workload, base):
     """Engine-style overlap: step N+1 is scheduled (and `advance`d) before step N's ids
     are `resolve`d; decode inputs are placeholders the worker fills. Same outputs."""
     cfg, reqs = workload
@@ -318,7 +322,7 @@ def test_overlapped_steps_reach_the_reference_completion(collide, workload, base
         # placeholder's value: position p holds model_token(seq, p).
         kv = KVModel(sched, lambda seq: [model_token(seq.seq_id, p) if t == PENDING_TOKEN else t
                                          for p, t in enumerate(seq.token_ids)])
-        pending, seqs, expected, streamed = admissible_requests(cfg, reqs, base)
+        pending, seqs, expected, streamed = admissible_requests(cfg, reqs, base, callers)
         in_flight = None
         steps = 0
         while pending or sched.has_work() or in_flight:
@@ -340,6 +344,8 @@ def test_overlapped_steps_reach_the_reference_completion(collide, workload, base
             in_flight = (batch, sampled) if batch is not None else None
             sched.drain_released()
             check_invariants(sched, kv)
+        if sched.num_priority_preemptions:
+            event("priority preemption")
         assert sched.block_manager.num_free_blocks == cfg.num_kv_blocks
         for seq_id, (tokens, reason) in expected.items():
             seq = seqs[seq_id]
