@@ -236,10 +236,10 @@ class Scheduler:
             seq = self.waiting.head()
             if seq.sampling.deadline and not seq.block_table and self._expired(seq):
                 continue
-            if len(self.running) >= cfg.max_num_seqs and not self._make_room(seq):
-                break
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
+            if len(self.running) >= cfg.max_num_seqs and not self._make_room(seq):
+                break
             if seq.sampling.adapter_id:   # a step uses at most max_loras adapters: admit
                 if adapters is None:      # only while its adapter fits beside the running ones
                     adapters = {s.sampling.adapter_id for s in self.running} - {0}
@@ -493,18 +493,19 @@ class Scheduler:
 
     def _end(self, seq: Sequence, pos: int, reason: str) -> None:
         """seq's token at pos ended it: placeholders of steps it should not have run go,
-        its blocks are free (the caller sweeps the queues once per step)."""
+        its blocks are free (a waiting seq leaves its queue here; the caller sweeps
+        `running` once per step)."""
         del seq.token_ids[pos + 1:]
         seq.num_pending_tokens = 0
         del self._live[seq.seq_id]
         self._release(seq)
+        if seq.status is SequenceStatus.WAITING:   # preempted with its last token in flight
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def _sweep(self) -> None:
         self.running = deque(s for s in self.running if s.status is not SequenceStatus.FINISHED)
-        if any(s.status is SequenceStatus.FINISHED for s in self.waiting):
-            self.waiting.sweep()
 
     def _resolve_verify(self, batch: Batch, sampled: list[int],
                         logprobs: list[float] | None) -> list[Sequence]:

@@ -21,7 +21,7 @@ import heapq
 from collections import deque
 from typing import Iterator
 
-from scheduler_service.sequence import Sequence, SequenceStatus
+from scheduler_service.sequence import Sequence
 
 
 class WaitQueue:
@@ -80,16 +80,6 @@ class WaitQueue:
         self._classes.clear()
         self._len = 0
         self._pinned = None
-
-    def sweep(self) -> None:
-        """Drop finished sequences."""
-        live = [s for s in self if s.status is not SequenceStatus.FINISHED]
-        pinned = self._pinned
-        self.clear()
-        for s in live:
-            self.append(s)
-        if pinned is not None and pinned.status is not SequenceStatus.FINISHED:
-            self._pinned = pinned
 
     # ---- order ----------------------------------------------------------------------------
 
