@@ -32,6 +32,7 @@ from nanoserve.v1 import worker_pb2
 from nanoserve.worker_group import GroupInfo, WorkerGroupError
 from scheduler_service import fast_forward
 from scheduler_service.fast_forward import FastForward
+from scheduler_service.pipeline import MAX_DEPTH, PipelineDepth
 from scheduler_service.scheduler import Batch, Scheduler, SchedulerConfig
 from scheduler_service.speculation import Speculator, spec_usage
 from scheduler_service.sequence import (PENDING_TOKEN, SamplingOptions, Sequence, SequenceStatus,
@@ -90,7 +91,8 @@ class Engine:
     def __init__(self, group, info: GroupInfo, config: SchedulerConfig,
                  on_output: Callable[[StepOutputs], None], overlap: bool = True,
                  on_health: Callable[[bool], None] | None = None,
-                 fast_forward: FastForward | None = None, speculator: Speculator | None = None):
+                 fast_forward: FastForward | None = None, speculator: Speculator | None = None,
+                 max_pipeline_depth: int = MAX_DEPTH):
         self.group = group
         self.fast_forward = fast_forward   # None: constrained sequences sample every token
         self.speculator = speculator       # None: no proposals, predictions ignored
@@ -99,7 +101,10 @@ class Engine:
         self.scheduler = Scheduler(config, speculator)
         self.on_output = on_output
         self.on_health = on_health or (lambda healthy: None)
-        self.max_in_flight = 2 if overlap else 1
+        # Steps kept on the workers: 1 without overlap, else chosen from measured times.
+        self.pipeline = PipelineDepth(max_depth=max_pipeline_depth if overlap else 1)
+        # Whether a step may be sent while two are in flight (see _may_chain).
+        self._chained = False
         self.stats = EngineStats()
         self.healthy = True
         self._commands: list[tuple[bool, object]] = []   # (is_add, seq or seq_id)
@@ -199,11 +204,19 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------
 
+    @property
+    def max_in_flight(self) -> int:
+        return self.pipeline.depth
+
     async def run(self) -> None:
         """Keep up to `max_in_flight` steps on the workers: with 2, step N+1 is scheduled
-        and sent while the workers compute step N, so the GPU does not wait for us."""
-        in_flight: deque[tuple[Batch, int, float]] = deque()   # (batch, step id, schedule ms)
+        and sent while the workers compute step N, so the GPU does not wait for us; at
+        short steps more (pipeline.py), each fed the previous one's samples on the worker."""
+        # (batch, step id, schedule ms, when it was sent)
+        in_flight: deque[tuple[Batch, int, float, float]] = deque()
         last_done = time.perf_counter()
+        sent_ms = 0.0   # the engine's time from an answer to the next send (round trip)
+        answered = False
         while not self._stop.is_set():
             if self._commands:
                 self._apply_commands()
@@ -214,8 +227,10 @@ class Engine:
             t0 = time.perf_counter()
             if not in_flight:
                 last_done = t0          # idle time between bursts is not step time
-            batch = (self.scheduler.schedule() if len(in_flight) < self.max_in_flight
-                     and not (in_flight and self.scheduler.wants_sync()) else None)
+            n = len(in_flight)
+            batch = (self.scheduler.schedule() if n < self.max_in_flight
+                     and (n < 2 or self._chained)
+                     and not (n and self.scheduler.wants_sync()) else None)
             if self.scheduler.errors:   # dropped before prefill (a deadline): tell the callers
                 self._dropped(self.scheduler.drain_errors())
             if batch is not None:
@@ -223,18 +238,24 @@ class Engine:
                 self.scheduler.advance(batch)
                 if self._held and batch.is_prefill:
                     self._release_held()
-                schedule_ms = (time.perf_counter() - t0) * 1e3
+                self._chained = self.pipeline.depth > 2 and self._may_chain(batch)
+                t_sent = time.perf_counter()
+                schedule_ms = (t_sent - t0) * 1e3
                 await self.group.send(request)
-                in_flight.append((batch, request.step_id, schedule_ms))
+                in_flight.append((batch, request.step_id, schedule_ms, t_sent))
+                if answered:   # the engine's part of a round trip, after folding an answer in
+                    sent_ms = (t_sent - last_done) * 1e3
+                    answered = False
             if not in_flight or (batch is not None and len(in_flight) < self.max_in_flight):
                 continue
-            oldest, step_id, schedule_ms = in_flight.popleft()
+            oldest, step_id, schedule_ms, t_sent = in_flight.popleft()
             t1 = time.perf_counter()
             try:
                 resp = await self.group.receive(step_id)
             except WorkerGroupError as e:
-                await self._recover([oldest] + [b for b, _, _ in in_flight], e)
+                await self._recover([oldest] + [b for b, *_ in in_flight], e)
                 in_flight.clear()
+                self._chained = False
                 continue
             t2 = time.perf_counter()
             outputs = self._finish_step(oldest, resp)
@@ -251,15 +272,30 @@ class Engine:
                 s.decode_worker_ms += resp.step_ms
                 s.decode_gpu_ms += resp.gpu_ms
                 s.decode_postprocess_ms += (t3 - t2) * 1e3
+                self.pipeline.observe((t3 - t_sent) * 1e3 - resp.step_ms + sent_ms,
+                                      resp.gpu_ms or resp.step_ms)
             if outputs:
                 self.on_output(outputs)
             last_done = t3
+            answered = True
 
     def _dropped(self, errors: list[tuple[int, str, str]]) -> None:
         if self.fast_forward is not None:
             for seq_id, _, _ in errors:
                 self.fast_forward.drop(seq_id)
         self.on_output(StepOutputs(errors=errors))
+
+    def _may_chain(self, batch: Batch) -> bool:
+        """Whether the next step may be sent before the answer of the one before `batch`
+        (a third step in flight). Its placeholder inputs (-1) name the samples of the step
+        sent last, so every running sequence still waiting for a sample must be in `batch`:
+        a decode step of all of them (a prefill step's sequences and one skipped by a
+        decode step wait for their samples first). Not with proposals or drafts (verify
+        steps settle how far a sequence got) nor grammars (fast-forward and the masks
+        want each token known a step after its sample, as DESIGN.md plans)."""
+        return (not batch.is_prefill and batch.proposals is None and batch.drafts is None
+                and len(batch.seqs) == len(self.scheduler.running)
+                and not any(s.sampling.grammar for s in batch.seqs))
 
     def _build_step(self, batch: Batch) -> worker_pb2.StepRequest:
         self._step_id += 1
