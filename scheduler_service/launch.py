@@ -7,7 +7,8 @@ control plane is restarted on its own; both after a backoff (supervision.Restart
 A restarted group starts from spare worker processes that did their imports while the old
 one served (--standby-workers).
 Meanwhile the scheduler keeps every request and re-prefills it once the workers are back,
-so clients see a pause. It stops on Ctrl-C / SIGTERM, or when a group crash-loops. This is
+so clients see a pause. It stops on Ctrl-C / SIGTERM, or when a group crash-loops; SIGHUP
+goes on to the scheduler (it re-reads --api-keys). This is
 what `make serve` and `make demo` run; docker-compose.yml is the same layout in containers.
 """
 from __future__ import annotations
@@ -223,8 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal stopping
         stopping = True
 
+    def hangup(*_):   # the scheduler re-reads --api-keys (its streams keep running)
+        for p in scheduler.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, hangup)
     for u in units:
         u.start()
     code = 0
