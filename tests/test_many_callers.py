@@ -253,7 +253,7 @@ def test_sighup_reloads_keys_without_dropping_streams(serve, tmp_path, eos):
     import signal
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(KEYS[:1]))
-    stub, sched = serve(step_ms=3, extra=["--api-keys", str(keys)])
+    stub, sched = serve(step_ms=3, extra=["--api-keys", str(keys), "--frontends", "2"])
     a = bearer("sk-team-a-0001")
     stream = stub.Generate(request([3], 300), metadata=a, timeout=60)
     first = next(stream)
@@ -261,12 +261,17 @@ def test_sighup_reloads_keys_without_dropping_streams(serve, tmp_path, eos):
                                  "max_concurrent": 1}]))
     sched.popen.send_signal(signal.SIGHUP)
 
-    def refused_a() -> bool:
-        try:
-            stub.Complete(request([1], 1), metadata=a, timeout=5)
-            return False
-        except grpc.RpcError as e:
-            return e.code() == grpc.StatusCode.UNAUTHENTICATED
+    def refused_a() -> bool:   # by both frontends: a new connection each, 4 times
+        for _ in range(4):
+            with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
+                try:
+                    generate_pb2_grpc.GenerationStub(ch).Complete(request([1], 1), metadata=a,
+                                                                  timeout=5)
+                    return False
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                        return False
+        return True
     assert wait_until(refused_a, timeout=10)
     d = bearer("sk-team-d-0004")
     assert stub.Complete(request([1], 1), metadata=d, timeout=10).token_ids
@@ -279,6 +284,31 @@ def test_sighup_reloads_keys_without_dropping_streams(serve, tmp_path, eos):
     rest = list(stream)   # the stream of the key that is gone ran to its end
     assert ids_of([first, *rest]) == expected_tokens([3], 300, VOCAB, eos)
     assert "not reloaded" in sched.output(None)
+
+
+def test_concurrency_limit_holds_across_frontends(serve, tmp_path):
+    """Two frontends, a new connection per request (each may land on either): the key's
+    limit of 2 is the deployment's, not each frontend's."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS[:1]))
+    _, sched = serve(extra=["--api-keys", str(keys), "--frontends", "2"])
+    a = bearer("sk-team-a-0001")
+    channels = [grpc.insecure_channel(f"127.0.0.1:{sched.port}") for _ in range(6)]
+    try:
+        stubs = [generate_pb2_grpc.GenerationStub(ch) for ch in channels]
+        streams = [stubs[i].Generate(request([5 + i], 2000), metadata=a, timeout=60)
+                   for i in range(2)]
+        for st in streams:
+            next(st)
+        for stub in stubs[2:]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Complete(request([9], 2), metadata=a, timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for st in streams:
+            st.cancel()
+    finally:
+        for ch in channels:
+            ch.close()
 
 
 def test_fair_shares_between_two_saturating_keys(serve, tmp_path):
