@@ -284,6 +284,7 @@ class Generation:
         opts.priority = key.default_priority if priority is None else priority
         why = key.check_priority(opts.priority)
         if why is not None:
+            _refused(key.name, why)
             raise RequestError("PERMISSION_DENIED", why)
 
     # ---- prompts ----------------------------------------------------------------------

@@ -113,8 +113,10 @@ def request_ended(finish_reason: str, code: str = "OK") -> None:
 
 
 def caller(key: str, priority: int) -> tuple[str, str]:
-    """The per-caller labels of a request."""
-    return key or "-", str(priority)
+    """The per-caller labels of a request. Keys come from the operator's file; priorities
+    from callers, so past +-16 they share a label (bounded series)."""
+    return key or "-", (str(priority) if -16 <= priority <= 16
+                        else "<-16" if priority < 0 else ">16")
 
 
 class EngineCoreMetrics:
