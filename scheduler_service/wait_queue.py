@@ -30,6 +30,7 @@ class WaitQueue:
         self._len = 0
         self._pinned: Sequence | None = None
         self.counters: dict[str, float] = {}   # VTC: tokens computed per key (virtual)
+        self._floor = 0.0   # the counter of the key admitted last (nobody waiting: the lift)
 
     # ---- deque-like surface the scheduler (and tests) use ---------------------------------
 
@@ -88,11 +89,15 @@ class WaitQueue:
         if self._pinned is not None:
             return self._pinned
         keys = self._classes[min(self._classes)]
-        if len(keys) == 1:
-            return next(iter(keys.values()))[0]
         c = self.counters
-        return min((q[0] for q in keys.values()),
-                   key=lambda s: (c.get(s.sampling.tenant, 0.0), s.order))
+        if len(keys) == 1:
+            seq = next(iter(keys.values()))[0]
+        else:
+            seq = min((q[0] for q in keys.values()),
+                      key=lambda s: (c.get(s.sampling.tenant, 0.0), s.order))
+        if c:
+            self._floor = c.get(seq.sampling.tenant, 0.0)
+        return seq
 
     def popleft(self) -> Sequence:
         seq = self.head()
@@ -110,8 +115,10 @@ class WaitQueue:
 
     def _lift(self, tenant: str) -> None:
         """A key with nothing waiting gets work: no less than the least counter of the
-        keys waiting, so time spent idle is not saved up as a burst."""
+        keys waiting (with none waiting: of the key admitted last), so time spent idle is
+        not saved up as a burst that would hold the others back."""
         waiting = [self.counters.get(t, 0.0) for keys in self._classes.values()
                    for t, q in keys.items() if q and t != tenant]
-        if waiting:
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(waiting))
+        floor = min(waiting) if waiting else self._floor
+        if floor > self.counters.get(tenant, 0.0):
+            self.counters[tenant] = floor

@@ -165,3 +165,16 @@ def test_deadline_that_cannot_be_met_is_dropped_before_prefill():
     assert s.drain_errors() == [(2, "DEADLINE_EXCEEDED",
                                  "the request's deadline passed before it could start")]
     assert s.num_deadline_drops == 1 and s.block_manager.num_free_blocks == 64
+
+
+def test_an_idle_key_saves_up_no_burst():
+    """Key a ran alone (nothing of it waiting when b arrives): b is lifted to a's counter,
+    so a's next requests are not held back until b has caught up on a's whole history."""
+    s = make(max_num_seqs=1)
+    run_all(s, {0: [seq(i, [i], tenant="a", max_tokens=4) for i in range(1, 4)],
+                1: [seq(100, [9], tenant="b", max_tokens=4)]})   # two keys: counting is on
+    for i in range(4, 12):   # a alone for a while
+        run_all(s, {0: [seq(i, [i], tenant="a", max_tokens=4)]})
+    order = run_all(s, {0: [seq(200 + i, [i], tenant="b", max_tokens=4) for i in range(4)],
+                        1: [seq(300 + i, [i], tenant="a", max_tokens=4) for i in range(4)]})
+    assert any(x >= 300 for x in order[:4]), order   # a and b alternate from here
