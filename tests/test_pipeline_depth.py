@@ -162,3 +162,13 @@ def test_depth_follows_measured_times(device_ms, round_trip_ms, depth):
     for _ in range(50):
         p.observe(round_trip_ms, device_ms)
     assert p.depth == depth
+
+
+@pytest.mark.slow
+def test_step_latency_pairs_every_token_with_its_step():
+    """client.step_latency through real processes: one latency per token after the
+    first, each positive (a token cannot reach the client before its step ends)."""
+    from client.step_latency import measure
+    lat = measure(step_ms=0.5, requests=2, output_len=20, prompt_len=8)
+    assert len(lat) == 2 * 19
+    assert all(0 < x < 1000 for x in lat)

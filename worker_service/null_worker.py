@@ -92,6 +92,12 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.grammar_tokenizer = (load_tokenizer(model_dir, vocab_size, eos_token_id)
                                   if model_dir else None)
         self.grammar: GrammarState | None = None
+        # NANOSERVE_NULL_STEP_LOG=PATH: one line per answered step, "step_id done_at
+        # num_sampled" (done_at on time.perf_counter()'s clock, CLOCK_MONOTONIC: the same in
+        # every process of the host), so client/step_latency.py can time each token from
+        # its step's end to the client.
+        path = os.environ.get("NANOSERVE_NULL_STEP_LOG")
+        self.step_log = open(path, "a", buffering=1) if path else None
 
     async def Info(self, request, context):
         block_size = request.block_size or 16
@@ -140,6 +146,9 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(*item)
                 await clock.until(item.done_at)
                 item.resp.step_ms = (time.perf_counter() - item.t0) * 1e3
+                if self.step_log is not None:
+                    self.step_log.write(f"{item.resp.step_id} {item.done_at:.6f} "
+                                        f"{len(item.resp.sampled_token_ids_i32) // 4}\n")
                 self.metrics.stepped(item.resp.step_ms, item.resp.gpu_ms)
                 yield item.resp
         finally:
