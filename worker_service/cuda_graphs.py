@@ -43,33 +43,40 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
-def padded(values: np.ndarray | None, n: int, fill: int) -> np.ndarray:
-    """`values` followed by `fill` up to n entries (None: all fill)."""
-    out = np.full(n, fill, dtype=np.int64)
-    if values is not None:
-        out[:len(values)] = values
-    return out
-
-
 class StaticLoad:
-    """A step's values for the graphs' static input buffers, gathered by destination and
-    copied with one host-to-device transfer (a copy per buffer would be a launch each)."""
+    """Where one bucket's static inputs come from: a host array laid out by name (each
+    input's slice, and its value where a step leaves it unset: padding), copied with one
+    host-to-device transfer and spread over the buffers (a copy per buffer from the host
+    would be a transfer each). Built once per bucket; a step fills a copy of the template
+    by name, plus at most one part whose shape is the step's (its block tables)."""
 
-    def __init__(self) -> None:
-        self.parts: list[tuple[torch.Tensor, np.ndarray]] = []
+    def __init__(self, parts: list[tuple[str, torch.Tensor, int]]) -> None:
+        """parts: (name, destination view of a static buffer, padding value)."""
+        self.dests = [dest for _, dest, _ in parts]
+        ends = np.cumsum([dest.numel() for dest in self.dests])
+        self.bounds = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
+        self.slices = {name: slice(a, b) for (name, _, _), (a, b) in zip(parts, self.bounds)}
+        self.template = np.concatenate([np.full(dest.numel(), fill, np.int64)
+                                        for _, dest, fill in parts])
 
-    def put(self, dest: torch.Tensor, values: np.ndarray) -> None:
-        """dest (a view of a static buffer) takes `values` (as many entries, any int type)."""
-        self.parts.append((dest, values))
+    def host(self) -> np.ndarray:
+        """A fresh host array holding the padding; write a step's values by name."""
+        return self.template.copy()
 
-    def copy(self, device: torch.device) -> None:
-        host = np.concatenate([np.asarray(v, np.int64).ravel() for _, v in self.parts])
+    def part(self, host: np.ndarray, name: str) -> np.ndarray:
+        return host[self.slices[name]]
+
+    def copy(self, host: np.ndarray, device: torch.device,
+             tail: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
+        """Copy `host` into the buffers; tail: (destination, values) of the step's own shape,
+        sent in the same transfer."""
+        if tail is not None:
+            host = np.concatenate([host, tail[1].ravel()])
         dev = to_device(host, device)
-        at = 0
-        for dest, values in self.parts:
-            n = dest.numel()
-            dest.copy_(dev[at:at + n].view(dest.shape))
-            at += n
+        for dest, (a, b) in zip(self.dests, self.bounds):
+            dest.copy_(dev[a:b])
+        if tail is not None:
+            tail[0].copy_(dev[len(self.template):].view(tail[0].shape))
 
 
 @dataclass
@@ -130,6 +137,18 @@ class DecodeGraphs:
         self.lora_slot = torch.full((max_batch,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+        self.loads = {bs: self._static_load(bs) for bs in self.buckets}
+
+    def _static_load(self, bs: int) -> StaticLoad:
+        """Bucket bs's inputs; padding rows store nothing (slot -1), attend to nothing
+        (context 0) and are runs of one (place 0, one row left)."""
+        parts = [("input_ids", self.input_ids[:bs], 0), ("positions", self.positions[:bs], 0),
+                 ("slot_mapping", self.slot_mapping[:bs], -1),
+                 ("context_lens", self.context_lens[:bs], 0),
+                 ("run_place", self.runs[:bs], 0), ("run_left", self.runs[bs:2 * bs], 1)]
+        if self.lora is not None:
+            parts.append(("lora_slot", self.lora_slot[:bs], -1))
+        return StaticLoad(parts)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -176,20 +195,21 @@ class DecodeGraphs:
         plan = step.plan
         n, w = len(plan.rows), plan.block_tables.shape[1]
         bs = next(b for b in self.buckets if b >= n)
+        load = self.loads[bs]
+        host = load.host()
+        if step.ids is None:
+            load.part(host, "input_ids")[:n] = plan.token_ids
+        load.part(host, "positions")[:n] = plan.positions
+        load.part(host, "slot_mapping")[:n] = (plan.slot_mapping if step.slot_mapping is None
+                                               else step.slot_mapping)
+        load.part(host, "context_lens")[:n] = plan.positions + 1
         runs = decode_runs(plan.rows)
-        ids = np.where(plan.token_ids < 0, 0, plan.token_ids) if step.ids is None else None
-        slots = plan.slot_mapping if step.slot_mapping is None else step.slot_mapping
-        load = StaticLoad()
-        load.put(self.input_ids[:bs], padded(ids, bs, 0))
-        load.put(self.positions[:bs], padded(plan.positions, bs, 0))
-        load.put(self.slot_mapping[:bs], padded(slots, bs, -1))
-        load.put(self.context_lens[:bs], padded(plan.positions + 1, bs, 0))
-        load.put(self.runs[:bs], padded(None if runs is None else runs[0], bs, 0))
-        load.put(self.runs[bs:2 * bs], padded(None if runs is None else runs[1], bs, 1))
-        load.put(self.block_tables[:n, :w], plan.block_tables)
-        if self.lora is not None:
-            load.put(self.lora_slot[:bs], padded(step.lora, bs, -1))
-        load.copy(self.device)
+        if runs is not None:
+            load.part(host, "run_place")[:n] = runs[0]
+            load.part(host, "run_left")[:n] = runs[1]
+        if self.lora is not None and step.lora is not None:
+            load.part(host, "lora_slot")[:n] = step.lora
+        load.copy(host, self.device, (self.block_tables[:n, :w], plan.block_tables))
         if step.ids is not None:
             self.input_ids[:n] = step.ids
         elif step.fill is not None:
@@ -250,6 +270,14 @@ class PrefillGraphs:
         self.lora_slot = torch.full((t,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+        # padding tokens store nothing and belong to no sequence
+        parts = [("input_ids", self.input_ids, 0), ("positions", self.positions, 0),
+                 ("slot_mapping", self.slot_mapping, -1), ("last", self.last, 0),
+                 ("context_lens", self.context_lens, 0), ("cu_q", self.cu_seqlens_q[1:], 0),
+                 ("cu_k", self.cu_seqlens_k[1:], 0), ("block_table", self.block_tables[0], 0)]
+        if lora is not None:
+            parts.append(("lora_slot", self.lora_slot, -1))
+        self.static = StaticLoad(parts)
 
     def fits(self, step: StepInputs) -> bool:
         plan = step.plan
@@ -265,20 +293,19 @@ class PrefillGraphs:
         n = int(plan.num_tokens[row])
         first = int(plan.num_tokens[:row].sum())   # the row's tokens in the plan's arrays
         rows = slice(first, first + n)
-        t, bucket = self.max_tokens, next(b for b in self.buckets if b >= n)
+        bucket = next(b for b in self.buckets if b >= n)
         ctx = int(plan.start_pos[row]) + n
-        load = StaticLoad()
-        load.put(self.input_ids, padded(plan.token_ids[rows], t, 0))
-        load.put(self.positions, padded(plan.positions[rows], t, 0))
-        load.put(self.slot_mapping, padded(plan.slot_mapping[rows], t, -1))
-        load.put(self.last, np.array([n - 1]))
-        load.put(self.context_lens, np.array([ctx]))
-        load.put(self.cu_seqlens_q[1:], np.array([n]))
-        load.put(self.cu_seqlens_k[1:], np.array([ctx]))
-        load.put(self.block_tables[0], padded(plan.block_tables[row], self.max_blocks, 0))
-        if self.lora is not None:
-            load.put(self.lora_slot, padded(None if step.lora is None else step.lora[rows], t, -1))
-        load.copy(self.device)
+        load = self.static
+        host = load.host()
+        load.part(host, "input_ids")[:n] = plan.token_ids[rows]
+        load.part(host, "positions")[:n] = plan.positions[rows]
+        load.part(host, "slot_mapping")[:n] = plan.slot_mapping[rows]
+        for name, value in (("last", n - 1), ("context_lens", ctx), ("cu_q", n), ("cu_k", ctx)):
+            load.part(host, name)[0] = value
+        load.part(host, "block_table")[:plan.block_tables.shape[1]] = plan.block_tables[row]
+        if self.lora is not None and step.lora is not None:
+            load.part(host, "lora_slot")[:n] = step.lora[rows]
+        load.copy(host, self.device)
         return bucket
 
     def forward(self, bucket: int) -> torch.Tensor:

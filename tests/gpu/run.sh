@@ -73,7 +73,8 @@
 #            scheduler per setting through gRPC: the random 0.6B at batch 1 and 8 (256 in, 512 out,
 #            greedy) and nano-vllm's workload (SEAM_BIG_RUNS, 2); the 0.6B "count" model drafting
 #            for itself (k=4: every draft right) and a random EAGLE-3 head at the 0.6B's shapes,
-#            batch 1 and 8: tok/s and acceptance must be unchanged within noise
+#            batch 1 and 8 (SEAM_CONFIGS picks among "plain draft eagle3"; SEAM_BIG_RUNS=0 skips
+#            the big workload): tok/s and acceptance must be unchanged within noise
 #   hostkv   the prefix cache's host tier at Qwen3-8B shapes (HOSTKV_MODEL): block copy bandwidth
 #            (tests/gpu/bench_host_kv.py), then HOSTKV_PARTS ("chat big paced"), the tier off and
 #            at HOSTKV_GB (48): chat = client.bench --multi-turn (HOSTKV_CONVS 32 x HOSTKV_TURNS 6,
@@ -484,7 +485,9 @@ for w in ${*:-kernels model bench}; do
       trees=""; for i in $(seq "${SEAM_ROUNDS:-1}"); do trees="$trees ${SEAM_BASE:-} $PWD"; done
       for tree in $trees; do
         who=$( [ "$tree" = "$PWD" ] && echo this || echo base)
-        for cfg in "plain:$NANOSERVE_QWEN06B:" "draft:$D:$D" "eagle3:$NANOSERVE_QWEN06B:$E"; do
+        for tag in ${SEAM_CONFIGS:-plain draft eagle3}; do
+          cfg=$(case $tag in plain) echo "plain:$NANOSERVE_QWEN06B:" ;; draft) echo "draft:$D:$D" ;;
+                eagle3) echo "eagle3:$NANOSERVE_QWEN06B:$E" ;; esac)
           tag=${cfg%%:*}; rest=${cfg#*:}; M=${rest%%:*}; DM=${rest#*:}; WA=(); SA=()
           [ -n "$DM" ] && WA=(--draft-model "$DM") && SA=(--speculative draft
             --num-speculative-tokens 4 --no-speculative-adaptive)
@@ -494,7 +497,7 @@ for w in ${*:-kernels model bench}; do
             python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
               --max-model-len 4096 --log-level WARNING "${SA[@]}" > "$OUT/seam_sched.log" 2>&1 & SP=$!
             batches_1_8 "$OUT/seam_sched.log" seam "${who}_$tag"
-            if [ "$tag" = plain ]; then
+            if [ "$tag" = plain ] && [ "${SEAM_BIG_RUNS:-2}" != 0 ]; then
               echo "== ${who}_$tag nano-vllm workload"
               timeout 200 python3 -m client.bench --no-progress --device-name "$GPU" \
                 --target 127.0.0.1:50051 --warmup 8 --runs "${SEAM_BIG_RUNS:-2}" \

@@ -167,6 +167,7 @@ def prefill_graph_check(path, kv_fp8: bool = False, reps: int = 7) -> list[dict]
                                       max_model_len=4096, kv_cache_dtype="fp8" if kv_fp8 else "auto"))
     runner.init_kv(64, 256)
     from worker_service.cuda_graphs import PrefillGraphs
+    from worker_service.executors import StepInputs
     executors = list(runner.executors)
     graphs = next(e for e in executors if isinstance(e, PrefillGraphs))
     assert graphs.max_tokens == 2048
@@ -209,7 +210,7 @@ def prefill_graph_check(path, kv_fp8: bool = False, reps: int = 7) -> list[dict]
         req = request(n)
         eager, plan = logits(req, False)
         graph, _ = logits(req, True)
-        assert graphs.fits(plan)
+        assert graphs.fits(StepInputs(plan))
         runner.table.commit(plan)
         rows.append({"what": str(n), "rel": rel(graph, eager),
                      "argmax_same": bool((graph.argmax(-1) == eager.argmax(-1)).all()),
@@ -235,7 +236,7 @@ def prefill_graph_check(path, kv_fp8: bool = False, reps: int = 7) -> list[dict]
                                         ).numpy().astype("<i4").tobytes()
     eager, plan = logits(three, False)
     graph, _ = logits(three, True)
-    assert graphs.fits(plan) and graph.shape == eager.shape == (2, runner.vocab_size)
+    assert graphs.fits(StepInputs(plan)) and graph.shape == eager.shape == (2, runner.vocab_size)
     rows.append({"what": "517 + 64 (not sampled) + 1200", "rel": rel(graph, eager),
                  "argmax_same": bool((graph.argmax(-1) == eager.argmax(-1)).all()),
                  "eager_ms": float("nan"), "graph_ms": float("nan")})
