@@ -127,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-request-timeout", type=float, default=0.0,
                    help="seconds an HTTP request may run before it is aborted with 504 "
                         "(0 = no limit)")
+    p.add_argument("--kv-events-config", default="", metavar="JSON",
+                   help="publish KV cache events as vLLM does, for prefix-aware routers "
+                        "(llm-d, vllm-router kv_aware): vLLM's JSON, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                        "\"tcp://*:5558\", \"topic\": \"kv-events\"}' "
+                        "(scheduler_service/kv_events.py)")
     cli.add_metrics_flags(p.add_argument_group("metrics"),
                           "the sum over the engine core and every frontend (prometheus_client "
                           "multiprocess mode, files under the ipc dir)")
@@ -195,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--http-request-timeout must be >= 0")
     if args.priority_preemption_gap < 1:
         p.error("--priority-preemption-gap must be >= 1")
+    if args.kv_events_config:
+        from scheduler_service.kv_events import KVEventsConfig
+        try:
+            KVEventsConfig.from_cli(args.kv_events_config)
+        except (ValueError, TypeError) as e:
+            p.error(f"--kv-events-config: {e}")
     if args.api_keys:
         from scheduler_service.api_keys import KeyRing
         try:   # a bad file fails here, not in every child
@@ -233,7 +246,8 @@ class ControlPlane:
             worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret,
             adapters=tuple(args.adapters), api_keys=args.api_keys,
-            priority_preemption_gap=args.priority_preemption_gap)
+            priority_preemption_gap=args.priority_preemption_gap,
+            kv_events=args.kv_events_config)
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
             reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,

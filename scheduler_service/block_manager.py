@@ -29,6 +29,11 @@ So the rules here:
   * a host slot is read before it is reused: restores are decided in `allocate`, saves in
     `deallocate`, each appended in order, and the copy stream keeps that order (a save that
     evicts a slot's entry comes before any restore could look it up).
+
+KV events (`events` not None, kv_events.py): what enters and leaves each tier's hash table
+is recorded in vLLM's terms, BlockStored when a hash becomes findable (commit, a restore,
+a save to the host), BlockRemoved when it stops being (a block handed out fresh, a host
+slot reused), AllBlocksCleared when both tiers are dropped (`clear`).
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ from itertools import count
 
 import xxhash
 
+from scheduler_service.kv_events import (
+    MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent)
 from scheduler_service.sequence import Sequence
 
 
@@ -79,12 +86,14 @@ class Block:
     # chain even if the hash collides, without storing whole prefixes.
     content_id: int | None = None
     parent_content_id: int | None = None  # the previous block's content_id (None: block 0)
+    parent_hash: int | None = None        # the previous block's hash (KV events name it)
 
     def reset(self) -> None:
         self.hash = None
         self.token_ids = ()
         self.content_id = None
         self.parent_content_id = None
+        self.parent_hash = None
 
 
 OFFLOAD, RESTORE = 0, 1   # transfers: (OFFLOAD, GPU block, host slot), (RESTORE, slot, block)
@@ -98,12 +107,27 @@ class HostBlock:
     token_ids: tuple[int, ...]
     content_id: int
     parent_content_id: int | None
+    parent_hash: int | None = None
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        self.events: list[KVEvent] | None = None   # KV events since drained (None: off)
+        self._init(num_blocks, block_size, num_host_blocks)
+
+    def clear(self) -> None:
+        """Forget every block and host slot (the workers' KV is gone); KV events go on."""
+        self._init(self.num_blocks, self.block_size, self.num_host_blocks)
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _init(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
         self.num_host_blocks = num_host_blocks
         self.host: OrderedDict[int, HostBlock] = OrderedDict()   # hash -> contents, LRU first
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
@@ -204,6 +228,9 @@ class BlockManager:
             block.token_ids = tokens
             block.parent_content_id = parent.content_id if parent else root[1]
             block.content_id = twin.content_id if twin else next(self._content_ids)
+            block.parent_hash = parent.hash if parent else None
+            if self.events is not None and block.hash not in self.hash_to_block:
+                self._stored(block.hash, block.parent_hash, tokens, root[0], MEDIUM_GPU)
             self.hash_to_block[block.hash] = block.block_id  # newest wins; twins are equal
             seq.num_hashed_blocks += 1
 
@@ -258,12 +285,19 @@ class BlockManager:
         if held is not None:   # same hash, other contents (a collision): replace it
             del self.host[block.hash]
             self.host_free.append(held.slot)
+            if self.events is not None:
+                self.events.append(BlockRemoved([block.hash], MEDIUM_CPU))
         if self.host_free:
             slot = self.host_free.pop()
         else:   # the least recently used slot (a restore from it earlier in the list reads first)
-            slot = self.host.popitem(last=False)[1].slot
+            _, gone = self.host.popitem(last=False)
+            slot = gone.slot
+            if self.events is not None:
+                self._removed(gone.hash, MEDIUM_CPU)
         self.host[block.hash] = HostBlock(slot, block.hash, block.token_ids, block.content_id,
-                                          block.parent_content_id)
+                                          block.parent_content_id, block.parent_hash)
+        if self.events is not None:
+            self._stored(block.hash, block.parent_hash, block.token_ids, None, MEDIUM_CPU)
         self.transfers.append((OFFLOAD, block.block_id, slot))
         self._saving[block.block_id] = slot
         self.num_offloaded += 1
@@ -293,6 +327,9 @@ class BlockManager:
         block = self.blocks[self._take_fresh_block()]
         block.hash, block.token_ids = held.hash, held.token_ids
         block.content_id, block.parent_content_id = held.content_id, held.parent_content_id
+        block.parent_hash = held.parent_hash
+        if self.events is not None and held.hash not in self.hash_to_block:
+            self._stored(held.hash, held.parent_hash, held.token_ids, None, MEDIUM_GPU)
         self.hash_to_block[held.hash] = block.block_id
         self.transfers.append((RESTORE, held.slot, block.block_id))
         self.num_restored += 1
@@ -328,6 +365,30 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
+            if self.events is not None:
+                self._removed(block.hash, MEDIUM_GPU)
         block.reset()
         block.ref_count = 1
         return block_id
+
+    # ---- KV events ----------------------------------------------------------------
+
+    def _stored(self, h: int, parent: int | None, tokens: tuple[int, ...], lora_id: int | None,
+                medium: str) -> None:
+        """BlockStored for one block, merged into the previous event when it continues its
+        chain on the same medium (vLLM sends a prefill's new blocks as one event)."""
+        last = self.events[-1] if self.events else None
+        if (isinstance(last, BlockStored) and last.medium == medium and parent is not None
+                and last.block_hashes[-1] == parent):
+            last.block_hashes.append(h)
+            last.token_ids.extend(tokens)
+            return
+        self.events.append(BlockStored([h], parent, list(tokens), self.block_size, lora_id,
+                                       medium))
+
+    def _removed(self, h: int, medium: str) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(h)
+        else:
+            self.events.append(BlockRemoved([h], medium))

@@ -34,6 +34,7 @@ from scheduler_service import ipc, metrics
 from scheduler_service.api_keys import KeyRing, Quotas
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.fast_forward import FastForward
+from scheduler_service.kv_events import KVEventsConfig, ZmqEventPublisher
 from scheduler_service.speculation import SpecConfig, Speculator
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.worker_client import WorkerGroup, wait_for_group
@@ -63,6 +64,7 @@ class EngineCoreConfig:
     adapters: tuple[tuple[str, str], ...] = ()   # --lora-modules: (name, path) each
     api_keys: str | None = None          # --api-keys FILE: per-key quotas (api_keys.py)
     priority_preemption_gap: int = 1     # --priority-preemption-gap (scheduler.py)
+    kv_events: str = ""                  # --kv-events-config JSON (kv_events.py), "": off
 
 
 class EngineCore:
@@ -73,6 +75,7 @@ class EngineCore:
         self.sock: zmq.asyncio.Socket | None = None
         self.frontends: set[bytes] = set()
         self.quotas = Quotas(KeyRing(config.api_keys))   # per key, across all frontends
+        self.kv_events: ZmqEventPublisher | None = None   # --kv-events-config
 
     async def serve(self, ready) -> None:
         """Connect to the workers, tell the supervisor (`ready`, a Connection), run."""
@@ -122,12 +125,18 @@ class EngineCore:
         tasks = [asyncio.ensure_future(self._read())]
         if metrics.enabled():
             tasks.append(asyncio.ensure_future(self._sync_metrics()))
+        if cfg.kv_events and (kv_cfg := KVEventsConfig.from_cli(cfg.kv_events)).active:
+            self.kv_events = ZmqEventPublisher(kv_cfg)
+            self.engine.scheduler.block_manager.events = []
+            tasks.append(asyncio.ensure_future(self._flush_kv_events()))
         try:
             await self.engine.run()
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.kv_events is not None:
+                self.kv_events.close()
             await group.close()
             ctx.destroy(linger=0)
             if os.getppid() == 1:   # the supervisor died (SIGKILL): nobody else cleans up
@@ -139,6 +148,18 @@ class EngineCore:
         while True:
             m.sync(self.engine)
             await asyncio.sleep(interval_s)
+
+    async def _flush_kv_events(self, interval_s: float = 0.05) -> None:
+        """KV events go out with each step's outputs; this sends those of idle spells (a
+        worker's restart clearing the cache, evictions while nothing streams)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        bm = self.engine.scheduler.block_manager
+        if bm.events:
+            self.kv_events.publish(bm.drain_events())
 
     # ---- frontends -> core ------------------------------------------------------------
 
@@ -311,6 +332,8 @@ class EngineCore:
 
     def _send_outputs(self, out: StepOutputs) -> None:
         """One message per frontend that has sequences in this step's output."""
+        if self.kv_events is not None:
+            self._publish_kv_events()
         if self.quotas.owner:   # sequences of keys with limits end
             for f in out.finished:
                 self.quotas.release(f[0])

@@ -184,8 +184,7 @@ class Scheduler:
         live = list(self.running) + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
-        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size,
-                                          self.config.num_host_kv_blocks)
+        self.block_manager.clear()   # in place: its KV events go on (AllBlocksCleared)
         for seq in live:
             if seq.num_pending_tokens:
                 del seq.token_ids[seq.num_tokens - seq.num_pending_tokens:]
