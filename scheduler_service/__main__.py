@@ -247,7 +247,7 @@ class ControlPlane:
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret,
             adapters=tuple(args.adapters), api_keys=args.api_keys,
             priority_preemption_gap=args.priority_preemption_gap,
-            kv_events=args.kv_events_config)
+            kv_events=args.kv_events_config, served_model_name=args.served_model_name)
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
             reuse_port=args.frontends > 1, max_message_mb=args.max_message_mb,

@@ -65,6 +65,7 @@ class EngineCoreConfig:
     api_keys: str | None = None          # --api-keys FILE: per-key quotas (api_keys.py)
     priority_preemption_gap: int = 1     # --priority-preemption-gap (scheduler.py)
     kv_events: str = ""                  # --kv-events-config JSON (kv_events.py), "": off
+    served_model_name: str = ""          # vLLM-named metrics' model_name ("": the model's dir)
 
 
 class EngineCore:
@@ -144,9 +145,11 @@ class EngineCore:
 
     async def _sync_metrics(self, interval_s: float = 0.5) -> None:
         """Prometheus sees the engine's own counters, at most interval_s old."""
-        m = metrics.EngineCoreMetrics()
+        name = self.config.served_model_name or os.path.basename(
+            os.path.normpath(self.info.get("model") or self.config.model_dir))
+        m = metrics.EngineCoreMetrics(name)
         while True:
-            m.sync(self.engine)
+            m.sync(self.engine, {i: n for i, n, _ in self.group.adapters})
             await asyncio.sleep(interval_s)
 
     async def _flush_kv_events(self, interval_s: float = 0.05) -> None:

@@ -14,10 +14,18 @@ Who records what, keeping the hot path cheap:
   already keeps (EngineStats, Scheduler.num_preemptions, the BlockManager's free list,
   the queue times the Engine noted) into Prometheus objects. The engine loop itself
   observes nothing.
+
+Beside its own names, the engine core exports the load signals routers read from vLLM
+under vLLM's names (the Gateway API Inference Extension's endpoint picker scores queue
+depth, KV utilisation and LoRA affinity from them): vllm:num_requests_waiting,
+vllm:num_requests_running, vllm:gpu_cache_usage_perc and vllm:kv_cache_usage_perc (0..1,
+blocks in use / blocks), vllm:lora_requests_info (value: the time of the update; labels
+max_lora, running_lora_adapters, waiting_lora_adapters: comma-separated names).
 """
 from __future__ import annotations
 
 import os
+import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -97,6 +105,19 @@ SPEC_ACCEPTED_LENGTH = Histogram("nanoserve_spec_accepted_per_verify",
                                  "Proposed tokens accepted per sequence and verify step",
                                  buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
 
+# ---- engine core: vLLM's names, for routers (labelled by model_name like vLLM's) ----------
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed",
+                     ["model_name"], multiprocess_mode="livesum")
+VLLM_RUNNING = Gauge("vllm:num_requests_running", "Requests in model execution batches",
+                     ["model_name"], multiprocess_mode="livesum")
+VLLM_GPU_CACHE = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                       ["model_name"], multiprocess_mode="livemax")
+VLLM_KV_CACHE = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                      ["model_name"], multiprocess_mode="livemax")
+VLLM_LORA_INFO = Gauge("vllm:lora_requests_info", "Running stats on lora requests",
+                       ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                       multiprocess_mode="livemostrecent")
+
 # EngineStats field -> the phase label it feeds
 _PHASES = {"decode_wall_ms": "wall", "decode_schedule_ms": "schedule", "decode_rpc_ms": "rpc",
            "decode_worker_ms": "worker", "decode_gpu_ms": "gpu",
@@ -123,18 +144,22 @@ class EngineCoreMetrics:
     """Copies the engine core's own bookkeeping into the Prometheus objects: counters by
     the delta since the last sync (so a restarted core adds on), gauges as they are."""
 
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
         self._last: dict[str, float] = {}
         self._decode = {phase: DECODE_SECONDS.labels(phase) for phase in _PHASES.values()}
+        self._vllm = [g.labels(model_name) for g in (VLLM_WAITING, VLLM_RUNNING, VLLM_GPU_CACHE,
+                                                     VLLM_KV_CACHE)]
 
     def _delta(self, key: str, value: float) -> float:
         d = value - self._last.get(key, 0)
         self._last[key] = value
         return max(d, 0)
 
-    def sync(self, engine) -> None:
+    def sync(self, engine, adapters: dict[int, str] | None = None) -> None:
+        """adapters: LoRA adapter id -> name (vllm:lora_requests_info names them)."""
         sched, stats = engine.scheduler, engine.stats
         bm = sched.block_manager
+        self.sync_vllm(sched, bm, getattr(engine.info, "max_loras", 0), adapters or {})
         RUNNING.set(len(sched.running))
         WAITING.set(len(sched.waiting))
         KV_TOTAL.set(bm.num_blocks)
@@ -158,6 +183,21 @@ class EngineCoreMetrics:
         queued, engine.queue_times = engine.queue_times, []
         for q in queued:
             QUEUE_TIME.observe(q)
+
+
+    def sync_vllm(self, sched, bm, max_loras: int, adapters: dict[int, str]) -> None:
+        waiting, running, gpu, kv = self._vllm
+        waiting.set(len(sched.waiting))
+        running.set(len(sched.running))
+        usage = bm.num_used_blocks / bm.num_blocks
+        gpu.set(usage)
+        kv.set(usage)
+
+        def names(seqs) -> str:
+            return ",".join(sorted({adapters.get(s.sampling.adapter_id, str(s.sampling.adapter_id))
+                                    for s in seqs if s.sampling.adapter_id}))
+        VLLM_LORA_INFO.labels(str(max_loras), names(sched.waiting), names(sched.running)).set(
+            time.time())
 
 
 def serve(port: int, host: str, path: str) -> None:
