@@ -43,12 +43,24 @@ class ModelConfig(SimpleNamespace):
         return dict(vars(self))
 
 
-def load_config(model_dir: str) -> ModelConfig:
-    """config.json of model_dir with transformers' defaults filled in; rejects model
-    families we cannot build."""
+def merge_overrides(fields: dict, overrides: dict) -> dict:
+    """fields updated by overrides, nested dicts merged key by key (vLLM's --hf-overrides):
+    {"rope_scaling": {"factor": 8}} changes one key of the checkpoint's rope_scaling."""
+    merged = dict(fields)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = merge_overrides(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+def load_config(model_dir: str, overrides: dict | None = None) -> ModelConfig:
+    """config.json of model_dir, updated by `overrides` (the worker's --hf-overrides and
+    --rope-scaling) before anything reads it, with transformers' defaults filled in;
+    rejects model families we cannot build."""
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
-        fields = json.load(f)
+        fields = merge_overrides(json.load(f), overrides or {})
     model_type = fields.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir} "

@@ -152,16 +152,18 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
 
 def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | None = None,
                device: torch.device | str = "cpu", attn_backend=None, quantization: str = "auto",
-               phases: dict[str, float] | None = None) -> tuple[Qwen3ForCausalLM, ModelConfig]:
+               phases: dict[str, float] | None = None, hf_overrides: dict | None = None
+               ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """Build the model directly on `device` in `dtype` (default: the checkpoint's) and load
-    this TP rank's shards; quantization (QUANTIZATIONS): FP8 linear layers or not. Returns
+    this TP rank's shards; quantization (QUANTIZATIONS): FP8 linear layers or not;
+    hf_overrides: config.json fields replaced before the model is built. Returns
     (model in eval mode, config). `phases` gets the seconds of each part (the worker's
     start-up line): model build, weights (copies), waiting for reads, fp8 quantize."""
     phases = {} if phases is None else phases
     t = time.perf_counter()
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}: expected one of {QUANTIZATIONS}")
-    config = load_config(model_dir)
+    config = load_config(model_dir, hf_overrides)
     blocks = fp8_blocks(config)
     dtype = dtype or config_dtype(config)
     previous = torch.get_default_dtype()

@@ -26,7 +26,7 @@ from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.moe import Qwen3MoeSparseMoeBlock, is_sparse_layer
 from models.parallel import TPGroup
-from models.rotary import RotaryEmbedding, rope_theta_from_config
+from models.rotary import RotaryEmbedding, rope_from_config
 
 
 def _head_dim(config) -> int:
@@ -52,8 +52,7 @@ class Qwen3Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
-                                          rope_theta_from_config(config))
+        self.rotary_emb = RotaryEmbedding(head_dim, rope=rope_from_config(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
 
     def decode_step(self) -> AttentionBlockStep:

@@ -91,10 +91,10 @@ def test_non_qwen3_model_type_rejected(ckpt):
 
 
 @pytest.mark.parametrize("rope", [
-    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                         "original_max_position_embeddings": 128}},
+    {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                         "long_factor": [1.0], "short_factor": [1.0]}},
     {"rope_parameters": None, "rope_theta": 10000.0,
-     "rope_scaling": {"type": "linear", "factor": 2.0}},     # transformers 4 spelling
+     "rope_scaling": {"type": "proportional", "factor": 2.0}},     # transformers 4 spelling
 ])
 def test_unsupported_rope_scaling_rejected(ckpt, rope):
     edit_config(ckpt, lambda c: c.update(rope))
@@ -108,7 +108,7 @@ def test_rope_theta_both_config_spellings():
     assert rope_theta_from_config(v4) == 1e6
     assert rope_theta_from_config(v5) == 5e5
     with pytest.raises(ValueError, match="unsupported rope_scaling"):
-        rope_theta_from_config(SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "llama3"}))
+        rope_theta_from_config(SimpleNamespace(rope_theta=1e4, rope_scaling={"rope_type": "mrope"}))
 
 
 def test_dtype_from_config_and_override(tmp_path_factory):

@@ -42,6 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weights: auto = as the checkpoint is (block-scaled FP8 checkpoints: fp8); fp8 = "
                         "e4m3 linear layers with per-channel scales, activations quantized per "
                         "token (about half the weight bytes; sm_89+ GPUs for the FP8 GEMM)")
+    p.add_argument("--rope-scaling", type=json_object, default=None, metavar="JSON",
+                   help='RoPE scaling replacing the checkpoint\'s, e.g. \'{"rope_type": "yarn", '
+                        '"factor": 4.0, "original_max_position_embeddings": 32768}\' (yarn, '
+                        'llama3, linear, dynamic); the context grows with it')
+    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="config.json fields replaced before the model is built (nested dicts "
+                        "merged key by key), as vLLM's --hf-overrides")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
@@ -169,6 +176,22 @@ def serve_metrics(args: argparse.Namespace) -> None:
                              f"{args.metrics_port}: {e}") from e
 
 
+def json_object(text: str) -> dict:
+    """A flag's JSON object (argparse type)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def hf_overrides_of(args: argparse.Namespace) -> dict | None:
+    """--hf-overrides with --rope-scaling as its rope_scaling (the flag wins)."""
+    overrides = dict(args.hf_overrides or {})
+    if args.rope_scaling is not None:
+        overrides["rope_scaling"] = args.rope_scaling
+    return overrides or None
+
+
 def server_credentials_of(args: argparse.Namespace):
     from nanoserve.security import server_credentials
     return server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -251,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=args.model, device=device, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization, draft_model=args.draft_model,
+        hf_overrides=hf_overrides_of(args),
         draft_sampling=args.draft_sampling, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,

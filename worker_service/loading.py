@@ -58,7 +58,7 @@ def load(config, tp: TPGroup, kv_fp8: bool, phases: dict[str, float]) -> Loaded:
     # auto times flash_attn (when its build covers the model) and triton on this
     # rank's attention shapes and keeps the faster: kernels/backend_choice.py.
     with phase(phases, "config"):
-        hf = load_config(config.model_dir)
+        hf = load_config(config.model_dir, config.hf_overrides)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     shapes = AttentionShapes(num_heads=hf.num_attention_heads // tp.size,
                              num_kv_heads=max(1, kv_heads // tp.size),
@@ -68,7 +68,7 @@ def load(config, tp: TPGroup, kv_fp8: bool, phases: dict[str, float]) -> Loaded:
     log.info("attention backend: %s", backend.name)
     model, hf_config = load_model(config.model_dir, tp=tp, dtype=dtype, device=device,
                                   attn_backend=backend, quantization=config.quantization,
-                                  phases=phases)   # weights and their parts
+                                  phases=phases, hf_overrides=config.hf_overrides)
     dtype = next(model.parameters()).dtype
     drafter = None
     if config.draft_model:

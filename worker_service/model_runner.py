@@ -33,6 +33,7 @@ import torch
 
 from models.parallel import TPGroup
 from models.qwen3 import kv_cache_layers
+from models.rotary import max_positions
 from nanoserve.v1 import worker_pb2
 from worker_service import loading
 from worker_service.executors import Eager, Executor, Forward, StepInputs, run
@@ -68,6 +69,7 @@ class RunnerConfig:
     max_lora_rank: int = 16
     draft_model: str = ""                 # speculative decoding's draft model or EAGLE-3 head
     draft_sampling: str = "greedy"        # or sampled: drafts drawn from q (drafter.py)
+    hf_overrides: dict | None = None      # config.json fields replaced (--hf-overrides)
 
 
 log = logging.getLogger("nanoserve.worker")
@@ -92,8 +94,8 @@ class ModelRunner:
         self.grammar_tokenizer = parts.grammar_tokenizer
         self.kv_format = KVFormat(self.dtype, config.kv_cache_dtype == "fp8")
         self.vocab_size = self.hf_config.vocab_size
-        self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
-                                 self.hf_config.max_position_embeddings)
+        limit = max_positions(self.hf_config)   # max_position_embeddings, or RoPE scaling's
+        self.max_model_len = min(config.max_model_len or limit, limit)
         self.attn_layers = kv_cache_layers(self.model)
         self.num_kv_heads = self.attn_layers[0].num_kv_heads   # this rank's share
         self.head_dim = self.attn_layers[0].head_dim
