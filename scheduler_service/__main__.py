@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from nanoserve import cli
+from nanoserve import cli, model_task
 from scheduler_service.speculation import METHODS, SpecConfig
 
 # A frontend's gRPC streaming costs ~50-150 us of CPU per message; at online token rates
@@ -43,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model directory; the scheduler reads its tokenizer and chat template")
     p.add_argument("--workers", required=True,
                    help="comma-separated worker addresses, rank 0 first (host:port,host:port)")
+    p.add_argument("--task", default="auto",
+                   help=model_task.HELP.replace("auto (default): ", "auto (default): what the "
+                        "workers serve (their --task; theirs resolves auto as follows): ")
+                   + "; a request for another task gets INVALID_ARGUMENT / 400")
+    p.add_argument("--score-tokens", default="yes,no", metavar="YES,NO",
+                   help="--task score: the two words whose LM head rows the reranker compares "
+                        "(one token each in the model's vocabulary; Qwen3-Reranker's: yes,no)")
     cli.add_listen_flags(p, 50051, "the public gRPC API")
     p.add_argument("--block-size", type=int, default=256,
                    help="tokens per KV block (prefix-cache granularity; flash-attn wants 256)")
@@ -202,6 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--http-request-timeout must be >= 0")
     if args.priority_preemption_gap < 1:
         p.error("--priority-preemption-gap must be >= 1")
+    if args.task != "auto":
+        try:
+            model_task.resolve(args.task, None)
+        except ValueError as e:
+            p.error(f"--task: {e}")
+    if len([w for w in args.score_tokens.split(",") if w]) != 2:
+        p.error("--score-tokens: two words joined by a comma (yes,no)")
     if args.kv_events_config:
         from scheduler_service.kv_events import KVEventsConfig
         try:
@@ -246,7 +260,7 @@ class ControlPlane:
             worker_tls_ca=args.worker_tls_ca, worker_tls_cert=args.worker_tls_cert,
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret,
             adapters=tuple(args.adapters), api_keys=args.api_keys,
-            priority_preemption_gap=args.priority_preemption_gap,
+            priority_preemption_gap=args.priority_preemption_gap, task=args.task,
             kv_events=args.kv_events_config, served_model_name=args.served_model_name)
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,
@@ -257,7 +271,7 @@ class ControlPlane:
             http_request_timeout=args.http_request_timeout, tls_cert=args.tls_cert,
             tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
             deltas_per_turn=args.stream_deltas_per_turn, adapter_root=args.adapter_root,
-            api_keys=args.api_keys)
+            api_keys=args.api_keys, score_tokens=tuple(args.score_tokens.split(",")))
             for i in range(args.frontends)]
         self.policies = {name: RestartPolicy() for name in
                          ["engine core"] + [f"frontend {i}" for i in range(args.frontends)]}

@@ -61,9 +61,12 @@ class StepOutputs:
     # (seq_id, reason, *usage(seq)): what the request's usage reports
     finished: list[tuple] = field(default_factory=list)
     errors: list[tuple[int, str, str]] = field(default_factory=list)    # (seq_id, status code, message)
+    # (seq_id, little-endian float32 bytes): a pooling sequence's answer (its embedding or
+    # score), in place of a token; it is in `finished` too
+    pooled: list[tuple[int, bytes]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.seq_ids or self.finished or self.errors)
+        return bool(self.seq_ids or self.finished or self.errors or self.pooled)
 
 
 @dataclass
@@ -352,6 +355,11 @@ class Engine:
                 work.block_table_i32 = array("i", seq.block_table).tobytes()
                 s = seq.sampling
                 work.adapter_id = s.adapter_id
+                if s.pooling:   # answers its pooled hidden state, not a sample
+                    work.pooling.kind = s.pooling
+                    work.pooling.dimensions = s.dimensions
+                    if s.score_ids:
+                        work.pooling.yes_token_id, work.pooling.no_token_id = s.score_ids
                 work.sampling.temperature = s.temperature
                 work.sampling.top_p = s.top_p
                 work.sampling.top_k = s.top_k
@@ -393,6 +401,9 @@ class Engine:
             logprobs = lp.tolist()
         tokens = sampled.tolist()
         done = self.scheduler.resolve(batch, tokens, logprobs)
+        pooled = self._pooled(batch, resp, done) if resp.pooled_sizes_i32 else None
+        if pooled is not None:   # their "token" is a 0 standing in for the answer
+            done = [s for s in done if not s.sampling.pooling]
         if batch.drafts is not None:
             self._take_drafts(batch, resp)
         rows = self.scheduler.resolved_rows   # a verify step: the sample of each token
@@ -418,8 +429,29 @@ class Engine:
             done = list(dict.fromkeys(done))   # a seq per token: finished once
         out.finished = [(s.seq_id, s.finish_reason, *usage(s))
                         for s in done if s.status is SequenceStatus.FINISHED]
+        if pooled is not None:
+            out.finished += [(s.seq_id, "stop", *usage(s)) for s, _ in pooled]
+            out.pooled = [(s.seq_id, v) for s, v in pooled]
         if self.fast_forward is not None:
             self._fast_forward(done, out)
+        return out
+
+    @staticmethod
+    def _pooled(batch: Batch, resp: worker_pb2.StepResponse, done: list[Sequence]
+                ) -> list[tuple[Sequence, bytes]]:
+        """The pooling sequences that ended this step and their answers (worker.proto's
+        pooled_f32: one run of floats each, in request order), those aborted since left out."""
+        sizes = array("i")
+        sizes.frombytes(resp.pooled_sizes_i32)
+        seqs = [s for s, answers in zip(batch.seqs, batch.sample) if answers and s.sampling.pooling]
+        if len(sizes) != len(seqs):
+            raise ValueError(f"{len(sizes)} pooled answers for {len(seqs)} pooling seqs")
+        ended = {id(s) for s in done}
+        out, at, raw = [], 0, resp.pooled_f32
+        for seq, n in zip(seqs, sizes):
+            if id(seq) in ended:
+                out.append((seq, raw[at:at + 4 * n]))
+            at += 4 * n
         return out
 
     def _fast_forward(self, done: list[Sequence], out: StepOutputs) -> None:

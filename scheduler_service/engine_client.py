@@ -41,7 +41,7 @@ class EngineUnavailable(RuntimeError):
 class RequestStream:
     """Results of one sequence (one of a request's n completions) not yet taken by its handler."""
     __slots__ = ("seq_id", "token_ids", "logprobs", "top_logprobs", "finish", "error", "_waiter",
-                 "_first", "prompt_ids", "sampling", "sibling", "generated")
+                 "_first", "prompt_ids", "sampling", "sibling", "generated", "pooled")
 
     def __init__(self, seq_id: int, prompt_ids: array | None = None,
                  sampling: SamplingOptions | None = None, sibling: int = 0):
@@ -56,6 +56,7 @@ class RequestStream:
         self.top_logprobs: list[tuple[list[int], list[float]]] = []  # one per token when asked
         self.finish: tuple | None = None   # (reason, *engine.usage(seq))
         self.error: tuple[str, str] | None = None    # (status code name, message)
+        self.pooled: bytes | None = None   # a pooling request's answer (float32), at its finish
         self._waiter: asyncio.Future | None = None
         self._first = True    # nothing handed out yet: the next delta carries the TTFT
 
@@ -180,7 +181,10 @@ class EngineClient:
             msg = ipc.unpack(await self.sock.recv())
             kind = msg[0]
             if kind == ipc.OUT:
-                _, seq_ids, token_ids, logprobs, finished, errors, top = msg
+                _, seq_ids, token_ids, logprobs, finished, errors, top, *pooled = msg
+                for seq_id, values in pooled[0] if pooled else ():   # before their finish
+                    if (s := streams.get(seq_id)) is not None:
+                        s.pooled = values
                 ids = array("Q")
                 ids.frombytes(seq_ids)
                 toks = array("i")

@@ -64,6 +64,7 @@ class EngineCoreConfig:
     adapters: tuple[tuple[str, str], ...] = ()   # --lora-modules: (name, path) each
     api_keys: str | None = None          # --api-keys FILE: per-key quotas (api_keys.py)
     priority_preemption_gap: int = 1     # --priority-preemption-gap (scheduler.py)
+    task: str = "auto"                   # --task: what the APIs serve (nanoserve/model_task.py)
     kv_events: str = ""                  # --kv-events-config JSON (kv_events.py), "": off
     served_model_name: str = ""          # vLLM-named metrics' model_name ("": the model's dir)
 
@@ -90,6 +91,7 @@ class EngineCore:
             raise WorkerGroupError("--speculative draft: the workers have no draft model "
                                    "(start them with --draft-model DIR)", lost=False)
         max_model_len = min(cfg.max_model_len or info.max_model_len, info.max_model_len)
+        tasks = self._tasks(info.task)
         sched = SchedulerConfig(num_kv_blocks=info.num_kv_blocks, block_size=cfg.block_size,
                                 max_num_seqs=cfg.max_num_seqs,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -99,7 +101,7 @@ class EngineCore:
                                 priority_preemption_gap=cfg.priority_preemption_gap)
         self.group = group
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
-                     "adapters": self._adapter_names()}
+                     "adapters": self._adapter_names(), "task": ",".join(tasks)}
         self._adapter_op = asyncio.Lock()   # one load / unload at a time
         self._gone: set[int] = set()        # adapter ids unloaded (or being unloaded)
         # never reused while this core lives: its prefix cache keys blocks by adapter id
@@ -142,6 +144,18 @@ class EngineCore:
             ctx.destroy(linger=0)
             if os.getppid() == 1:   # the supervisor died (SIGKILL): nobody else cleans up
                 shutil.rmtree(cfg.ipc_dir, ignore_errors=True)
+
+    def _tasks(self, served: str) -> tuple[str, ...]:
+        """--task (auto: what the workers serve), each one the workers must serve."""
+        from nanoserve import model_task
+        workers = model_task.parse(served)
+        if self.config.task == "auto":
+            return workers
+        tasks = model_task.resolve(self.config.task, None)
+        if missing := [t for t in tasks if t not in workers]:
+            raise WorkerGroupError(f"--task {','.join(missing)}: the workers serve "
+                                   f"{','.join(workers)} (start them with --task)", lost=False)
+        return tasks
 
     async def _sync_metrics(self, interval_s: float = 0.5) -> None:
         """Prometheus sees the engine's own counters, at most interval_s old."""
@@ -346,6 +360,7 @@ class EngineCore:
         owners = {s >> shift for s in out.seq_ids}
         owners.update(f[0] >> shift for f in out.finished)
         owners.update(e[0] >> shift for e in out.errors)
+        owners.update(p[0] >> shift for p in out.pooled)
         if len(owners) == 1:   # the usual case: one frontend
             self._send_part(owners.pop(), out)
             return
@@ -356,13 +371,16 @@ class EngineCore:
                 logprobs=None if out.logprobs is None else [out.logprobs[i] for i in rows],
                 top_logprobs=None if out.top_logprobs is None else [out.top_logprobs[i] for i in rows],
                 finished=[f for f in out.finished if f[0] >> shift == owner],
-                errors=[e for e in out.errors if e[0] >> shift == owner]))
+                errors=[e for e in out.errors if e[0] >> shift == owner],
+                pooled=[p for p in out.pooled if p[0] >> shift == owner]))
 
     def _send_part(self, owner: int, out: StepOutputs) -> None:
-        self.sock.send_multipart([ipc.identity(owner), ipc.pack([
-            ipc.OUT, array("Q", out.seq_ids).tobytes(), array("i", out.token_ids).tobytes(),
-            array("f", out.logprobs).tobytes() if out.logprobs is not None else b"",
-            out.finished, out.errors, _pack_top(out.top_logprobs)])])
+        msg = [ipc.OUT, array("Q", out.seq_ids).tobytes(), array("i", out.token_ids).tobytes(),
+               array("f", out.logprobs).tobytes() if out.logprobs is not None else b"",
+               out.finished, out.errors, _pack_top(out.top_logprobs)]
+        if out.pooled:   # embeddings and scores (ipc.py)
+            msg.append(out.pooled)
+        self.sock.send_multipart([ipc.identity(owner), ipc.pack(msg)])
 
     def _send_health(self, healthy: bool) -> None:
         for ident in self.frontends:

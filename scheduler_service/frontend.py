@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import uuid
+from array import array
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +26,7 @@ from scheduler_service.api_keys import OPEN, ApiKey, KeyRing
 from scheduler_service.engine_client import EngineClient, EngineUnavailable
 from scheduler_service.generation import (Generation, Limits, RequestError, Usage, adapter_id,
                                           invalid, sampling_from_proto)
+from scheduler_service.pooling import EMBED, SCORE, Pooling
 from scheduler_service.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.frontend")
@@ -36,10 +38,12 @@ _FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINIS
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     """nanoserve.v1.Generation over gRPC: a thin adapter on `Generation`."""
 
-    def __init__(self, gen: Generation, model_name: str, keys: KeyRing | None = None):
+    def __init__(self, gen: Generation, model_name: str, keys: KeyRing | None = None,
+                 pooling: Pooling | None = None):
         self.gen = gen
         self.model_name = model_name
         self.keys = keys or KeyRing()
+        self.pooling = pooling or Pooling(gen, gen.tasks, gen.engine.info.get("hidden_size", 0))
 
     def _key(self, context) -> ApiKey:
         """The caller's key (the interceptor let only known keys in)."""
@@ -115,6 +119,36 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             out.finish_reason = first.finish_reason
         return out
 
+    async def Embed(self, request, context):
+        p = self.pooling
+        try:
+            p.require("embed")
+            prompts = [_embed_input(p, i, request.truncate) for i in request.inputs]
+            opts = p.options(EMBED, self._key(context), _priority(request), request.dimensions,
+                             _deadline(context))
+            out = await p.run(prompts, opts)
+        except RequestError as e:
+            await _abort(context, e)
+        return generate_pb2.EmbedResponse(
+            request_id=request.request_id or uuid.uuid4().hex, usage=_pool_usage(out),
+            embeddings=[generate_pb2.Embedding(index=i, values=_floats(v))
+                        for i, v in enumerate(out.values)])
+
+    async def Score(self, request, context):
+        p = self.pooling
+        try:
+            p.require("score")
+            prompts = [p.score_prompt(request.query, d, request.instruction, request.truncate)
+                       for d in request.documents]
+            opts = p.options(SCORE, self._key(context), _priority(request),
+                             deadline=_deadline(context))
+            out = await p.run(prompts, opts)
+        except RequestError as e:
+            await _abort(context, e)
+        return generate_pb2.ScoreResponse(
+            request_id=request.request_id or uuid.uuid4().hex, usage=_pool_usage(out),
+            scores=[_floats(v)[0] for v in out.values])
+
     async def Tokenize(self, request, context):
         try:
             if request.WhichOneof("input") == "chat":
@@ -132,7 +166,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             model=self.model_name, vocab_size=limits.vocab_size,
             max_model_len=limits.max_model_len, eos_token_id=info["eos_token_id"],
             tensor_parallel_size=info["world_size"], block_size=info["block_size"],
-            num_kv_blocks=info["num_kv_blocks"], adapters=list(self.gen.engine.adapters))
+            num_kv_blocks=info["num_kv_blocks"], adapters=list(self.gen.engine.adapters),
+            task=",".join(self.gen.tasks), hidden_size=info.get("hidden_size", 0))
 
     async def LoadAdapter(self, request, context):
         return await self._change_adapter(context, "load", request.name, request.path)
@@ -159,6 +194,30 @@ async def _abort(context, e: RequestError) -> None:
     if e.retry_after is not None:
         context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
     await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+
+def _embed_input(p: Pooling, i: generate_pb2.EmbedInput, truncate: bool) -> list[int]:
+    if i.WhichOneof("input") == "token_ids":
+        return p.embed_prompt(ids=list(i.token_ids.ids), truncate=truncate)
+    return p.embed_prompt(text=i.text, truncate=truncate)
+
+
+def _priority(request) -> int | None:
+    return request.priority if request.HasField("priority") else None
+
+
+def _deadline(context) -> float:
+    """The caller's deadline on the engine core's clock (0: none)."""
+    remaining = context.time_remaining()
+    return 0.0 if remaining is None else time.monotonic() + remaining
+
+
+def _floats(values: bytes) -> list[float]:
+    return array("f", values).tolist()
+
+
+def _pool_usage(out) -> generate_pb2.Usage:
+    return generate_pb2.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
 
 
 def _top(top: list[tuple[list[int], list[float]]]) -> list[generate_pb2.TopLogprobs]:
@@ -232,6 +291,7 @@ class FrontendConfig:
     deltas_per_turn: int = 8      # stream deltas per event-loop turn (turn_budget.py); 0 = any
     adapter_root: str | None = None   # LoRA adapters at run time from here (None: off)
     api_keys: str | None = None       # --api-keys FILE (api_keys.py), re-read on SIGHUP
+    score_tokens: tuple[str, str] = ("yes", "no")   # --score-tokens (pooling.py)
 
 
 async def serve(cfg: FrontendConfig, ready) -> None:
@@ -255,7 +315,8 @@ async def serve(cfg: FrontendConfig, ready) -> None:
                     structured_output=bool(info.get("structured_output")))
     gen = Generation(engine, tokenizer, limits, cfg.deltas_per_turn, cfg.adapter_root)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(info["model"] or cfg.model))
-    service = GenerationService(gen, name, keys)
+    pooling = Pooling(gen, gen.tasks, info.get("hidden_size", 0), cfg.score_tokens)
+    service = GenerationService(gen, name, keys, pooling)
     server, port, health_servicer = await build_server(
         service, cfg.host, cfg.port, cfg.max_message_mb << 20, cfg.reuse_port, cfg.api_key,
         server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))

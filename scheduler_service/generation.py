@@ -238,6 +238,8 @@ class Generation:
         # End-of-sequence ids beyond the model's own (generation_config may list several).
         self.extra_eos_ids = frozenset(t for t in tokenizer.eos_token_ids
                                        if t < limits.vocab_size) - {engine.info["eos_token_id"]}
+        # What the deployment serves (--task): an embed or score one does not generate.
+        self.tasks = tuple((engine.info.get("task") or "generate").split(","))
 
     # ---- LoRA adapters at run time ----------------------------------------------------
 
@@ -333,6 +335,11 @@ class Generation:
         finish_reason, the request's last delta also the usage summed over all of them."""
         start = time.monotonic()
         who = metrics.caller(sampling.tenant, sampling.priority)
+        if "generate" not in self.tasks:
+            metrics.request_ended("error", "INVALID_ARGUMENT")
+            served = ",".join(self.tasks)
+            raise invalid(f"this deployment serves {served} (--task {served}), not generate: "
+                          "completions and chat need a server started with --task generate")
         if not self.accepting:
             metrics.request_ended("error", "UNAVAILABLE")
             raise RequestError("UNAVAILABLE", "server is shutting down")

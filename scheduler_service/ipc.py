@@ -32,7 +32,8 @@ core -> frontend
         engine.usage), errors =
         [[seq_id, status code name, message]], top = [] when nobody asked for
         top_logprobs, else [k_u8 (one per listed sequence, 0 = none), ids_i32, logprobs_f32]
-        with each sequence's k alternatives in turn
+        with each sequence's k alternatives in turn; then, when some sequence pooled,
+        pooled = [[seq_id, values_f32], ...] (its embedding or score; no token listed)
     [HEALTH, healthy]                    the worker group went down or came back
     [STATS, request_id, stats]
     [ADAPTER, request_id, error]         error: None (done) or [status code name, message]
@@ -105,4 +106,5 @@ def unpack_sampling(values: list) -> SamplingOptions:
     s.stop_token_ids = tuple(s.stop_token_ids)
     s.logit_bias = tuple(map(tuple, s.logit_bias))
     s.prediction = tuple(s.prediction)
+    s.score_ids = tuple(s.score_ids)
     return s

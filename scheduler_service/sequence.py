@@ -55,6 +55,12 @@ class SamplingOptions:
     priority: int = 0                 # lower = earlier (vLLM's meaning)
     tenant: str = ""                  # the API key's name: quotas and fair shares
     deadline: float = 0.0             # time.monotonic() the caller gives up at; 0 = none
+    # A pooling request (embeddings, reranker scores: pooling.py): WorkerPooling's kind
+    # (0: none, it generates), its matryoshka dimensions (0: all), a score's (yes, no) ids.
+    # It runs as a prompt with max_tokens 1 whose one "sample" is the pooled answer.
+    pooling: int = 0
+    dimensions: int = 0
+    score_ids: tuple[int, ...] = ()
 
     @property
     def has_penalty(self) -> bool:

@@ -170,7 +170,8 @@ class WorkerGroup:
                               kv_cache_dtype=first.kv_cache_dtype,
                               structured_output=first.structured_output,
                               max_loras=max_loras, num_host_kv_blocks=host_blocks,
-                              draft_model=first.draft_model)
+                              draft_model=first.draft_model, task=first.task or "generate",
+                              hidden_size=first.hidden_size)
         return self.info
 
     async def set_adapters(self, adapters: tuple[tuple[int, str, str], ...]) -> None:

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from nanoserve import cli, process
+from nanoserve import cli, model_task, process
 
 EXIT_GROUP_BROKEN = 69   # == worker_service.distributed.EXIT_GROUP_BROKEN (not imported: no torch for --help)
 
@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Hugging Face model directory (config.json + *.safetensors); required "
                         "unless --null")
     cli.add_listen_flags(p, 50061, "the Worker API")
+    p.add_argument("--task", default="auto", help=model_task.HELP)
     p.add_argument("--device", default=None,
                    help="torch device, e.g. cuda, cuda:1, cpu (default: cuda:<local rank> if "
                         "available, else cpu)")
@@ -157,6 +158,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"TLS: {e}")
     if not args.model and not args.null:
         p.error("--model is required (or --null)")
+    try:
+        args.tasks = model_task.resolve(args.task, args.model)
+    except ValueError as e:
+        p.error(f"--task: {e}")
     if args.null and args.world_size != 1:
         p.error("--null serves a single rank (--world-size 1)")
     if args.host_kv_cache_gb < 0:
@@ -208,7 +213,7 @@ def serve_null(args: argparse.Namespace) -> int:
             limits["max_model_len"] = min(args.max_model_len, limits["max_model_len"])
         servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
-                                      model_dir=args.model, **limits)
+                                      model_dir=args.model, tasks=args.tasks, **limits)
         server, port = await serve(servicer, args.host, args.port, args.secret, args.credentials)
         serve_metrics(args)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager, max_loras=args.max_loras,
         host_kv_cache_gb=args.host_kv_cache_gb,
-        max_lora_rank=args.max_lora_rank)
+        max_lora_rank=args.max_lora_rank, tasks=args.tasks)
     runner = (distributed.TPModelRunner(runner_config, group) if group is not None
               else ModelRunner(runner_config))
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,

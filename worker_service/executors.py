@@ -52,10 +52,12 @@ class StepInputs:
 @dataclass
 class Forward:
     """What a forward leaves. A model: the sampling rows' logits (None where none were
-    asked for or none sample) and the features an EAGLE-3 head needs (None: none asked).
+    asked for or none sample), the features an EAGLE-3 head needs (None: none asked) and
+    the pooling rows' final hidden states (None: the plan pools none; pooler.py).
     An EAGLE-3 head: its next ids and its hidden states."""
     out: torch.Tensor | None
     features: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
 
 class Executor(Protocol):
@@ -65,9 +67,12 @@ class Executor(Protocol):
 
 
 def run(executors: Sequence[Executor], step: StepInputs) -> Forward:
-    """The step through the first executor that takes it (the last, eager, takes all)."""
+    """The step through the first executor that takes it (the last, eager, takes all).
+    A step with pooling rows goes only to executors that return their hidden states
+    (`pools`: the eager one; graphs keep none)."""
+    pools = step.plan.pool is not None
     for executor in executors:
-        if executor.fits(step):
+        if (not pools or getattr(executor, "pools", False)) and executor.fits(step):
             return executor.run(step)
     raise AssertionError("no executor took the step: the eager one must come last")
 
@@ -87,6 +92,7 @@ class Eager:
     """A model's forward op by op: takes every step (the reference path, big batches).
     adapters: the LoRA store whose rows the step sets; feature_layers: the target's
     features an EAGLE-3 head drafts from."""
+    pools = True   # returns the pooling rows' hidden states (Forward.pooled)
 
     def __init__(self, model, device: torch.device, adapters=None,
                  feature_layers: tuple[int, ...] = ()) -> None:
@@ -103,10 +109,12 @@ class Eager:
         meta = step_metadata(plan, dev, step.slot_mapping)
         hidden, features = self.model.features(input_ids(step, dev), to_device(plan.positions, dev),
                                                meta, self.feature_layers)
+        pooled = (hidden.index_select(0, to_device(plan.pool_token_index(), dev))
+                  if plan.pool is not None else None)
         if not step.logits or not plan.num_samples:
-            return Forward(None, features)
+            return Forward(None, features, pooled)
         last = to_device(plan.last_token_index(), dev)
-        return Forward(self.model.compute_logits(hidden.index_select(0, last)), features)
+        return Forward(self.model.compute_logits(hidden.index_select(0, last)), features, pooled)
 
 
 class EagerHead:

@@ -7,7 +7,8 @@ through the step pipeline, in this order (`launch`):
   forward         the first executor that takes the step (executors.py: a CUDA graph,
                   else eager) -> logits of the sampling rows (+ an EAGLE-3 head's features)
   sample          rank 0: logits processors (bias, penalties, masks), then sample or verify
-                  (logits_processors.py)
+                  (logits_processors.py); pooling rows answer their pooled hidden state
+                  (an embedding, a reranker score: pooler.py) instead
   commit          SeqTable.commit; the samples broadcast to every rank (placeholders)
   after-step      the proposer mirrors the step and drafts (proposer.py)
 
@@ -44,6 +45,7 @@ from worker_service.logits_processors import sample_plan
 from worker_service.pending_step import PendingStep
 from worker_service.penalties import PenaltyState
 from worker_service.phases import phase
+from worker_service.pooler import Pooled, Pooler
 from worker_service.sampler import DraftCheck, StepSamples, compile_fused_sampling
 from worker_service.step_plan import SeqTable, StepError, StepPlan
 from worker_service.transfers import to_device
@@ -69,6 +71,7 @@ class RunnerConfig:
     max_lora_rank: int = 16
     draft_model: str = ""                 # speculative decoding's draft model or EAGLE-3 head
     draft_sampling: str = "greedy"        # or sampled: drafts drawn from q (drafter.py)
+    tasks: tuple[str, ...] = ("generate",)  # of generate, embed, score (nanoserve/model_task.py)
     hf_overrides: dict | None = None      # config.json fields replaced (--hf-overrides)
 
 
@@ -107,6 +110,7 @@ class ModelRunner:
         self.penalties: PenaltyState | None = None   # rank 0 (it samples): penalized seqs
         self.grammar: GrammarState | None = None     # rank 0: constrained seqs' matchers
         self.executors: list[Executor] = self._eager()   # graphs join them at init_kv
+        self.pooler = Pooler(self.model, tp)   # pooling rows' answers (embeddings, scores)
         # Samples of the last step that sampled (on device), for placeholder inputs.
         self.last_sampled: torch.Tensor | None = None
         self._await_group()
@@ -205,7 +209,8 @@ class ModelRunner:
             with phase(phases, "host tier"):
                 self.host = HostTier.allocate(self.kv_cache, self.kv_scales, num_host_blocks)
         self.block_size = block_size
-        self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len)
+        self.table = SeqTable(num_blocks, block_size, self.vocab_size, self.max_model_len,
+                              self.config.tasks, self.hf_config.hidden_size)
         self.penalties = PenaltyState(self.vocab_size, self.device) if self.tp.rank == 0 else None
         self.grammar = (GrammarState(self.grammar_tokenizer, self.vocab_size, self.eos_token_id)
                         if self.grammar_tokenizer is not None else None)
@@ -291,8 +296,11 @@ class ModelRunner:
         step = self.inputs(plan)
         fwd = run(self.executors, step)
         samples = self._sample(plan, fwd.out, check)
+        pooled = self._pool(plan, fwd)
         tokens = self._commit(plan, samples)
         self._after_step(step, fwd, tokens, pending)
+        if pooled is not None and self.tp.rank == 0:
+            pending.copy_pooled(pooled, plan.pool_at)
         pending.copy_answer(samples, tokens if self.tp.rank == 0 else None)
         if samples is not None and samples.constrained:   # their matchers take these ids next
             self.grammar.sampled(samples.constrained, pending.host_ids)
@@ -321,6 +329,13 @@ class ModelRunner:
         if logits is None or self.tp.rank != 0:
             return None
         return sample_plan(logits, plan, self.vocab_size, self.penalties, self.grammar, check)
+
+    def _pool(self, plan: StepPlan, fwd: Forward) -> Pooled | None:
+        """The pooling rows' answers from their final hidden states (every rank: a score's
+        LM head rows are sharded); None where the plan pools none."""
+        if fwd.pooled is None:
+            return None
+        return self.pooler.pool(fwd.pooled, plan.pooling)
 
     def _commit(self, plan: StepPlan, samples: StepSamples | None) -> torch.Tensor | None:
         """Advance the sequences' state; every rank gets the samples (its placeholders)."""

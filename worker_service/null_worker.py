@@ -75,10 +75,24 @@ class _Launched:
     resp: worker_pb2.StepResponse
 
 
+NULL_HIDDEN = 1024   # the size of a null worker's embeddings (Qwen3-Embedding-0.6B's)
+
+
+def _made_up_pooled(plan) -> tuple[bytes, bytes]:
+    """(pooled_f32, pooled_sizes_i32) of a plan's pooling rows: a unit vector of the asked
+    size for an embedding, 0.5 for a score (worker.proto's WorkerPooling)."""
+    sizes = [1 if p.kind == worker_pb2.WorkerPooling.KIND_SCORE else p.dimensions or NULL_HIDDEN
+             for p in plan.pooling]
+    values = [np.full(n, 0.5 if n == 1 else n ** -0.5, "<f4") for n in sizes]
+    return np.concatenate(values).tobytes(), np.asarray(sizes, "<i4").tobytes()
+
+
 class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, *, step_ms: float, vocab_size: int, max_model_len: int, eos_token_id: int,
-                 num_kv_blocks: int, model: str = "null", model_dir: str | None = None):
+                 num_kv_blocks: int, model: str = "null", model_dir: str | None = None,
+                 tasks: tuple[str, ...] = ("generate",)):
         self.step_s = step_ms / 1e3
+        self.tasks = tasks   # what Info reports (the table takes every row)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -107,7 +121,7 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.eos_token_id, device="null", dtype="none", attention_backend="none",
             structured_output=self.grammar_tokenizer is not None,
-            draft_model="null")   # drafts: its own next ids (every one accepted)
+            draft_model="null", task=",".join(self.tasks), hidden_size=NULL_HIDDEN)   # drafts: its own next ids (every one accepted)
 
     async def Init(self, request, context):
         if request.num_kv_blocks == 0 or request.block_size == 0:
@@ -171,10 +185,17 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.steps += 1
         self.steps_overlapped += t0 < self.device_free_at
         self.device_free_at = max(now, self.device_free_at) + self.step_s
+        pooled = None
+        if plan.pool is not None:   # pooling rows answer too: a 0 among the samples
+            at = plan.pool_at
+            pooled = _made_up_pooled(plan)
+            tokens = np.insert(tokens, at - np.arange(len(at)), 0)
         resp = worker_pb2.StepResponse(
             step_id=req.step_id, sampled_token_ids_i32=tokens.astype("<i4").tobytes(),
             logprobs_f32=np.zeros(len(tokens), "<f4").tobytes() if want_logprobs else b"",
             gpu_ms=self.step_s * 1e3)
+        if pooled is not None:
+            resp.pooled_f32, resp.pooled_sizes_i32 = pooled
         if plan.drafts is not None:
             resp.draft_token_ids_i32 = draft_ids(self._drafts(plan.drafts, tokens), plan.drafts.k)
         if k := plan.top_logprobs:   # made-up alternatives: the sampled id first, log p 0, -1, ...

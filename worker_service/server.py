@@ -53,7 +53,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             structured_output=r.grammar_tokenizer is not None,
             max_loras=r.config.max_loras, max_lora_rank=r.config.max_lora_rank,
             num_host_kv_blocks=r.host_capacity(block_size),
-            draft_model=r.drafter.name if r.drafter is not None else "")
+            draft_model=r.drafter.name if r.drafter is not None else "",
+            task=",".join(r.config.tasks), hidden_size=r.hf_config.hidden_size)
 
     def Init(self, request, context):
         t0 = time.perf_counter()

@@ -92,6 +92,31 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """A pooling row's answer (worker.proto's WorkerPooling): an embedding or a yes/no score."""
+    kind: int                  # WorkerPooling.KIND_EMBED or KIND_SCORE
+    dimensions: int = 0        # EMBED: first d values (0: all)
+    yes_token_id: int = 0      # SCORE: the LM head rows compared
+    no_token_id: int = 0
+
+    @classmethod
+    def from_proto(cls, p: worker_pb2.WorkerPooling, vocab_size: int, hidden_size: int
+                   ) -> "PoolingParams | None":
+        if p.kind == worker_pb2.WorkerPooling.KIND_NONE:
+            return None
+        if p.kind == worker_pb2.WorkerPooling.KIND_SCORE and not (
+                p.yes_token_id < vocab_size and p.no_token_id < vocab_size):
+            raise StepError(f"score token ids out of range [0, {vocab_size})")
+        if hidden_size and p.dimensions > hidden_size:
+            raise StepError(f"dimensions {p.dimensions} exceed the hidden size {hidden_size}")
+        return cls(p.kind, p.dimensions, p.yes_token_id, p.no_token_id)
+
+
+TASK_KINDS = {worker_pb2.WorkerPooling.KIND_EMBED: "embed",
+              worker_pb2.WorkerPooling.KIND_SCORE: "score"}
+
+
 @dataclass
 class DraftPlan:
     """The sequences of a step that asked for drafts (DecodeBatch.num_drafts_i32), one entry
@@ -139,6 +164,20 @@ class StepPlan:
                                                  # previous step's samples) for placeholders
     sampling: list[SamplingParams] = field(default_factory=list)   # per sampling row
     drafts: DraftPlan | None = None   # sequences that asked for drafts after this step
+    # Rows whose last token is pooled instead of sampled (embeddings, scores): [R] bool,
+    # None where none is; their params in row order. They answer in the sampling rows'
+    # order (StepResponse), so `pool_at` says where among the answers they go.
+    pool: np.ndarray | None = None
+    pooling: list[PoolingParams] = field(default_factory=list)
+
+    @property
+    def pool_at(self) -> np.ndarray:
+        """Each pooling row's index among the step's answers (sampling and pooling rows)."""
+        return np.flatnonzero(self.pool[self.sample | self.pool])
+
+    def pool_token_index(self) -> np.ndarray:
+        """Index into token_ids of each pooling row's last token."""
+        return (np.cumsum(self.num_tokens) - 1)[self.pool]
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -195,7 +234,11 @@ class StepPlan:
 
 
 class SeqTable:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int):
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int,
+                 tasks: tuple[str, ...] = (), hidden_size: int = 0):
+        # tasks: what the worker serves (--task: generate, embed, score); a row for another
+        # is refused. (): every task (tests, tools)
+        self.tasks, self.hidden_size = frozenset(tasks), hidden_size
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -208,6 +251,7 @@ class SeqTable:
         self.computed = np.zeros(0, dtype=np.int64)      # tokens of each row in the KV cache
         self.params: list[SamplingParams] = []
         self.adapter = np.zeros(0, dtype=np.int64)       # each row's LoRA adapter id (0: none)
+        self.pooling: list[PoolingParams | None] = []    # each row's pooling (None: it samples)
         self.last_rows: dict[int, int] = {}   # seq_id -> its row in the last step's samples
 
     def __len__(self) -> int:
@@ -223,6 +267,7 @@ class SeqTable:
             self.table_len = np.concatenate([self.table_len, np.zeros(grow, np.int64)])
             self.computed = np.concatenate([self.computed, np.zeros(grow, np.int64)])
             self.params.extend([GREEDY] * grow)
+            self.pooling.extend([None] * grow)
             self.adapter = np.concatenate([self.adapter, np.zeros(grow, np.int64)])
             self.free_rows = list(range(n + grow - 1, n - 1, -1))
         row = self.free_rows.pop()
@@ -255,6 +300,7 @@ class SeqTable:
         n_tok: list[int] = []
         starts: list[int] = []
         sample: list[bool] = []
+        pool: list[bool] = []   # the row answers its pooled hidden state, not a sample
         for w in req.seqs:
             if w.reset_block_table:
                 self.drop(w.seq_id)
@@ -262,6 +308,7 @@ class SeqTable:
                 self._set_table(row, np.frombuffer(w.block_table_i32, "<i4"), w.seq_id)
                 self.params[row] = SamplingParams.from_proto(w.sampling, self.vocab_size)
                 self.adapter[row] = w.adapter_id
+                self.pooling[row] = self._pooling(w)
             else:
                 row = self.row_of.get(w.seq_id)
                 if row is None:
@@ -272,7 +319,9 @@ class SeqTable:
             rows.append(row)
             n_tok.append(w.num_tokens)
             starts.append(w.start_pos)
-            sample.append(w.sample)
+            pooled = w.sample and self.pooling[row] is not None
+            sample.append(w.sample and not pooled)
+            pool.append(pooled)
         prefill_tokens = np.frombuffer(req.token_ids_i32, "<i4").astype(np.int64)
         if len(prefill_tokens) != sum(n_tok):
             raise StepError(f"step has {len(prefill_tokens)} token ids for {sum(n_tok)} "
@@ -371,11 +420,28 @@ class SeqTable:
         real = token_ids if fill is None else np.delete(token_ids, fill[0])
         if len(real) and (real.min() < 0 or real.max() >= self.vocab_size):
             raise StepError(f"token id out of range [0, {self.vocab_size})")
+        pool_a, pooling = None, []
+        if any(pool):
+            pool_a = np.zeros(len(rows_a), bool)
+            pool_a[:len(pool)] = pool
+            pooling = [self.pooling[r] for r in rows_a[pool_a].tolist()]
+        if self.tasks and "generate" not in self.tasks and sample_a.any():
+            raise StepError(f"this worker serves {','.join(sorted(self.tasks))} (--task): "
+                            "it does not generate")
         sample_rows = rows_a[sample_a].tolist()
         return StepPlan(step_id=req.step_id, seq_ids=seq_ids, rows=rows_a, num_tokens=num_tokens,
                         start_pos=start_pos, token_ids=token_ids, positions=positions,
                         slot_mapping=slots, block_tables=tables, sample=sample_a, fill=fill,
-                        sampling=[self.params[r] for r in sample_rows], drafts=drafts)
+                        sampling=[self.params[r] for r in sample_rows], drafts=drafts,
+                        pool=pool_a, pooling=pooling)
+
+    def _pooling(self, w: worker_pb2.SeqWork) -> PoolingParams | None:
+        """A (re)sent sequence's pooling, checked against what this worker serves."""
+        p = PoolingParams.from_proto(w.pooling, self.vocab_size, self.hidden_size)
+        if p is not None and self.tasks and TASK_KINDS[p.kind] not in self.tasks:
+            raise StepError(f"sequence {w.seq_id}: this worker serves "
+                            f"{','.join(sorted(self.tasks))} (--task), not {TASK_KINDS[p.kind]}")
+        return p
 
     def _drafts(self, d: worker_pb2.DecodeBatch, nd: int, dec_ids: np.ndarray, dec_rows: list[int],
                 per: np.ndarray | None, n_samp: np.ndarray | None, prefill_samples: int,

@@ -35,3 +35,5 @@ class GroupInfo:
     max_loras: int = 0                # LoRA slots (WorkerInfo.max_loras: min over ranks)
     num_host_kv_blocks: int = 0       # host-tier slots (min over ranks)
     draft_model: str = ""             # the drafter's model (WorkerInfo.draft_model; "": none)
+    task: str = "generate"            # what the workers serve, comma-joined (WorkerInfo.task)
+    hidden_size: int = 0              # an embedding's full size (WorkerInfo.hidden_size)

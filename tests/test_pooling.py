@@ -1,0 +1,168 @@
+"""Embeddings and reranker scores (issue 67) through the real services, against Hugging Face.
+
+One tiny random Qwen3 checkpoint served with --task generate,embed,score, so embeddings,
+scores and generations share steps. The references: HF's last hidden state at the last
+token, L2-normalised (Qwen3-Embedding's last-token pooling), and HF's softmax over the
+logits of the two score tokens at the last position (Qwen3-Reranker's yes/no judgement).
+Block size 8 and a 64-token budget, so prompts are chunked and share prefix blocks.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+import torch
+import transformers
+
+from nanoserve.v1 import generate_pb2, generate_pb2_grpc
+from services import start_scheduler, start_worker
+from tiny_checkpoint import tiny_qwen3_dir
+
+pytestmark = pytest.mark.slow
+BLOCK = 8
+TASKS = "generate,embed,score"
+SCORE_TOKENS = ("y", "n")   # one token each in the tiny vocabulary ("yes" is two)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def services(model_dir):
+    worker = start_worker(model_dir, extra=["--task", TASKS])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=BLOCK, extra=[
+            "--task", TASKS, "--score-tokens", ",".join(SCORE_TOKENS),
+            "--max-num-batched-tokens", "64", "--http-port", "0"])
+        yield worker, sched
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(services):
+    channel = grpc.insecure_channel(f"127.0.0.1:{services[1].port}")
+    yield generate_pb2_grpc.GenerationStub(channel)
+    channel.close()
+
+
+@torch.no_grad()
+def hf_embedding(hf, ids: list[int], dimensions: int = 0) -> torch.Tensor:
+    h = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(h[:dimensions] if dimensions else h, dim=-1)
+
+
+@torch.no_grad()
+def hf_score(hf, ids: list[int], yes: int, no: int) -> float:
+    logits = hf(torch.tensor([ids])).logits[0, -1, [yes, no]]
+    return torch.softmax(logits, dim=-1)[0].item()
+
+
+def cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(torch.tensor(a), b, dim=0).item()
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.",
+         "Paged attention stores keys and values in fixed-size blocks. " * 3,
+         "héllo wörld",
+         "x"]
+
+
+def test_embeddings_equal_hf_last_token_pooling(stub, hf, tokenizer):
+    resp = stub.Embed(generate_pb2.EmbedRequest(
+        inputs=[generate_pb2.EmbedInput(text=t) for t in TEXTS]), timeout=60)
+    assert [e.index for e in resp.embeddings] == list(range(len(TEXTS)))
+    total = 0
+    for text, e in zip(TEXTS, resp.embeddings):
+        ids = tokenizer(text)["input_ids"]
+        total += len(ids)
+        assert len(e.values) == hf.config.hidden_size
+        assert cosine(e.values, hf_embedding(hf, ids)) >= 0.99999
+        assert abs(sum(v * v for v in e.values) - 1.0) < 1e-4
+    assert resp.usage.prompt_tokens == total
+
+
+def test_embeddings_matryoshka_and_token_ids(stub, hf):
+    ids = list(range(10, 60))
+    resp = stub.Embed(generate_pb2.EmbedRequest(
+        inputs=[generate_pb2.EmbedInput(token_ids=generate_pb2.TokenIds(ids=ids))],
+        dimensions=16), timeout=60)
+    (e,) = resp.embeddings
+    assert len(e.values) == 16
+    assert cosine(e.values, hf_embedding(hf, ids, 16)) >= 0.99999
+
+
+def test_scores_equal_hf_yes_no_softmax(stub, hf, tokenizer):
+    from scheduler_service.pooling import RERANK_PREFIX, RERANK_SUFFIX, rerank_middle
+    yes, no = (tokenizer.convert_tokens_to_ids(t) for t in SCORE_TOKENS)
+    query = "what stores keys and values?"
+    docs = ["Paged attention stores keys and values in fixed-size blocks.",
+            "The quick brown fox jumps over the lazy dog.", "日本語"]
+    resp = stub.Score(generate_pb2.ScoreRequest(query=query, documents=docs), timeout=60)
+    assert len(resp.scores) == len(docs)
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]   # noqa: E731
+    for doc, got in zip(docs, resp.scores):
+        ids = enc(RERANK_PREFIX) + enc(rerank_middle(query, doc)) + enc(RERANK_SUFFIX)
+        assert got == pytest.approx(hf_score(hf, ids, yes, no), abs=1e-5)
+    # the shared prefix (system prompt, instruction, query) was computed once
+    assert resp.usage.cached_tokens > 0
+
+
+def test_pooling_mixed_with_generation_in_one_batch(stub, hf, tokenizer):
+    """Generations, embeddings and scores at once: each as it would be alone."""
+    prompt = tokenizer("Once upon a time")["input_ids"]
+    gen_req = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    alone = stub.Complete(gen_req, timeout=60).token_ids
+    with cf.ThreadPoolExecutor(8) as pool:
+        gens = [pool.submit(stub.Complete, gen_req, timeout=120) for _ in range(3)]
+        embs = [pool.submit(stub.Embed, generate_pb2.EmbedRequest(
+            inputs=[generate_pb2.EmbedInput(text=t) for t in TEXTS]), timeout=120)
+            for _ in range(3)]
+        scores = [pool.submit(stub.Score, generate_pb2.ScoreRequest(
+            query="q", documents=TEXTS), timeout=120) for _ in range(2)]
+        for f in gens:
+            assert list(f.result().token_ids) == list(alone)
+        for f in embs:
+            for text, e in zip(TEXTS, f.result().embeddings):
+                assert cosine(e.values, hf_embedding(hf, tokenizer(text)["input_ids"])) >= 0.99999
+        first = scores[0].result().scores
+        assert scores[1].result().scores == pytest.approx(first, abs=1e-5)
+
+
+def test_errors(stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(generate_pb2.EmbedRequest(inputs=[generate_pb2.EmbedInput(text="")]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(generate_pb2.EmbedRequest(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    long = generate_pb2.EmbedInput(token_ids=generate_pb2.TokenIds(ids=[5] * 600))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(generate_pb2.EmbedRequest(inputs=[long]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "truncate" in e.value.details()
+    resp = stub.Embed(generate_pb2.EmbedRequest(inputs=[long], truncate=True), timeout=60)
+    assert resp.usage.prompt_tokens == 512
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(generate_pb2.EmbedRequest(inputs=[generate_pb2.EmbedInput(text="a")],
+                                             dimensions=10_000), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    info = stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
+    assert info.task == TASKS and info.hidden_size == 64
