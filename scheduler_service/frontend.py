@@ -325,7 +325,7 @@ async def serve(cfg: FrontendConfig, ready) -> None:
         from scheduler_service import openai_api
         http_runner, http_port = await openai_api.start(
             gen, openai_api.HttpConfig(name, cfg.api_key, cfg.http_request_timeout, keys),
-            cfg.host, cfg.http_port, cfg.reuse_port)
+            cfg.host, cfg.http_port, cfg.reuse_port, pooling)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -166,3 +166,95 @@ def test_errors(stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     info = stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
     assert info.task == TASKS and info.hidden_size == 64
+
+
+# ---------------------------------------------------------------------------- HTTP
+def _post(port: int, path: str, body: dict, key: str | None = None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_openai_sdk_embeddings_create(services, hf, tokenizer):
+    import base64
+
+    import numpy as np
+    import openai
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{services[1].http_port}/v1",
+                           api_key="none")
+    resp = client.embeddings.create(input=TEXTS[:2], model=_model(services),
+                                    encoding_format="float")
+    assert [d.index for d in resp.data] == [0, 1]
+    for text, d in zip(TEXTS, resp.data):
+        assert cosine(d.embedding, hf_embedding(hf, tokenizer(text)["input_ids"])) >= 0.99999
+    assert resp.usage.prompt_tokens == sum(len(tokenizer(t)["input_ids"]) for t in TEXTS[:2])
+    # the SDK's default asks for base64 and decodes it; dimensions cut and renormalise
+    small = client.embeddings.create(input=TEXTS[0], model=_model(services), dimensions=8)
+    assert len(small.data[0].embedding) == 8
+    ref = hf_embedding(hf, tokenizer(TEXTS[0])["input_ids"], 8)
+    assert cosine(small.data[0].embedding, ref) >= 0.99999
+    status, raw = _post(services[1].http_port, "/v1/embeddings",
+                        {"input": [[10, 11, 12]], "encoding_format": "base64"})
+    assert status == 200
+    vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
+    assert cosine(vec.tolist(), hf_embedding(hf, [10, 11, 12])) >= 0.99999
+
+
+def _model(services) -> str:
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{services[1].http_port}/v1/models") as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def test_http_score_and_rerank(services, stub):
+    port = services[1].http_port
+    docs = ["Paged attention stores keys and values.", "The lazy dog.", "héllo"]
+    want = list(stub.Score(generate_pb2.ScoreRequest(query="what stores keys?", documents=docs),
+                           timeout=60).scores)
+    status, body = _post(port, "/score", {"text_1": "what stores keys?", "text_2": docs})
+    assert status == 200, body
+    assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-6)
+    status, body = _post(port, "/v1/rerank", {"query": "what stores keys?", "documents": docs,
+                                              "top_n": 2, "return_documents": True})
+    assert status == 200, body
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in body["results"]] == best
+    assert body["results"][0]["document"]["text"] == docs[best[0]]
+    assert body["results"][0]["relevance_score"] == pytest.approx(want[best[0]], abs=1e-6)
+    status, body = _post(port, "/v1/embeddings", {"input": ""})
+    assert status == 400 and "empty" in body["error"]["message"]
+
+
+def test_task_mismatch_is_invalid_argument(model_dir, tmp_path):
+    """An embed-only deployment refuses generation (and scores); a generate-only one
+    refuses embeddings: INVALID_ARGUMENT / 400, with the reason."""
+    from services import served
+    with served(model_dir, [start_worker(model_dir, extra=["--task", "embed"])],
+                block_size=BLOCK, extra=["--http-port", "0"]) as stub:
+        assert stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=30).task == "embed"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Complete(generate_pb2.GenerateRequest(text="hi"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "serves embed" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(generate_pb2.ScoreRequest(query="q", documents=["d"]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert len(stub.Embed(generate_pb2.EmbedRequest(
+            inputs=[generate_pb2.EmbedInput(text="hi")]), timeout=30).embeddings) == 1
+    with served(model_dir, [start_worker(model_dir)], block_size=BLOCK) as stub:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Embed(generate_pb2.EmbedRequest(inputs=[generate_pb2.EmbedInput(text="hi")]),
+                       timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "serves generate" in e.value.details()
