@@ -112,6 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_args(tok, top_level=False)
     tok.add_argument("prompt", metavar="PROMPT", help='text ("-" reads stdin)')
     tok.add_argument("--chat", action="store_true", help="tokenize PROMPT as a user message")
+    emb = sub.add_parser("embed", help="print the embedding of each TEXT as JSON (one list "
+                                       "per line; a server with --task embed)")
+    _add_connection_args(emb, top_level=False)
+    emb.add_argument("texts", nargs="+", metavar="TEXT", help='text to embed ("-" reads stdin)')
+    emb.add_argument("--dimensions", type=int, default=0,
+                     help="matryoshka: keep the first N values, renormalised (0: all)")
+    emb.add_argument("--truncate", action="store_true",
+                     help="cut a text longer than the context instead of failing")
+    sc = sub.add_parser("score", help="print P(yes) that each DOCUMENT meets QUERY, one per "
+                                      "line (a reranker: a server with --task score)")
+    _add_connection_args(sc, top_level=False)
+    sc.add_argument("query", metavar="QUERY")
+    sc.add_argument("documents", nargs="+", metavar="DOCUMENT")
+    sc.add_argument("--instruction", default="",
+                    help="the reranker's task (default: Qwen3-Reranker's web search one)")
+    sc.add_argument("--truncate", action="store_true",
+                    help="cut a document that does not fit instead of failing")
     sub.add_parser("bench", add_help=False,
                    help="the benchmark client (python -m client bench --help)")
     return parser
@@ -196,8 +213,22 @@ def cmd_tokenize(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_embed(client: Client, args: argparse.Namespace) -> int:
+    texts = [sys.stdin.read() if t == "-" else t for t in args.texts]
+    for vec in client.embed(texts, dimensions=args.dimensions, truncate=args.truncate):
+        print(json.dumps(vec))
+    return 0
+
+
+def cmd_score(client: Client, args: argparse.Namespace) -> int:
+    for s in client.score(args.query, args.documents, instruction=args.instruction,
+                          truncate=args.truncate):
+        print(f"{s:.6f}")
+    return 0
+
+
 COMMANDS = {"generate": cmd_generate, "health": cmd_health, "info": cmd_info,
-            "tokenize": cmd_tokenize}
+            "tokenize": cmd_tokenize, "embed": cmd_embed, "score": cmd_score}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

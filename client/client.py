@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client import resume, routing
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -217,6 +218,8 @@ class ModelInfo:
     tensor_parallel_size: int = 0
     block_size: int = 0
     num_kv_blocks: int = 0
+    task: str = ""          # what the server serves: generate, embed, score (comma-joined)
+    hidden_size: int = 0    # an embedding's full size
 
 
 @dataclass
@@ -297,6 +300,28 @@ def _generate_request(prompt: Prompt, params: SamplingParams | None, request_id:
     return req
 
 
+EmbedInputs = Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]]
+
+
+def _embed_request(inputs: EmbedInputs, dimensions: int, truncate: bool, priority: int | None,
+                   request_id: str) -> generate_pb2.EmbedRequest:
+    """A text, token ids, or a list of either (one embedding each)."""
+    if isinstance(inputs, str) or (inputs and all(isinstance(t, int) for t in inputs)):
+        inputs = [inputs]
+    req = generate_pb2.EmbedRequest(request_id=request_id, dimensions=dimensions,
+                                    truncate=truncate, priority=priority)
+    for x in inputs:
+        req.inputs.append(generate_pb2.EmbedInput(text=x) if isinstance(x, str) else
+                          generate_pb2.EmbedInput(token_ids=generate_pb2.TokenIds(ids=list(x))))
+    return req
+
+
+def _score_request(query: str, documents: Sequence[str], instruction: str, truncate: bool,
+                   priority: int | None, request_id: str) -> generate_pb2.ScoreRequest:
+    return generate_pb2.ScoreRequest(request_id=request_id, query=query, documents=list(documents),
+                                     instruction=instruction, truncate=truncate, priority=priority)
+
+
 def _tokenize_request(prompt: str | Sequence[dict]) -> generate_pb2.TokenizeRequest:
     if isinstance(prompt, str):
         return generate_pb2.TokenizeRequest(text=prompt)
@@ -351,6 +376,21 @@ def _open_channel(grpc_module: Any, target: str | Sequence[str],
                     else grpc_module.secure_channel(target, creds, options=opts))
 
 
+def _replicas(grpc_module: Any, target: str | Sequence[str], how: str,
+              options: list[tuple[str, Any]] | None, *tls: Any) -> routing.Replicas | None:
+    """routing="prefix" over several targets: one channel each and a PrefixRouter
+    (client/routing.py); None for "round_robin" (one channel, grpc's policy)."""
+    if how not in ("round_robin", "prefix"):
+        raise ValueError(f"routing must be 'round_robin' or 'prefix', got {how!r}")
+    addrs = [a.strip() for t in ([target] if isinstance(target, str) else target)
+             for a in t.split(",") if a.strip()]
+    if how == "round_robin" or len(addrs) < 2:
+        return None
+    channels = [_open_channel(grpc_module, a, options, *tls)[1] for a in addrs]
+    return routing.Replicas(routing.PrefixRouter(len(addrs)),
+                            [generate_pb2_grpc.GenerationStub(c) for c in channels], channels)
+
+
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
@@ -365,15 +405,20 @@ class Client:
     `target`: one address, or several replicas ("h1:p1,h2:p2" or a list): see
     channel_target. api_key goes with every call (authorization: Bearer); tls / tls_ca (PEM
     root, implies tls) / tls_cert + tls_key (client certificate, for servers that require
-    one) select TLS."""
+    one) select TLS. routing="prefix" sends each prompt to the replica most likely to
+    hold its prefix in cache (client/routing.py); a stream whose server dies is continued
+    on another, up to max_resumes times (client/resume.py; 0: never)."""
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
                  timeout: float | None = None,
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, routing: str = "round_robin",
+                 max_resumes: int = resume.MAX_RESUMES) -> None:
         self.target, self._channel = _open_channel(grpc, target, options, tls, tls_ca,
                                                    tls_cert, tls_key)
+        self._replicas = _replicas(grpc, target, routing, options, tls, tls_ca, tls_cert, tls_key)
+        self.max_resumes = max_resumes
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
@@ -387,6 +432,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        for c in self._replicas.channels if self._replicas else ():
+            c.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -411,14 +458,26 @@ class Client:
 
     def _stream(self, req: generate_pb2.GenerateRequest,
                 timeout: float | None) -> Iterator[GenerationChunk]:
-        call = self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
+        tried: list[int] = []
+
+        def attempt(r: generate_pb2.GenerateRequest, _: int):
+            stub, i = self._replicas.pick(r, tried) if self._replicas else (self._stub, -1)
+            call = stub.Generate(r, timeout=self._timeout(timeout), metadata=self._metadata)
+            try:
+                yield from call
+            finally:
+                call.cancel()  # no-op once the stream has ended
+                if i >= 0:
+                    self._replicas.done(i)
+
+        def prompt_ids() -> list[int]:
+            return list(self._unary(self._stub.Tokenize, resume.tokenize_request(req),
+                                    timeout).token_ids)
         try:
-            for msg in call:
+            for msg in resume.stream(req, attempt, prompt_ids, self.max_resumes):
                 yield _chunk(msg)
         except grpc.RpcError as e:
             raise NanoserveError.from_rpc_error(e) from None
-        finally:
-            call.cancel()  # no-op once the stream has ended
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                  request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
@@ -435,6 +494,21 @@ class Client:
         msg = self._unary(self._stub.GetModelInfo, generate_pb2.ModelInfoRequest(), timeout)
         return _from_message(ModelInfo, msg)
 
+    def embed(self, inputs: EmbedInputs, *, dimensions: int = 0, truncate: bool = False,
+              priority: int | None = None, request_id: str = "",
+              timeout: float | None = None) -> list[list[float]]:
+        """Unit-length embeddings (a server started with --task embed), one per input: a
+        text, token ids, or a list of either; dimensions: matryoshka size (0: full)."""
+        req = _embed_request(inputs, dimensions, truncate, priority, request_id)
+        return [list(e.values) for e in self._unary(self._stub.Embed, req, timeout).embeddings]
+
+    def score(self, query: str, documents: Sequence[str], *, instruction: str = "",
+              truncate: bool = False, priority: int | None = None, request_id: str = "",
+              timeout: float | None = None) -> list[float]:
+        """P(yes) that each document meets the query (a reranker, --task score)."""
+        req = _score_request(query, documents, instruction, truncate, priority, request_id)
+        return list(self._unary(self._stub.Score, req, timeout).scores)
+
     def stats(self, timeout: float | None = None) -> Stats:
         return _from_message(Stats, self._unary(self._stub.GetStats, generate_pb2.StatsRequest(),
                                                 timeout))
@@ -448,15 +522,20 @@ class Client:
 # ---------------------------------------------------------------------------- asyncio
 class AsyncClient:
     """The same surface on grpc.aio: `async for chunk in client.generate(...)`, and
-    `await` for the rest. Create it inside the event loop that uses it."""
+    `await` for the rest. Create it inside the event loop that uses it. routing and
+    max_resumes: as Client's."""
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
                  timeout: float | None = None,
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, routing: str = "round_robin",
+                 max_resumes: int = resume.MAX_RESUMES) -> None:
         self.target, self._channel = _open_channel(grpc.aio, target, options, tls, tls_ca,
                                                    tls_cert, tls_key)
+        self._replicas = _replicas(grpc.aio, target, routing, options, tls, tls_ca, tls_cert,
+                                   tls_key)
+        self.max_resumes = max_resumes
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
@@ -470,6 +549,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        for c in self._replicas.channels if self._replicas else ():
+            await c.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -494,14 +575,30 @@ class AsyncClient:
         if not stream:
             yield _chunk(await self._unary(self._stub.Complete, req, timeout))
             return
-        call = self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
+        tried: list[int] = []
+
+        async def attempt(r: generate_pb2.GenerateRequest, _: int):
+            stub, i = self._replicas.pick(r, tried) if self._replicas else (self._stub, -1)
+            call = stub.Generate(r, timeout=self._timeout(timeout), metadata=self._metadata)
+            try:
+                async for msg in call:
+                    yield msg
+            finally:
+                call.cancel()
+                if i >= 0:
+                    self._replicas.done(i)
+
+        async def prompt_ids() -> list[int]:
+            return list((await self._unary(self._stub.Tokenize, resume.tokenize_request(req),
+                                           timeout)).token_ids)
+        msgs = resume.astream(req, attempt, prompt_ids, self.max_resumes)
         try:
-            async for msg in call:
+            async for msg in msgs:
                 yield _chunk(msg)
         except grpc.RpcError as e:
             raise NanoserveError.from_rpc_error(e) from None
         finally:
-            call.cancel()
+            await msgs.aclose()   # leaving early cancels the call now, not at garbage collection
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
@@ -517,6 +614,21 @@ class AsyncClient:
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         msg = await self._unary(self._stub.GetModelInfo, generate_pb2.ModelInfoRequest(), timeout)
         return _from_message(ModelInfo, msg)
+
+    async def embed(self, inputs: EmbedInputs, *, dimensions: int = 0, truncate: bool = False,
+                    priority: int | None = None, request_id: str = "",
+                    timeout: float | None = None) -> list[list[float]]:
+        """As Client.embed."""
+        req = _embed_request(inputs, dimensions, truncate, priority, request_id)
+        resp = await self._unary(self._stub.Embed, req, timeout)
+        return [list(e.values) for e in resp.embeddings]
+
+    async def score(self, query: str, documents: Sequence[str], *, instruction: str = "",
+                    truncate: bool = False, priority: int | None = None, request_id: str = "",
+                    timeout: float | None = None) -> list[float]:
+        """As Client.score."""
+        req = _score_request(query, documents, instruction, truncate, priority, request_id)
+        return list((await self._unary(self._stub.Score, req, timeout)).scores)
 
     async def stats(self, timeout: float | None = None) -> Stats:
         msg = await self._unary(self._stub.GetStats, generate_pb2.StatsRequest(), timeout)

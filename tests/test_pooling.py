@@ -258,3 +258,37 @@ def test_task_mismatch_is_invalid_argument(model_dir, tmp_path):
                        timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "serves generate" in e.value.details()
+
+
+def test_client_cli_and_auth(model_dir, capsys):
+    """Client.embed / score, the CLI's embed and score, and an API key on both APIs (a
+    null worker: made-up values, real control plane)."""
+    from client.__main__ import main as cli
+    from client.client import Client, NanoserveError
+    from services import start_null_worker
+    worker = start_null_worker(model_dir, extra=["--task", "embed,score"])
+    sched = None
+    try:
+        sched = start_scheduler(model_dir, [worker.port], block_size=BLOCK, extra=[
+            "--api-key", "k3y", "--http-port", "0", "--score-tokens", "y,n"])
+        target = f"127.0.0.1:{sched.port}"
+        with Client(target, api_key="k3y") as c:
+            assert c.model_info().task == "embed,score"
+            vecs = c.embed(["hello", [5, 6, 7]], dimensions=8, priority=-3)
+            assert [len(v) for v in vecs] == [8, 8]
+            assert c.score("q", ["a", "b"]) == [0.5, 0.5]
+        with Client(target) as c, pytest.raises(NanoserveError) as e:
+            c.embed("hello")
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert _post(sched.http_port, "/v1/embeddings", {"input": "hi"})[0] == 401
+        status, body = _post(sched.http_port, "/v1/embeddings", {"input": "hi"}, key="k3y")
+        assert status == 200 and len(body["data"][0]["embedding"]) == 1024
+        assert cli(["embed", "--target", target, "--api-key", "k3y", "--dimensions", "4",
+                    "a", "b"]) == 0
+        assert len(capsys.readouterr().out.splitlines()) == 2
+        assert cli(["score", "--target", target, "--api-key", "k3y", "q", "d1", "d2"]) == 0
+        assert capsys.readouterr().out.split() == ["0.500000", "0.500000"]
+    finally:
+        if sched:
+            sched.stop()
+        worker.stop()
