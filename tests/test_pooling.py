@@ -292,3 +292,44 @@ def test_client_cli_and_auth(model_dir, capsys):
         if sched:
             sched.stop()
         worker.stop()
+
+
+def test_tensor_parallel_pooling(model_dir, hf, tokenizer):
+    """Two ranks: the score's LM head rows are sharded over the vocabulary (one
+    all-reduce); rank 0 answers."""
+    from services import served, start_tp_workers
+    workers = start_tp_workers(model_dir, 2, extra=["--task", "embed,score"])
+    with served(model_dir, workers, block_size=BLOCK, extra=["--score-tokens", "y,n"]) as stub:
+        ids = tokenizer(TEXTS[1])["input_ids"]
+        (e,) = stub.Embed(generate_pb2.EmbedRequest(inputs=[generate_pb2.EmbedInput(
+            token_ids=generate_pb2.TokenIds(ids=ids))]), timeout=60).embeddings
+        assert cosine(e.values, hf_embedding(hf, ids)) >= 0.99999
+        from scheduler_service.pooling import RERANK_PREFIX, RERANK_SUFFIX, rerank_middle
+        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]   # noqa: E731
+        yes, no = (tokenizer.convert_tokens_to_ids(t) for t in SCORE_TOKENS)
+        (got,) = stub.Score(generate_pb2.ScoreRequest(query="q?", documents=["dog"]),
+                            timeout=60).scores
+        ids = enc(RERANK_PREFIX) + enc(rerank_middle("q?", "dog")) + enc(RERANK_SUFFIX)
+        assert got == pytest.approx(hf_score(hf, ids, yes, no), abs=1e-5)
+
+
+@pytest.mark.parametrize("files,config,name,want", [
+    ((), {"architectures": ["Qwen3ForCausalLM"]}, "Qwen3-0.6B", "generate"),
+    ((), {"architectures": ["Qwen3ForCausalLM"]}, "Qwen3-Reranker-0.6B", "score"),
+    (("modules.json",), {"architectures": ["Qwen3ForCausalLM"]}, "my-model", "embed"),
+    ((), {"architectures": ["Qwen3Model"]}, "m", "embed"),
+    ((), {"architectures": ["Qwen3ForCausalLM"]}, "Qwen3-Embedding-8B", "embed"),
+])
+def test_task_auto_rule(tmp_path, files, config, name, want):
+    import json
+
+    from nanoserve import model_task
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    for f in files:
+        (d / f).write_text("[]")
+    assert model_task.resolve("auto", str(d)) == (want,)
+    assert model_task.resolve("generate, embed", str(d)) == ("generate", "embed")
+    with pytest.raises(ValueError):
+        model_task.resolve("classify", str(d))
