@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client import resume, routing
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -375,6 +376,21 @@ def _open_channel(grpc_module: Any, target: str | Sequence[str],
                     else grpc_module.secure_channel(target, creds, options=opts))
 
 
+def _replicas(grpc_module: Any, target: str | Sequence[str], how: str,
+              options: list[tuple[str, Any]] | None, *tls: Any) -> routing.Replicas | None:
+    """routing="prefix" over several targets: one channel each and a PrefixRouter
+    (client/routing.py); None for "round_robin" (one channel, grpc's policy)."""
+    if how not in ("round_robin", "prefix"):
+        raise ValueError(f"routing must be 'round_robin' or 'prefix', got {how!r}")
+    addrs = [a.strip() for t in ([target] if isinstance(target, str) else target)
+             for a in t.split(",") if a.strip()]
+    if how == "round_robin" or len(addrs) < 2:
+        return None
+    channels = [_open_channel(grpc_module, a, options, *tls)[1] for a in addrs]
+    return routing.Replicas(routing.PrefixRouter(len(addrs)),
+                            [generate_pb2_grpc.GenerationStub(c) for c in channels], channels)
+
+
 def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
@@ -389,15 +405,20 @@ class Client:
     `target`: one address, or several replicas ("h1:p1,h2:p2" or a list): see
     channel_target. api_key goes with every call (authorization: Bearer); tls / tls_ca (PEM
     root, implies tls) / tls_cert + tls_key (client certificate, for servers that require
-    one) select TLS."""
+    one) select TLS. routing="prefix" sends each prompt to the replica most likely to
+    hold its prefix in cache (client/routing.py); a stream whose server dies is continued
+    on another, up to max_resumes times (client/resume.py; 0: never)."""
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
                  timeout: float | None = None,
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, routing: str = "round_robin",
+                 max_resumes: int = resume.MAX_RESUMES) -> None:
         self.target, self._channel = _open_channel(grpc, target, options, tls, tls_ca,
                                                    tls_cert, tls_key)
+        self._replicas = _replicas(grpc, target, routing, options, tls, tls_ca, tls_cert, tls_key)
+        self.max_resumes = max_resumes
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
@@ -411,6 +432,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        for c in self._replicas.channels if self._replicas else ():
+            c.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -435,14 +458,26 @@ class Client:
 
     def _stream(self, req: generate_pb2.GenerateRequest,
                 timeout: float | None) -> Iterator[GenerationChunk]:
-        call = self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
+        tried: list[int] = []
+
+        def attempt(r: generate_pb2.GenerateRequest, _: int):
+            stub, i = self._replicas.pick(r, tried) if self._replicas else (self._stub, -1)
+            call = stub.Generate(r, timeout=self._timeout(timeout), metadata=self._metadata)
+            try:
+                yield from call
+            finally:
+                call.cancel()  # no-op once the stream has ended
+                if i >= 0:
+                    self._replicas.done(i)
+
+        def prompt_ids() -> list[int]:
+            return list(self._unary(self._stub.Tokenize, resume.tokenize_request(req),
+                                    timeout).token_ids)
         try:
-            for msg in call:
+            for msg in resume.stream(req, attempt, prompt_ids, self.max_resumes):
                 yield _chunk(msg)
         except grpc.RpcError as e:
             raise NanoserveError.from_rpc_error(e) from None
-        finally:
-            call.cancel()  # no-op once the stream has ended
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                  request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
@@ -487,15 +522,20 @@ class Client:
 # ---------------------------------------------------------------------------- asyncio
 class AsyncClient:
     """The same surface on grpc.aio: `async for chunk in client.generate(...)`, and
-    `await` for the rest. Create it inside the event loop that uses it."""
+    `await` for the rest. Create it inside the event loop that uses it. routing and
+    max_resumes: as Client's."""
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
                  timeout: float | None = None,
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, routing: str = "round_robin",
+                 max_resumes: int = resume.MAX_RESUMES) -> None:
         self.target, self._channel = _open_channel(grpc.aio, target, options, tls, tls_ca,
                                                    tls_cert, tls_key)
+        self._replicas = _replicas(grpc.aio, target, routing, options, tls, tls_ca, tls_cert,
+                                   tls_key)
+        self.max_resumes = max_resumes
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
@@ -509,6 +549,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        for c in self._replicas.channels if self._replicas else ():
+            await c.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -533,14 +575,30 @@ class AsyncClient:
         if not stream:
             yield _chunk(await self._unary(self._stub.Complete, req, timeout))
             return
-        call = self._stub.Generate(req, timeout=self._timeout(timeout), metadata=self._metadata)
+        tried: list[int] = []
+
+        async def attempt(r: generate_pb2.GenerateRequest, _: int):
+            stub, i = self._replicas.pick(r, tried) if self._replicas else (self._stub, -1)
+            call = stub.Generate(r, timeout=self._timeout(timeout), metadata=self._metadata)
+            try:
+                async for msg in call:
+                    yield msg
+            finally:
+                call.cancel()
+                if i >= 0:
+                    self._replicas.done(i)
+
+        async def prompt_ids() -> list[int]:
+            return list((await self._unary(self._stub.Tokenize, resume.tokenize_request(req),
+                                           timeout)).token_ids)
+        msgs = resume.astream(req, attempt, prompt_ids, self.max_resumes)
         try:
-            async for msg in call:
+            async for msg in msgs:
                 yield _chunk(msg)
         except grpc.RpcError as e:
             raise NanoserveError.from_rpc_error(e) from None
         finally:
-            call.cancel()
+            await msgs.aclose()   # leaving early cancels the call now, not at garbage collection
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str = "", skip_special_tokens: bool = False, adapter: str = "",
