@@ -989,8 +989,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "exact sends them, half replaces every other 16-token run with random "
                          "ids, wrong sends another request's answer. The measured runs repeat "
                          "the same prompts (their prefill hits the prefix cache)")
-    from client import mixed
+    from client import embed_bench, mixed
     mixed.add_flags(p)
+    embed_bench.add_flags(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the full report (and the command) here")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -1068,6 +1069,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be >= 1")
     if args.connections < 1 or args.client_procs < 0:
         parser.error("--connections must be >= 1 and --client-procs >= 0")
+    if args.embed:
+        from client import embed_bench
+        return embed_bench.run(args, argv)
     if args.multi_turn:
         if args.in_process or args.null_worker:
             parser.error("--multi-turn needs a server (--target)")

@@ -23,8 +23,9 @@ _LISTEN = re.compile(r"listening on [\w.:]+:(\d+)")
 class NullStack:
     def __init__(self, step_ms: float = 7.0, max_model_len: int = 4096,
                  scheduler_args: list[str] = (), timeout: float = 120.0,
-                 tokenizer_dir: str | None = None):
+                 tokenizer_dir: str | None = None, worker_args: list[str] = ()):
         self.tokenizer_dir = tokenizer_dir
+        self.worker_args = list(worker_args)   # e.g. --task embed
         self.step_ms = step_ms
         self.max_model_len = max_model_len
         self.scheduler_args = list(scheduler_args)
@@ -39,7 +40,7 @@ class NullStack:
         try:
             worker = self._start([
                 "worker_service", "--null", "--model", model, "--step-ms", str(self.step_ms),
-                "--port", "0", "--log-level", "WARNING"])
+                "--port", "0", "--log-level", "WARNING", *self.worker_args])
             port = self._start([
                 "scheduler_service", "--model", model, "--workers", f"127.0.0.1:{worker}",
                 "--port", "0", "--max-model-len", str(self.max_model_len),
