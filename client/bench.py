@@ -928,6 +928,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat-like traffic instead (client/multi_turn.py): --num-seqs "
                         "conversations of T turns, each prompt resending the conversation; "
                         "prints TTFT per turn and the prefix cache's hit rate (gRPC only)")
+    w.add_argument("--routing", default="round_robin",
+                   choices=["single", "round_robin", "prefix", "compare"],
+                   help="--multi-turn over several replicas (--target H1:P1,H2:P2,... or "
+                        "--null-worker --replicas N): grpc's round robin, the client's "
+                        "prefix-affine choice (client/routing.py), the first replica alone, "
+                        "or all three in turn (fresh replicas each with --null-worker)")
+    w.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="--multi-turn --null-worker: start N null-worker replicas")
     w.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
                    help="--multi-turn: a system prompt of N tokens shared by every conversation")
     w.add_argument("--concurrency", type=int, default=0, metavar="C",
@@ -1073,8 +1081,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from client import embed_bench
         return embed_bench.run(args, argv)
     if args.multi_turn:
-        if args.in_process or args.null_worker:
-            parser.error("--multi-turn needs a server (--target)")
+        if args.in_process:
+            parser.error("--multi-turn needs a server (--target or --null-worker)")
         if args.concurrency < 0:
             parser.error("--concurrency must be >= 0 (0: every conversation at once)")
         from client import multi_turn

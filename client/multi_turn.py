@@ -14,6 +14,12 @@ types between turns. That idle history is what a device cache smaller than the l
 histories evicts and a host tier keeps; with C = N every conversation is always in flight
 and the device cache instead bounds the running batch.
 
+Several replicas (--target H1:P1,H2:P2,... or --null-worker --replicas N), --routing:
+`round_robin` (grpc's, per call), `prefix` (the client's prefix-affine choice,
+client/routing.py), `single` (the first replica serves all: the hit rate to match), or
+`compare` (the three in turn, each on fresh null-worker replicas or with its own seed
+against --target, so no policy inherits another's cache) and a summary line per policy.
+
 Printed: per turn, TTFT p50 / p90, the queue's part of it (arrival at the engine core to
 the first step that scheduled the request: the server's usage.queue_ms) and the share of
 prompt tokens served from the cache, from the host tier among them; overall output tok/s
@@ -102,20 +108,25 @@ async def _client(client: Any, ready: asyncio.Queue, args: Any, vocab: int,
             ready.put_nowait(c)   # to the back: every other waiting conversation goes first
 
 
-async def _run(args: Any) -> dict:
+async def _run(args: Any, target: str | None = None, routing: str = "round_robin",
+               seed: int | None = None) -> dict:
     from client.client import AsyncClient
-    async with AsyncClient(args.target, timeout=args.timeout, api_key=args.api_key,
-                           tls_ca=args.tls_ca) as client:
+    seed = args.seed if seed is None else seed
+    target = target or args.target
+    if routing == "single":
+        target, routing = target.split(",")[0], "round_robin"
+    async with AsyncClient(target, timeout=args.timeout, api_key=args.api_key,
+                           tls_ca=args.tls_ca, routing=routing) as client:
         info = await client.model_info()
         vocab = min(info.vocab_size, 10_000)
-        rng = random.Random(args.seed)
+        rng = random.Random(seed)
         system = [rng.randrange(vocab) for _ in range(args.system_prompt_len)]
         before = await client.stats()
         turns: list[Turn] = []
         t0 = time.perf_counter()
         ready: asyncio.Queue = asyncio.Queue()
         for i in range(args.num_seqs):
-            ready.put_nowait(Conversation(i, random.Random(args.seed * 1_000_003 + i),
+            ready.put_nowait(Conversation(i, random.Random(seed * 1_000_003 + i),
                                           list(system)))
         await asyncio.gather(*(_client(client, ready, args, vocab, info.max_model_len, turns)
                                for _ in range(clients(args))))
@@ -145,8 +156,45 @@ async def _run(args: Any) -> dict:
             "per_turn": per_turn, "turns": [asdict(x) for x in turns]}
 
 
+def _policy(args: Any, routing: str, seed: int) -> dict:
+    """One policy's run: on --target, or on fresh null-worker replicas."""
+    if not getattr(args, "null_worker", False):
+        return asyncio.run(_run(args, args.target, routing, seed))
+    import contextlib
+    import shlex
+
+    from client.null_stack import NullStack
+    with contextlib.ExitStack() as stack:
+        stacks = [stack.enter_context(NullStack(
+            step_ms=args.step_ms, scheduler_args=shlex.split(args.scheduler_args),
+            tokenizer_dir=args.null_tokenizer)) for _ in range(max(1, args.replicas))]
+        return asyncio.run(_run(args, ",".join(s.target for s in stacks), routing, seed))
+
+
 def run(args: Any) -> int:
-    report = asyncio.run(_run(args))
+    routing = getattr(args, "routing", "round_robin")
+    policies = ["single", "round_robin", "prefix"] if routing == "compare" else [routing]
+    reports = {p: _policy(args, p, args.seed + (k if args.target else 0))
+               for k, p in enumerate(policies)}
+    for p, report in reports.items():
+        if len(policies) > 1:
+            print(f"---- routing: {p}")
+        _print(args, report)
+    if len(policies) > 1:
+        print("policy        prompt tokens from cache  TTFT p50 ms  TTFT p90 ms  output tok/s")
+        for p, r in reports.items():
+            ttft = [t["ttft_s"] for t in r["turns"]]
+            print(f"{p:12s}  {r['cached']:24.1%}  {r['ttft_p50_ms']:11.1f}  "
+                  f"{_p(ttft, 0.9) * 1e3:11.1f}  {r['output_tok_per_s']:12.1f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            body = reports[policies[0]] if len(policies) == 1 else {"policies": reports}
+            json.dump({"config": vars(args), **body}, f, indent=2)
+    return 0
+
+
+def _print(args: Any, report: dict) -> None:
     print(f"model          {report['model']}   {args.num_seqs} conversations x {args.multi_turn} "
           f"turns, system prompt {args.system_prompt_len} tokens, "
           f"{clients(args)} at a time")
@@ -161,11 +209,6 @@ def run(args: Any) -> int:
         print(f"{r['turn']:4d}  {r['requests']:8d}  {r['prompt_tokens']:13.0f}  "
               f"{r['ttft_p50_ms']:11.1f}  {r['ttft_p90_ms']:11.1f}  {r['queue_p50_ms']:13.1f}  "
               f"{r['cached']:6.1%}  {r['host_cached']:9.1%}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), **report}, f, indent=2)
     expected = args.num_seqs * args.multi_turn
     if len(report["turns"]) < expected:
         print(f"note: {expected - len(report['turns'])} turns did not fit the context")
-    return 0

@@ -235,3 +235,22 @@ def test_streams_survive_a_replica_sigkill(three_stacks):
     assert on_victim > 0, "no stream was on the killed replica"
     assert got_g == want_g
     assert got_s == want_s
+
+
+@pytest.mark.slow
+def test_bench_multi_turn_compares_routing_policies(tmp_path, capsys):
+    """client.bench --multi-turn --routing compare on null-worker replicas: the prefix-affine
+    client keeps each conversation's history warm, as one replica serving all would."""
+    from client import bench
+    out = tmp_path / "mt.json"
+    assert bench.main(["--multi-turn", "4", "--num-seqs", "6", "--null-worker", "--replicas", "2",
+                       "--routing", "compare", "--step-ms", "1", "--system-prompt-len", "16",
+                       "--min-input-len", "16", "--max-input-len", "24", "--min-output-len", "8",
+                       "--max-output-len", "12", "--temperature", "0", "--scheduler-args",
+                       "--block-size 8", "--json", str(out)]) == 0
+    import json
+    policies = json.loads(out.read_text())["policies"]
+    cached = {p: r["cached"] for p, r in policies.items()}
+    assert cached["prefix"] >= 0.9 * cached["single"] > 0
+    assert cached["round_robin"] < cached["prefix"]
+    assert "TTFT p50 ms" in capsys.readouterr().out
