@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "each kernel from Python; triton backend; 0 = all prefills eager")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (every step launches each kernel from Python)")
+    p.add_argument("--small-batch-kernel", default="off", choices=["off", "persistent"],
+                   help="persistent: decode steps of up to 8 sequences run as one persistent "
+                        "Triton kernel (kernels/persistent_decode.py) instead of a kernel per "
+                        "op, where the model is covered (dense, one rank, no FP8, no LoRA; the "
+                        "worker logs why not); experimental, off by default until measured")
     p.add_argument("--host-kv-cache-gb", type=float, default=0.0, metavar="GB",
                    help="a host-memory tier for the prefix cache (pinned on CUDA): KV blocks "
                         "evicted from the device are copied here, and a later request whose "
@@ -283,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_sampling=args.draft_sampling, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gb=args.kv_cache_gb,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
-        enforce_eager=args.enforce_eager, max_loras=args.max_loras,
+        enforce_eager=args.enforce_eager, small_batch_kernel=args.small_batch_kernel,
+        max_loras=args.max_loras,
         host_kv_cache_gb=args.host_kv_cache_gb,
         max_lora_rank=args.max_lora_rank, tasks=args.tasks)
     runner = (distributed.TPModelRunner(runner_config, group) if group is not None

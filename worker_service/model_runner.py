@@ -66,6 +66,7 @@ class RunnerConfig:
     max_num_seqs: int = 256               # largest decode batch (CUDA graph buckets)
     max_prefill_graph_tokens: int = 2048  # one-sequence prefills up to this replay a graph; 0: none
     enforce_eager: bool = False           # True: no CUDA graphs
+    small_batch_kernel: str = "off"       # persistent: persistent_executor.py for <= 8 rows
     host_kv_cache_gb: float = 0.0         # host tier of the prefix cache (0: none)
     max_loras: int = 0                    # LoRA adapters resident at once (0: no LoRA)
     max_lora_rank: int = 16
@@ -220,6 +221,8 @@ class ModelRunner:
         self.last_sampled = None
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
             self._capture_graphs(block_size, phases)
+        if self.config.small_batch_kernel == "persistent" and not self._profiling:
+            self._add_persistent_kernel(block_size, phases)
 
     def _free_kv(self) -> None:
         self.kv_cache = self.kv_scales = None
@@ -264,6 +267,26 @@ class ModelRunner:
                            f"(<= {prefill.max_tokens} tokens)"):
             prefill.capture()
         self.executors.insert(1, prefill)
+
+    def _add_persistent_kernel(self, block_size: int, phases: dict[str, float]) -> None:
+        """The persistent small-batch decode kernel as the first executor (captured per
+        bucket where graphs are), where it covers the model (else the log says why)."""
+        from worker_service.persistent_executor import (PersistentDecode, PersistentGraphs,
+                                                        unsupported)
+        why = unsupported(self.model.decode_step(), self.tp.size)
+        if self.drafter is not None and self.drafter.feature_layers:
+            why = "an EAGLE-3 head needs the target's features"
+        if why:
+            log.info("no persistent decode kernel: %s", why)
+            return
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            graphs = PersistentGraphs(self.model, self.backend, self.max_model_len, block_size,
+                                      self.device)
+            with phase(phases, f"{len(graphs.buckets)} persistent decode graphs"):
+                graphs.capture()
+            self.executors.insert(0, graphs)
+        else:
+            self.executors.insert(0, PersistentDecode(self.model, self.device, self.max_model_len))
 
     def _bind_device(self) -> None:
         """Make this runner's GPU the calling thread's current device. gRPC calls arrive on
