@@ -113,11 +113,13 @@ def test_a_frontends_hello_aborts_its_adds_not_yet_taken_in():
     included: its streams resent after the INFO then run once. (Missing the pending adds, a
     frontend that said HELLO twice resent onto their first copies: 'already scheduled'.)"""
     from scheduler_service import ipc
+    from scheduler_service.api_keys import KeyRing, Quotas
     from scheduler_service.engine_core import EngineCore
     engine, outputs = _engine()
     core = EngineCore.__new__(EngineCore)
     sent = []
     core.engine, core.info = engine, {}
+    core.quotas = Quotas(KeyRing(None))   # (no keys: nothing to release)
     core.sock = type("Sock", (), {"send_multipart": lambda self, parts: sent.append(parts)})()
     mine, other = 3 << ipc.OWNER_SHIFT | 1, 4 << ipc.OWNER_SHIFT | 1
     opts = SamplingOptions(temperature=0.0, max_tokens=4)
