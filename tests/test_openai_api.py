@@ -282,8 +282,12 @@ def test_bad_requests_are_400_in_openai_shape(tiny):
         "invalid_request_error"
     # Unknown routes answer in the same shape.
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(f"{client.base_url}embeddings", data=b"{}", timeout=10)
+        urllib.request.urlopen(f"{client.base_url}audio/speech", data=b"{}", timeout=10)
     assert e.value.code == 404 and json.loads(e.value.read())["error"]["message"]
+    # Embeddings on a generation deployment: 400 with the reason (issue 67).
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{client.base_url}embeddings", data=b'{"input": "x"}', timeout=10)
+    assert e.value.code == 400 and "--task embed" in json.loads(e.value.read())["error"]["message"]
     # None of that harmed the server.
     assert client.completions.create(model=model, prompt="x", max_tokens=1).choices[0].text \
         is not None
