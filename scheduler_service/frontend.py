@@ -322,10 +322,10 @@ async def serve(cfg: FrontendConfig, ready) -> None:
         server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
     http_runner, http_port = None, None
     if cfg.http_port is not None:
-        from scheduler_service import openai_api
+        from scheduler_service import openai_api, openai_pooling
         http_runner, http_port = await openai_api.start(
             gen, openai_api.HttpConfig(name, cfg.api_key, cfg.http_request_timeout, keys),
-            cfg.host, cfg.http_port, cfg.reuse_port, pooling)
+            cfg.host, cfg.http_port, cfg.reuse_port, openai_pooling.routes(pooling))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

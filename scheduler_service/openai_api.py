@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -231,10 +231,11 @@ def completion_prompts(gen: Generation, body: dict) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- the API
 class OpenAIApi:
-    def __init__(self, gen: Generation, cfg: HttpConfig, pooling=None):
+    def __init__(self, gen: Generation, cfg: HttpConfig,
+                 more_routes: Callable[[web.Application, "OpenAIApi"], None] | None = None):
         self.gen = gen
         self.cfg = cfg
-        self.pooling = pooling   # pooling.Pooling: embeddings and rerank (openai_pooling.py)
+        self.more_routes = more_routes   # routes served beside these (openai_pooling.routes)
         self.created = int(time.time())
         self._opens: dict[str, bool] = {}   # _opens_reasoning by its template kwargs
 
@@ -247,9 +248,8 @@ class OpenAIApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
-        if self.pooling is not None:
-            from scheduler_service.openai_pooling import PoolingApi
-            PoolingApi(self.pooling, self).add_routes(app)
+        if self.more_routes is not None:
+            self.more_routes(app, self)
         return app
 
     @web.middleware
@@ -687,11 +687,12 @@ class Output:
 
 
 async def start(gen: Generation, cfg: HttpConfig, host: str, port: int, reuse_port: bool,
-                pooling=None) -> tuple[web.AppRunner, int]:
+                more_routes: Callable[[web.Application, OpenAIApi], None] | None = None
+                ) -> tuple[web.AppRunner, int]:
     """Serve the API on host:port (0 = any free port); (runner to clean up, bound port).
-    pooling: pooling.Pooling, for /v1/embeddings, /score and /v1/rerank."""
+    more_routes: adds routes beside these (openai_pooling.routes: embeddings, rerank)."""
     # The frontend drains in-flight requests before cleanup(): what is left then is cut.
-    runner = web.AppRunner(OpenAIApi(gen, cfg, pooling).app(), handler_cancellation=True,
+    runner = web.AppRunner(OpenAIApi(gen, cfg, more_routes).app(), handler_cancellation=True,
                            access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)

@@ -18,11 +18,12 @@ import base64
 import time
 import uuid
 from array import array
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
 from scheduler_service.generation import RequestError, invalid
+from scheduler_service.openai_api import OpenAIApi, _json_body, _timeout, error_response
 from scheduler_service.pooling import EMBED, SCORE, Pooled, Pooling
 
 
@@ -46,9 +47,14 @@ def _texts(value: Any, name: str) -> list[str]:
     raise invalid(f"'{name}' must be a string or a non-empty list of strings")
 
 
+def routes(pooling: Pooling) -> Callable[[web.Application, OpenAIApi], None]:
+    """openai_api.start's more_routes: these routes on its app."""
+    return lambda app, api: PoolingApi(pooling, api).add_routes(app)
+
+
 class PoolingApi:
-    def __init__(self, pooling: Pooling, api) -> None:
-        self.pooling, self.api = pooling, api   # api: openai_api.OpenAIApi (model, deadline)
+    def __init__(self, pooling: Pooling, api: OpenAIApi) -> None:
+        self.pooling, self.api = pooling, api   # api: its model check, deadline, config
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/embeddings", self.embeddings)
@@ -58,7 +64,6 @@ class PoolingApi:
             app.router.add_post(path, self.rerank)
 
     async def _body(self, request: web.Request, task: str) -> dict:
-        from scheduler_service.openai_api import _json_body
         body = await _json_body(request)
         if self.api._check_model(body.get("model")):
             raise invalid("LoRA adapters do not serve embeddings or scores")
@@ -79,13 +84,11 @@ class PoolingApi:
             async with self.api._deadline():
                 return await self.pooling.run(prompts, opts)
         except TimeoutError:
-            from scheduler_service.openai_api import _timeout
             raise _timeout(self.api.cfg.request_timeout) from None
 
     # ---- routes -----------------------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        from scheduler_service.openai_api import error_response
         try:
             body = await self._body(request, "embed")
             truncate = self._truncate(body)
@@ -137,7 +140,6 @@ class PoolingApi:
         return out
 
     async def score(self, request: web.Request) -> web.Response:
-        from scheduler_service.openai_api import error_response
         try:
             body = await self._body(request, "score")
             queries = _texts(body.get("text_1", body.get("queries")), "text_1")
@@ -161,7 +163,6 @@ class PoolingApi:
             "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}})
 
     async def rerank(self, request: web.Request) -> web.Response:
-        from scheduler_service.openai_api import error_response
         try:
             body = await self._body(request, "score")
             query = body.get("query")
