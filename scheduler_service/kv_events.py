@@ -5,13 +5,18 @@ The BlockManager records what enters and leaves its hash tables (GPU tier: `GPU`
 tier: `CPU`); the engine core drains them once per step into one EventBatch and hands it
 to a publisher thread, so the engine loop never waits on a socket.
 
-Wire format (vllm/distributed/kv_events.py, msgspec structs with array_like=True and
-tag=True): an EventBatch is the msgpack array [ts, [event, ...]]; an event is an array
-whose first item is its type name, then its fields in declaration order:
-
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
+Wire format (vllm/distributed/kv_events.py): an EventBatch is the msgpack array
+[ts, [event, ...]]. Events come in the two encodings vLLM has used, chosen by the config's
+`encoding` (a nanoserve key; vLLM's own config has none):
+  * "map" (the default; vLLM 0.28+, what vllm-router 0.1.17's kv_aware and llm-d decode):
+    a map tagged by "type": {"type": "BlockStored", "block_hashes": ..., "parent_block_hash",
+    "token_ids", "block_size", "lora_id", "medium", "lora_name"}, {"type": "BlockRemoved",
+    "block_hashes", "medium"}, {"type": "AllBlocksCleared"};
+  * "array" (msgspec array_like=True, tag=True, earlier vLLM): the type name, then the
+    fields in declaration order:
+      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+      ["BlockRemoved", block_hashes, medium]
+      ["AllBlocksCleared"]
 
 Transport (vLLM's ZmqEventPublisher): PUB sends [topic, seq as 8 bytes big-endian,
 payload]; a ROUTER replay socket answers [b"", start seq] with [b"", seq, payload] for each
@@ -50,6 +55,12 @@ class BlockStored:
         return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids,
                 self.block_size, self.lora_id, self.medium]
 
+    def map(self) -> dict:
+        return {"type": "BlockStored", "block_hashes": self.block_hashes,
+                "parent_block_hash": self.parent_block_hash, "token_ids": self.token_ids,
+                "block_size": self.block_size, "lora_id": self.lora_id, "medium": self.medium,
+                "lora_name": None}
+
 
 @dataclass
 class BlockRemoved:
@@ -59,27 +70,41 @@ class BlockRemoved:
     def wire(self) -> list:
         return ["BlockRemoved", self.block_hashes, self.medium]
 
+    def map(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": self.medium}
+
 
 @dataclass
 class AllBlocksCleared:
     def wire(self) -> list:
         return ["AllBlocksCleared"]
 
+    def map(self) -> dict:
+        return {"type": "AllBlocksCleared"}
+
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def encode_batch(events: list[KVEvent], ts: float | None = None) -> bytes:
+def encode_batch(events: list[KVEvent], ts: float | None = None, encoding: str = "map") -> bytes:
     """One EventBatch, as vLLM's msgspec encoder writes it."""
-    return msgpack.packb([time.time() if ts is None else ts, [e.wire() for e in events]])
+    return msgpack.packb([time.time() if ts is None else ts,
+                          [e.map() if encoding == "map" else e.wire() for e in events]])
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
-    """The inverse of encode_batch (also reads vLLM's batches): for tests and routers."""
-    ts, raw = msgpack.unpackb(payload)
+    """The inverse of encode_batch, either encoding (also reads vLLM's): for tests and routers."""
+    ts, raw, *_ = msgpack.unpackb(payload)
     kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
              "AllBlocksCleared": AllBlocksCleared}
-    return ts, [kinds[e[0]](*e[1:]) for e in raw]
+    out = []
+    for e in raw:
+        if isinstance(e, dict):
+            kind = kinds[e["type"]]
+            out.append(kind(*(e[f.name] for f in fields(kind))))
+        else:
+            out.append(kinds[e[0]](*e[1:len(fields(kinds[e[0]])) + 1]))
+    return ts, out
 
 
 @dataclass
@@ -94,6 +119,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    encoding: str = "map"      # nanoserve's: "map" (vLLM 0.28+) or "array" (earlier vLLM)
 
     @classmethod
     def from_cli(cls, text: str) -> "KVEventsConfig":
@@ -106,6 +132,8 @@ class KVEventsConfig:
         cfg = cls(**raw)
         if cfg.publisher not in ("null", "zmq"):
             raise ValueError(f"publisher {cfg.publisher!r}: only 'null' and 'zmq'")
+        if cfg.encoding not in ("map", "array"):
+            raise ValueError(f"encoding {cfg.encoding!r}: only 'map' and 'array'")
         return cfg
 
     @property
@@ -144,7 +172,7 @@ class ZmqEventPublisher:
         if not events:
             return
         try:
-            self._queue.put_nowait(encode_batch(events))
+            self._queue.put_nowait(encode_batch(events, encoding=self.cfg.encoding))
         except queue.Full:   # a stalled thread must not stall the engine: routers replay
             self.num_dropped += 1
 

@@ -248,6 +248,7 @@ class OpenAIApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        app.router.add_post("/tokenize", self.tokenize)
         if self.more_routes is not None:
             self.more_routes(app, self)
         return app
@@ -321,6 +322,27 @@ class OpenAIApi:
         except RequestError as e:
             return error_response(e)
         return web.json_response(self._model_card(adapter))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize ({"prompt"} or {"messages"} -> {"count", "max_model_len",
+        "tokens"}): what vllm-router's kv_aware policy calls to match a request's tokens
+        against the KV events (scheduler_service/kv_events.py)."""
+        try:
+            body = await _json_body(request)
+            self._check_model(body.get("model"))
+            tok = self.gen.tokenizer
+            if isinstance(body.get("messages"), list):
+                ids = tok.encode_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
+            elif isinstance(body.get("prompt"), str):
+                ids = tok.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
+            else:
+                raise invalid("give 'prompt' (a string) or 'messages'")
+        except RequestError as e:
+            return error_response(e)
+        except ValueError as e:   # a chat template's own error
+            return error_response(invalid(str(e)))
+        return web.json_response({"count": len(ids), "max_model_len": self.gen.limits.max_model_len,
+                                  "tokens": ids, "token_strs": None})
 
     def _check_model(self, name: Any) -> int:
         """The LoRA adapter a request's `model` names (0: the base model; absent: the base)."""

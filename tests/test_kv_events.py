@@ -82,7 +82,7 @@ def test_off_by_default_and_config_parsing():
         "replay_endpoint": "tcp://*:5558", "topic": "kv"}))
     assert cfg.active and cfg.topic == "kv"
     assert not KVEventsConfig.from_cli('{"publisher": "zmq"}').active
-    for bad in ('{"publisher": "nats"}', '{"endpont": "x"}', "[]"):
+    for bad in ('{"publisher": "nats"}', '{"endpont": "x"}', "[]", '{"encoding": "json"}'):
         with pytest.raises(ValueError):
             KVEventsConfig.from_cli(bad)
 
@@ -110,10 +110,25 @@ def _replay(ctx: zmq.Context, port: int, start: int) -> list[tuple[int, bytes]]:
         got.append((seq, payload))
 
 
+def test_both_encodings_round_trip():
+    from scheduler_service.kv_events import decode_batch, encode_batch
+    events = [BlockStored([1, 2], 7, [5] * 8, 4, 3, "CPU"), BlockRemoved([1], "GPU"),
+              AllBlocksCleared()]
+    for encoding in ("map", "array"):
+        assert decode_batch(encode_batch(events, 1.5, encoding)) == (1.5, events)
+    ts, raw = msgpack.unpackb(encode_batch(events, 1.5))   # map: vLLM 0.28+, the default
+    assert raw[0] == {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": 7,
+                      "token_ids": [5] * 8, "block_size": 4, "lora_id": 3, "medium": "CPU",
+                      "lora_name": None}
+    assert raw[1:] == [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"},
+                       {"type": "AllBlocksCleared"}]
+
+
 def test_publisher_frames_and_replay():
     pub_port, replay_port = free_port(), free_port()
     publisher = ZmqEventPublisher(KVEventsConfig(
-        True, "zmq", f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", topic="kv"))
+        True, "zmq", f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", topic="kv",
+        encoding="array"))
     ctx = zmq.Context()
     try:
         sub = _subscribe(ctx, pub_port, b"kv")
@@ -162,11 +177,11 @@ def test_scheduler_publishes_what_its_cache_holds(tmp_path):
                 continue
             for e in msgpack.unpackb(payload)[1]:
                 seen.append(e)
-                if e[0] == "BlockStored" and e[-1] == "GPU":
-                    held.update(e[1])
-                elif e[0] == "BlockRemoved" and e[-1] == "GPU":
-                    held.difference_update(e[1])
-                elif e[0] == "AllBlocksCleared":
+                if e["type"] == "BlockStored" and e["medium"] == "GPU":
+                    held.update(e["block_hashes"])
+                elif e["type"] == "BlockRemoved" and e["medium"] == "GPU":
+                    held.difference_update(e["block_hashes"])
+                elif e["type"] == "AllBlocksCleared":
                     held.clear()
         return until()
 
@@ -182,17 +197,18 @@ def test_scheduler_publishes_what_its_cache_holds(tmp_path):
                 h = compute_hash(tuple(prompt[4 * i:4 * i + 4]), h)
                 hashes.append(h)
             assert follow(sub, lambda: set(hashes) <= held), seen
-            stored = next(e for e in seen if e[0] == "BlockStored")
-            assert stored[1][:4] == hashes and stored[2] is None and stored[3][:16] == prompt[:16]
-            assert stored[4] == 4
+            stored = next(e for e in seen if e["type"] == "BlockStored")
+            assert stored["block_hashes"][:4] == hashes and stored["parent_block_hash"] is None
+            assert stored["token_ids"][:16] == prompt[:16] and stored["block_size"] == 4
             c.complete(list(range(500, 545)), params)   # 12 blocks: evicts the first prompt's
             assert follow(sub, lambda: not set(hashes) & held), seen
-            assert any(e[0] == "BlockRemoved" and set(e[1]) & set(hashes) for e in seen)
+            assert any(e["type"] == "BlockRemoved" and set(e["block_hashes"]) & set(hashes)
+                       for e in seen)
             port = worker.port
             worker.stop(sig=9)
             worker = start_null_worker(model, port=port)
             c.complete(prompt, params)   # the engine learns of the loss at its next step
-            assert follow(sub, lambda: ["AllBlocksCleared"] in seen), seen
+            assert follow(sub, lambda: {"type": "AllBlocksCleared"} in seen), seen
         assert _replay(ctx, replay_port, 0)   # the replay socket serves the past batches
     finally:
         ctx.destroy(0)
