@@ -118,6 +118,7 @@ class Scheduler:
         self.num_fast_forward_mismatches = 0   # in-flight samples that were not the forced token
         self._live: dict[int, Sequence] = {}  # seq_id -> seq, for abort
         self._released: list[int] = []
+        self._pooled_last = False   # the last step was a prefill of pooling sequences only
 
     # ---- queue management ---------------------------------------------------------
 
@@ -214,12 +215,21 @@ class Scheduler:
         self._last_schedule = now
         if gap < 1.0:   # busy: a step's time, smoothed (an idle gap is not a step)
             self._step_s += (0.1 if self._step_s else 1.0) * (gap - self._step_s)
-        batch = self._schedule_prefill()
+        batch = None
+        if self._pooled_last and self.running:
+            # A flood of pooling requests (embeddings, scores) ends each prefill and leaves
+            # nothing running to bound it: one decode step between its prefills, so
+            # generations beside it are not starved.
+            batch = self._schedule_decode()
+        if batch is None:
+            batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
         if batch is None:
             # Decode preempted everything it looked at: those seqs wait, re-prefill them.
             batch = self._schedule_prefill()
+        self._pooled_last = (batch is not None and batch.is_prefill
+                             and all(s.sampling.pooling for s in batch.seqs))
         return batch
 
     def _schedule_prefill(self) -> Batch | None:

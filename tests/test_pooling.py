@@ -333,3 +333,22 @@ def test_task_auto_rule(tmp_path, files, config, name, want):
     assert model_task.resolve("generate, embed", str(d)) == ("generate", "embed")
     with pytest.raises(ValueError):
         model_task.resolve("classify", str(d))
+
+
+def test_a_pooling_flood_does_not_starve_decode():
+    """Pooling sequences end at their prefill, so nothing bounds a flood of them: the
+    scheduler puts a decode step between their prefills."""
+    from scheduler_service.scheduler import Scheduler, SchedulerConfig
+    from scheduler_service.sequence import SamplingOptions, Sequence
+    s = Scheduler(SchedulerConfig(num_kv_blocks=256, block_size=8, max_num_batched_tokens=32))
+    gen = Sequence(1, list(range(10)), SamplingOptions(max_tokens=50, ignore_eos=True))
+    s.add(gen)
+    s.postprocess(s.schedule(), [7])   # its prefill: now it decodes
+    for i in range(20):
+        s.add(Sequence(100 + i, list(range(20, 52)), SamplingOptions(max_tokens=1, pooling=1)))
+    kinds = []
+    for _ in range(12):
+        batch = s.schedule()
+        kinds.append("decode" if not batch.is_prefill else "pool")
+        s.postprocess(batch, [5] * sum(batch.sample))
+    assert kinds[:6] == ["pool", "decode"] * 3
