@@ -17,7 +17,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import resume, routing
+import client.resume as resume
+import client.routing as routing
 from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
