@@ -40,26 +40,43 @@ class LoraStep:
 
 
 @dataclass(frozen=True)
+class QuantWeightStep:
+    """A GPTQ / AWQ weight in kernels/quant_linear.py's layout (W is [in, out] here):
+    W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = g_idx[k]."""
+    qweight: torch.Tensor                # [in_local / (32 / bits), out_local] int32, packed along in
+    scales: torch.Tensor                 # [groups, out_local] model dtype
+    zeros: torch.Tensor                  # [groups, out_local] model dtype (true zero points)
+    g_idx: torch.Tensor                  # [in_local] int32: each input row's group
+    bits: int                            # 4 or 8
+    group_size: int                      # input rows per group (-1: all of them)
+
+
+@dataclass(frozen=True)
 class LinearStep:
     """y = x W^T (* weight_scale per output row for e4m3 W) (+ bias) (+ adapters' deltas).
 
     Row-parallel (shard.dim == 1): y is a partial sum over the ranks; reduce=True sums it
     here, else the next norm does (NormStep.tp_sum), and the bias is added once (after the
-    sum, or by rank 0 alone)."""
-    weight: torch.Tensor                 # [out_local, in_local]: bf16 / fp16 / fp32 or e4m3
+    sum, or by rank 0 alone). A GPTQ / AWQ layer has weight None and its packed W in quant."""
+    weight: torch.Tensor | None          # [out_local, in_local]: bf16 / fp16 / fp32 or e4m3
     bias: torch.Tensor | None            # [out_local]
     weight_scale: torch.Tensor | None    # [out_local, 1] float32 where weight is e4m3
     parts: tuple[int, ...]               # output rows of each merged matrix (q, k, v / gate, up)
     shard: TPShard
     reduce: bool                         # all-reduced here (row-parallel layers only)
     lora: LoraStep | None                # adapter slots, where adapters are served
+    quant: QuantWeightStep | None = None  # int4 / int8 weight (GPTQ, AWQ), where weight is None
 
     @property
     def in_features(self) -> int:
+        if self.quant is not None:
+            return self.quant.g_idx.shape[0]
         return self.weight.shape[1]
 
     @property
     def out_features(self) -> int:
+        if self.quant is not None:
+            return self.quant.qweight.shape[1]
         return self.weight.shape[0]
 
 

@@ -8,7 +8,9 @@ one column-parallel layer followed by one row-parallel layer: one all-reduce eac
 Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)` that copies
 this rank's slice of a full checkpoint tensor into it. After loading, `quantize_fp8()` turns
 a layer's weight into e4m3 with per-output-channel scales (kernels/fp8_linear.py), each rank
-quantizing its own slice.
+quantizing its own slice. Built with `quant` (a GPTQ / AWQ checkpoint's WeightQuant), a
+layer holds packed int4 / int8 weights instead (models/quantized.py: qweight, scales,
+qzeros, g_idx; kernels/quant_linear.py multiplies them).
 """
 from __future__ import annotations
 
@@ -17,24 +19,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_rows
+import kernels.quant_linear
 from kernels.gemv import GemvLora, gemv
+from kernels.quant_linear import quant_linear, quant_linear_ref
 from models import activation, kernel_choice
-from models.decode_step import LinearStep, TPShard
+from models.decode_step import LinearStep, QuantWeightStep, TPShard
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
+from models.quantized import KINDS, Slot, WeightQuant, convert, trivial_g_idx
 
 
 class LinearBase(nn.Module):
-    """Holds weight [out_local, in_local] and optional bias [out_local]."""
+    """Holds weight [out_local, in_local] (or, quantized, qweight / scales / qzeros / g_idx)
+    and optional bias [out_local]."""
 
     shard_dim: int | None = None   # the weight's dimension split over the TP ranks
     reduce = False                 # whether forward all-reduces (row-parallel layers)
 
-    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPGroup,
+                 quant: WeightQuant | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.lora = None   # models/lora.py LoraSlots, when adapters are served
-        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant = quant
+        self.in_local, self.out_local = in_local, out_local
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("weight", None)
+            self._init_quantized(quant)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -44,6 +57,60 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         raise NotImplementedError
+
+    def out_slot(self, shard_id: object) -> tuple[int, int]:
+        """(first local output column, local columns) of a checkpoint part (None: all)."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} got unexpected shard id {shard_id!r}")
+        return 0, self.out_local
+
+    def _init_quantized(self, quant: WeightQuant) -> None:
+        """Empty packed parameters in kernels/quant_linear.py's layout; g_idx starts as
+        consecutive groups (this rank's rows), which a GPTQ checkpoint's g_idx replaces."""
+        row_parallel = self.shard_dim == 1
+        in_full = self.in_local * self.tp.size if row_parallel else self.in_local
+        groups = quant.groups(in_full)
+        if self.in_local % quant.per_word:
+            raise ValueError(f"{type(self).__name__}: {self.in_local} input rows per rank are "
+                             f"not whole {quant.per_word}-value words")
+        first = self.tp.rank * self.in_local if row_parallel else 0
+        tensors = {
+            "qweight": torch.empty(self.in_local // quant.per_word, self.out_local, dtype=torch.int32),
+            "qzeros": torch.empty(groups, self.out_local),
+            "scales": torch.empty(groups, self.out_local),
+            "g_idx": trivial_g_idx(range(first, first + self.in_local), in_full // groups),
+        }
+        for kind in KINDS:
+            param = nn.Parameter(tensors[kind], requires_grad=False)
+            param.weight_loader, param.quant_kind = self.quant_loader, kind
+            setattr(self, kind, param)
+        if not quant.desc_act:   # consecutive groups unless the checkpoint says otherwise
+            self.g_idx.expected_shards = set()
+        self._g_idx_parts: set = set()
+
+    def quant_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                     shard_id: object = None) -> None:
+        """One GPTQ / AWQ checkpoint tensor (of one part) -> this rank's slice of param."""
+        if shard_id is None and len(self.part_sizes()) > 1:
+            raise ValueError(f"{type(self).__name__}: a merged {self.quant.method} "
+                             f"{param.quant_kind} is not supported (one tensor per projection)")
+        offset, size = self.out_slot(shard_id)
+        kind = param.quant_kind
+        what = f"{type(self).__name__} {self.quant.method} {kind}" + (
+            f" part {shard_id}" if shard_id is not None else "")
+        t = convert(self.quant, kind, loaded, Slot(self.shard_dim == 0, self.tp.rank,
+                                                    self.tp.size, offset, size, self.in_local), what)
+        if kind == "g_idx":
+            check_shape(param, t, what)
+            if self._g_idx_parts and not torch.equal(param.data, t.to(param.device)):
+                raise ValueError(f"{what}: act-order g_idx differs between the merged "
+                                 "projections (they share one input)")
+            self._g_idx_parts.add(shard_id)
+            param.data.copy_(t)
+            return
+        dst = param.data.narrow(1, offset, size)
+        check_shape(dst, t, what)
+        dst.copy_(t)
 
     def quantize_fp8(self) -> None:
         """Weight -> e4m3 + a float32 scale per output channel (`weight_scale` [out, 1])."""
@@ -55,29 +122,38 @@ class LinearBase(nn.Module):
     def fp8_scale(self) -> torch.Tensor | None:
         """weight_scale where the weight is e4m3, else None: what the GEMV, the GEMM and
         decode_step all read."""
-        return self.weight_scale if self.weight.dtype == FP8 else None
+        return self.weight_scale if self.weight is not None and self.weight.dtype == FP8 else None
 
     def part_sizes(self) -> tuple[int, ...]:
         """This rank's output rows of each matrix merged into this one."""
-        return (self.weight.shape[0],)
+        return (self.out_local,)
 
     def decode_step(self) -> LinearStep:
         """This layer's own tensors and sharding (models/decode_step.py)."""
+        quant = None if self.quant is None else QuantWeightStep(
+            self.qweight, self.scales, self.qzeros, self.g_idx, self.quant.bits,
+            self.quant.group_size)
         return LinearStep(weight=self.weight, bias=self.bias, weight_scale=self.fp8_scale,
                           parts=self.part_sizes(),
                           shard=TPShard(self.tp.rank, self.tp.size, self.shard_dim),
                           reduce=self.reduce,
-                          lora=None if self.lora is None else self.lora.decode_step())
+                          lora=None if self.lora is None else self.lora.decode_step(),
+                          quant=quant)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether matmul(x) would quantize x per token (kernel_choice.fp8_rows): then the
         kernel that makes x (RMSNorm, SiLU-and-mul) hands it over as QuantizedRows, one
         launch less."""
-        return kernel_choice.fp8_rows(x, self.weight)
+        return self.weight is not None and kernel_choice.fp8_rows(x, self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                lora: GemvLora | None = None, quantized: QuantizedRows | None = None
                ) -> torch.Tensor:
+        if self.quant is not None:
+            assert lora is None and quantized is None
+            run = (quant_linear if kernel_choice.paths(x).triton or kernels.quant_linear.ON_CPU
+                   else quant_linear_ref)
+            return run(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.quant.bits, bias)
         scale = self.fp8_scale
         if kernel_choice.paths(x).gemv:
             return gemv(x, self.weight, scale, bias, lora=lora)
@@ -111,8 +187,9 @@ class ColumnParallelLinear(LinearBase):
     shard_dim = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TPGroup = TPGroup()) -> None:
-        super().__init__(input_size, divide(output_size, tp.size, "output size"), bias, tp)
+                 tp: TPGroup = TPGroup(), quant: WeightQuant | None = None) -> None:
+        super().__init__(input_size, divide(output_size, tp.size, "output size"), bias, tp,
+                         quant)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -131,14 +208,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     splits back into the parts with a plain chunk."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: TPGroup = TPGroup()) -> None:
+                 tp: TPGroup = TPGroup(), quant: WeightQuant | None = None) -> None:
         for size in output_sizes:
             divide(size, tp.size, "output size")
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp, quant)
 
     def part_sizes(self) -> tuple[int, ...]:
         return tuple(size // self.tp.size for size in self.output_sizes)
+
+    def out_slot(self, shard_id: object) -> tuple[int, int]:
+        if shard_id not in range(len(self.output_sizes)):
+            raise ValueError(f"merged linear has no part {shard_id!r}")
+        sizes = self.part_sizes()
+        return sum(sizes[:shard_id]), sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -146,10 +229,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             for i, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
                 self.weight_loader(param, part, i)
             return
-        if shard_id not in range(len(self.output_sizes)):
-            raise ValueError(f"merged linear has no part {shard_id!r}")
-        size = self.output_sizes[shard_id] // self.tp.size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        offset, size = self.out_slot(shard_id)
         dst = param.data.narrow(0, offset, size)
         shard = loaded_weight.narrow(0, self.tp.rank * size, size)
         check_shape(dst, shard, f"merged linear part {shard_id}")
@@ -163,6 +243,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         lora = self.lora
         if (not fp8 and len(self.output_sizes) == 2 and not isinstance(x, QuantizedRows)
                 and kernel_choice.paths(x).gated_gemv and self.bias is None
+                and self.quant is None
                 and (lora is None or lora.ctx.rows is None)):
             return gemv(x, self.weight, self.fp8_scale, gated=True)
         return activation.swiglu(self(x), fp8=fp8)
@@ -175,12 +256,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     whole because both head counts must divide by the TP size."""
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool = False, tp: TPGroup = TPGroup()) -> None:
+                 total_num_kv_heads: int, bias: bool = False, tp: TPGroup = TPGroup(),
+                 quant: WeightQuant | None = None) -> None:
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp.size, "num_attention_heads")
         self.num_kv_heads = divide(total_num_kv_heads, tp.size, "num_key_value_heads")
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias, tp)
+        super().__init__(hidden_size, output_size, bias, tp, quant)
 
     @property
     def q_size(self) -> int:
@@ -193,6 +275,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     def part_sizes(self) -> tuple[int, ...]:
         return (self.q_size, self.kv_size, self.kv_size)
 
+    def out_slot(self, shard_id: object) -> tuple[int, int]:
+        offsets = {"q": (0, self.q_size),
+                   "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        if shard_id not in offsets:
+            raise ValueError(f"qkv linear has no part {shard_id!r}")
+        return offsets[shard_id]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         q_total, kv_total = self.q_size * self.tp.size, self.kv_size * self.tp.size
@@ -201,12 +291,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             for sid, part in (("q", q), ("k", k), ("v", v)):
                 self.weight_loader(param, part, sid)
             return
-        offsets = {"q": (0, self.q_size),
-                   "k": (self.q_size, self.kv_size),
-                   "v": (self.q_size + self.kv_size, self.kv_size)}
-        if shard_id not in offsets:
-            raise ValueError(f"qkv linear has no part {shard_id!r}")
-        offset, size = offsets[shard_id]
+        offset, size = self.out_slot(shard_id)
         dst = param.data.narrow(0, offset, size)
         shard = loaded_weight.narrow(0, self.tp.rank * size, size)
         check_shape(dst, shard, f"qkv part {shard_id}")
@@ -224,8 +309,10 @@ class RowParallelLinear(LinearBase):
     shard_dim = 1
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TPGroup = TPGroup(), reduce: bool = True) -> None:
-        super().__init__(divide(input_size, tp.size, "input size"), output_size, bias, tp)
+                 tp: TPGroup = TPGroup(), reduce: bool = True,
+                 quant: WeightQuant | None = None) -> None:
+        super().__init__(divide(input_size, tp.size, "input size"), output_size, bias, tp,
+                         quant)
         self.reduce = reduce
         if self.bias is not None:
             self.bias.weight_loader = replicated_weight_loader

@@ -10,6 +10,10 @@ dequantized tensor by tensor as they load; with quantization "fp8" (such a check
 default, or `--quantization fp8` on a bf16 one) every linear layer is then requantized per
 output channel (kernels/fp8_linear.py), and MoE experts per output row, weight-only
 (models/moe.py). Embeddings, the LM head and norms stay in the model's dtype.
+
+GPTQ / AWQ: checkpoints with `quant_method` "gptq" (int4 / int8) or "awq" (GEMM int4) build
+their attention and MLP projections packed (models/quantized.py), each rank cutting its
+slice of the packed tensors as they load; what those layers do not cover is refused there.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from models.config import ModelConfig, load_config
 from models.linear import LinearBase
 from models.moe import MoEExperts
 from models.parallel import TPGroup
+from models.quantized import weight_quant
 from models.qwen3 import Qwen3ForCausalLM
 
 QUANTIZATIONS = ("auto", "none", "fp8")   # auto: what the checkpoint is (fp8 or none)
@@ -78,9 +83,11 @@ def fp8_blocks(config) -> tuple[int, int] | None:
     if q is None:
         return None
     q = q if isinstance(q, dict) else q.to_dict()
+    if q.get("quant_method") in ("gptq", "awq"):   # int weights: models/quantized.py
+        return None
     if q.get("quant_method") != "fp8":
         raise ValueError(f"unsupported quantization_config {q.get('quant_method')!r} "
-                         "(supported: fp8 with weight_block_size)")
+                         "(supported: fp8 with weight_block_size, gptq, awq)")
     block = q.get("weight_block_size")
     if not block or q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError("only block-scaled FP8 checkpoints with dynamic activation scales "
@@ -165,6 +172,10 @@ def load_model(model_dir: str, tp: TPGroup = TPGroup(), dtype: torch.dtype | Non
         raise ValueError(f"unknown quantization {quantization!r}: expected one of {QUANTIZATIONS}")
     config = load_config(model_dir, hf_overrides)
     blocks = fp8_blocks(config)
+    quant = weight_quant(config)
+    if quant is not None and quantization not in ("auto", quant.method):
+        raise ValueError(f"{model_dir} is a {quant.method} int{quant.bits} checkpoint: it runs "
+                         f"as such (--quantization auto), not {quantization}")
     dtype = dtype or config_dtype(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

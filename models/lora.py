@@ -185,6 +185,9 @@ def attach(model: nn.Module, num_slots: int, max_rank: int) -> tuple[LoraContext
         prefix, _, attr = name.rpartition(".")
         if ".experts" in name or attr not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             continue
+        if getattr(layer, "quant", None) is not None:
+            raise ValueError(f"LoRA adapters on {layer.quant.method} (int{layer.quant.bits}) "
+                             "layers are not supported")
         if isinstance(layer, QKVParallelLinear):
             parts = [layer.q_size, layer.kv_size, layer.kv_size]
         elif isinstance(layer, MergedColumnParallelLinear):

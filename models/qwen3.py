@@ -26,6 +26,7 @@ from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.moe import Qwen3MoeSparseMoeBlock, is_sparse_layer
 from models.parallel import TPGroup
+from models.quantized import weight_quant
 from models.rotary import RotaryEmbedding, rope_from_config
 
 
@@ -40,14 +41,16 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False))
+        quant = weight_quant(config)   # GPTQ / AWQ int4 / int8 projections, else None
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads,
-                                          bias=bias or config.model_type == "qwen2", tp=tp)
+                                          bias=bias or config.model_type == "qwen2", tp=tp,
+                                          quant=quant)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
                                         bias=bias and config.model_type != "qwen2", tp=tp,
-                                        reduce=False)   # summed in the next norm
+                                        reduce=False, quant=quant)   # summed in the next norm
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
@@ -94,10 +97,12 @@ class Qwen3MLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (Qwen3 uses silu)")
         if getattr(config, "mlp_bias", False):
             raise ValueError("MLP bias is not supported")
+        quant = weight_quant(config)
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=False, tp=tp)
+            config.hidden_size, [config.intermediate_size] * 2, bias=False, tp=tp, quant=quant)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           bias=False, tp=tp, reduce=False)   # summed in the next norm
+                                           bias=False, tp=tp, reduce=False,   # summed in the next norm
+                                           quant=quant)
 
     def decode_step(self) -> MLPStep:
         return MLPStep(self.gate_up_proj.decode_step(), self.down_proj.decode_step())
