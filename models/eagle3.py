@@ -31,7 +31,7 @@ from kernels.attention import AttentionMetadata
 from models.attention import Attention
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from models.rotary import RotaryEmbedding
+from models.rotary import RotaryEmbedding, max_positions
 
 
 @dataclass
@@ -172,7 +172,7 @@ def load_eagle3(model_dir: str, target_config, target_embed: nn.Module, backend,
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            head = Eagle3Head(cfg, backend, embed, target_config.max_position_embeddings)
+            head = Eagle3Head(cfg, backend, embed, max_positions(target_config))
     finally:
         torch.set_default_dtype(previous)
     p = "layers.0."

@@ -155,3 +155,27 @@ def test_unsupported_rope_types_are_refused(tmp_path_factory):
         load_model(str(base), hf_overrides={"rope_scaling": {"rope_type": "longrope"}})
     with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
         load_model(str(base), hf_overrides={"rope_scaling": {"rope_type": "llama3", "factor": 8}})
+
+
+@pytest.mark.slow
+def test_worker_serves_past_max_position_with_rope_scaling_flag(tmp_path_factory):
+    """`--rope-scaling` on a real worker behind the scheduler: the context grows past
+    max_position_embeddings (original x factor) and greedy tokens are HF's with the same
+    scaling in config.json, generated past max_position_embeddings."""
+    from nanoserve.v1 import generate_pb2
+    from services import generation_stub
+    base = tiny_qwen3_dir(tmp_path_factory, max_position_embeddings=MAX_POS)
+    prompt = random_prompts(VOCAB, [MAX_POS - 4], seed=9)[0].tolist()
+    new = 10
+    with generation_stub(base, worker_extra=["--rope-scaling", json.dumps(ROPES["yarn"])]) as stub:
+        got = stub.Complete(generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)),
+            timeout=120).token_ids
+    hf = hf_model(scaled_dir(tmp_path_factory, "qwen3", "yarn"))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert len(ids) > MAX_POS
+    assert list(got) == ids[len(prompt):]
