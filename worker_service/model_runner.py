@@ -222,7 +222,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager and not self._profiling:
             self._capture_graphs(block_size, phases)
         if self.config.small_batch_kernel == "persistent" and not self._profiling:
-            self._add_persistent_kernel(block_size, phases)
+            from worker_service.persistent_executor import small_batch_executor
+            kernel = small_batch_executor(
+                self.model, self.tp.size, bool(self.drafter and self.drafter.feature_layers),
+                self.backend, self.device, self.max_model_len, block_size,
+                self.device.type == "cuda" and not self.config.enforce_eager, phases)
+            if kernel is not None:
+                self.executors.insert(0, kernel)
 
     def _free_kv(self) -> None:
         self.kv_cache = self.kv_scales = None
@@ -267,26 +273,6 @@ class ModelRunner:
                            f"(<= {prefill.max_tokens} tokens)"):
             prefill.capture()
         self.executors.insert(1, prefill)
-
-    def _add_persistent_kernel(self, block_size: int, phases: dict[str, float]) -> None:
-        """The persistent small-batch decode kernel as the first executor (captured per
-        bucket where graphs are), where it covers the model (else the log says why)."""
-        from worker_service.persistent_executor import (PersistentDecode, PersistentGraphs,
-                                                        unsupported)
-        why = unsupported(self.model.decode_step(), self.tp.size)
-        if self.drafter is not None and self.drafter.feature_layers:
-            why = "an EAGLE-3 head needs the target's features"
-        if why:
-            log.info("no persistent decode kernel: %s", why)
-            return
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            graphs = PersistentGraphs(self.model, self.backend, self.max_model_len, block_size,
-                                      self.device)
-            with phase(phases, f"{len(graphs.buckets)} persistent decode graphs"):
-                graphs.capture()
-            self.executors.insert(0, graphs)
-        else:
-            self.executors.insert(0, PersistentDecode(self.model, self.device, self.max_model_len))
 
     def _bind_device(self) -> None:
         """Make this runner's GPU the calling thread's current device. gRPC calls arrive on

@@ -10,6 +10,8 @@ next executor takes it.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -18,8 +20,11 @@ from kernels.interpret import INTERPRET_ENV
 from kernels.persistent_decode import (MAX_ROWS, TABLE_WIDTH, Dims, Workspace, decode_step)
 from models.decode_step import LinearStep, MLPStep, ModelStep
 from worker_service.cuda_graphs import DecodeGraphs
-from worker_service.executors import Forward, StepInputs, input_ids
+from worker_service.executors import Executor, Forward, StepInputs, input_ids
+from worker_service.phases import phase
 from worker_service.transfers import to_device
+
+log = logging.getLogger("nanoserve.worker")
 
 
 def unsupported(step: ModelStep, tp_size: int) -> str | None:
@@ -148,3 +153,24 @@ class PersistentGraphs(DecodeGraphs):
         return Forward(self.kernel.forward(self.input_ids[:bs], self.positions[:bs],
                                            self.slot_mapping[:bs], self.context_lens[:bs],
                                            self.block_tables[:bs]))
+
+
+def small_batch_executor(model, tp_size: int, needs_features: bool, backend,
+                         device: torch.device, max_model_len: int, block_size: int,
+                         graphs: bool, phases: dict[str, float]) -> Executor | None:
+    """The runner's first executor for --small-batch-kernel persistent (captured per bucket
+    where `graphs`), or None where the kernel does not cover the model (logged why).
+    needs_features: an EAGLE-3 head drafts from the target's features, which it does not
+    return."""
+    why = unsupported(model.decode_step(), tp_size)
+    if needs_features:
+        why = "an EAGLE-3 head needs the target's features"
+    if why:
+        log.info("no persistent decode kernel: %s", why)
+        return None
+    if not graphs:
+        return PersistentDecode(model, device, max_model_len)
+    captured = PersistentGraphs(model, backend, max_model_len, block_size, device)
+    with phase(phases, f"{len(captured.buckets)} persistent decode graphs"):
+        captured.capture()
+    return captured
