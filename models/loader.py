@@ -14,6 +14,7 @@ output channel (kernels/fp8_linear.py), and MoE experts per output row, weight-o
 GPTQ / AWQ: checkpoints with `quant_method` "gptq" (int4 / int8) or "awq" (GEMM int4) build
 their attention and MLP projections packed (models/quantized.py), each rank cutting its
 slice of the packed tensors as they load; what those layers do not cover is refused there.
+Their MoE experts are dequantized as each expert's tensors complete (`_QuantizedExperts`).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from models.config import ModelConfig, load_config
 from models.linear import LinearBase
 from models.moe import MoEExperts
 from models.parallel import TPGroup
-from models.quantized import weight_quant
+from models.quantized import WeightQuant, dequantize_checkpoint, needs, weight_quant
 from models.qwen3 import Qwen3ForCausalLM
 
 QUANTIZATIONS = ("auto", "none", "fp8")   # auto: what the checkpoint is (fp8 or none)
@@ -95,6 +96,37 @@ def fp8_blocks(config) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+class _QuantizedExperts:
+    """Collects each GPTQ / AWQ MoE expert projection's tensors (they may sit in different
+    files) and hands back its dequantized `.weight` once they are all read."""
+
+    def __init__(self, quant: WeightQuant | None, dtype: torch.dtype) -> None:
+        self.quant, self.dtype = quant, dtype
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def take(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(name, tensor) to load now: as given, or a completed expert's weight; None while
+        an expert projection waits for its other tensors."""
+        module, _, kind = name.rpartition(".")
+        parts = module.split(".")
+        if (self.quant is None or len(parts) < 3 or parts[-3] != "experts"
+                or not parts[-2].isdigit() or kind not in needs(self.quant)):
+            return name, tensor
+        got = self.pending.setdefault(module, {})
+        got[kind] = tensor.clone()     # reads may reuse the buffer a tensor views
+        if got.keys() != needs(self.quant):
+            return None
+        return module + ".weight", self._dequantize(module)
+
+    def rest(self) -> list[tuple[str, torch.Tensor]]:
+        """Expert projections still waiting at the end (a GPTQ g_idx may be absent without
+        act-order): dequantized, or an error naming what is missing."""
+        return [(module + ".weight", self._dequantize(module)) for module in list(self.pending)]
+
+    def _dequantize(self, module: str) -> torch.Tensor:
+        return dequantize_checkpoint(self.quant, self.pending.pop(module), self.dtype, module)
+
+
 def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | None = None
                  ) -> float:
     """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader
@@ -116,15 +148,22 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
     loaded: dict[str, set] = {name: set() for name in params}
     unexpected: list[str] = []
     device = next(model.parameters()).device
+    experts = _QuantizedExperts(weight_quant(model.config),
+                                next(p.dtype for p in model.parameters() if p.is_floating_point()))
     waited = 0.0
-    for path in files:
-        tensors = read_tensors(path, device)
+    for path in [*files, None]:
+        tensors = read_tensors(path, device) if path else iter(experts.rest())
         while True:
             t = time.perf_counter()
             name, tensor = next(tensors, (None, None))
             waited += time.perf_counter() - t
             if name is None:
                 break
+            if path is not None:
+                taken = experts.take(name, tensor)
+                if taken is None:
+                    continue
+                name, tensor = taken
             if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
                     or name.endswith(".weight_scale_inv")):
                 continue

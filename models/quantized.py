@@ -22,12 +22,18 @@ values in order (value j of a word at bits j*bits); AutoAWQ's GEMM layout interl
 8 nibbles of a word as columns (0, 2, 4, 6, 1, 3, 5, 7), so column j sits at nibble
 AWQ_REVERSE_ORDER[j]. GPTQ's original format ("checkpoint_format": "gptq") stores zero - 1;
 "gptq_v2" stores the zero.
+
+Qwen3-MoE experts (`experts.{e}.gate_proj.qweight`, ...) are dequantized to the model dtype
+as they load (`dequantize_checkpoint`): such checkpoints load and run, at bf16's bytes per
+step until the fused MoE kernel takes int4 experts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kernels.quant_linear import dequantize_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)            # nibble i of a word holds column AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)    # column j sits at nibble AWQ_REVERSE_ORDER[j]
@@ -66,9 +72,6 @@ def weight_quant(config) -> WeightQuant | None:
     method = q.get("quant_method")
     if method not in ("gptq", "awq"):
         return None
-    if getattr(config, "model_type", None) == "qwen3_moe":
-        raise ValueError(f"{method} checkpoints of MoE models (quantized experts) are not "
-                         "supported yet: dense Qwen3 / Qwen2 / Llama only")
     bits = int(q.get("bits", q.get("w_bit", 4)))
     group = int(q.get("group_size", q.get("q_group_size", 128)))
     if group == 0 or group < -1:
@@ -184,3 +187,29 @@ def _whole(n: int, per_word: int, what: str) -> int:
         raise ValueError(f"{what}: {n} per rank is not a whole number of {per_word}-value "
                          "words (a TP size the packing does not divide)")
     return n // per_word
+
+
+def needs(quant: WeightQuant) -> set[str]:
+    """The checkpoint tensors of one quantized projection."""
+    return {"qweight", "qzeros", "scales"} | ({"g_idx"} if quant.method == "gptq" else set())
+
+
+def dequantize_checkpoint(quant: WeightQuant, tensors: dict[str, torch.Tensor],
+                          dtype: torch.dtype, what: str) -> torch.Tensor:
+    """One projection's checkpoint tensors (`needs`; a GPTQ g_idx may be left out without
+    act-order) -> its [out, in] weight in dtype, as a Linear holds it."""
+    missing = needs(quant) - tensors.keys() - ({"g_idx"} if not quant.desc_act else set())
+    if missing:
+        raise ValueError(f"{what}: no {', '.join(sorted(missing))} in the checkpoint")
+    qweight = tensors["qweight"]
+    if qweight.dim() != 2:
+        raise ValueError(f"{what}.qweight has shape {tuple(qweight.shape)}, expected 2-D")
+    per = quant.per_word
+    k, n = ((qweight.shape[0] * per, qweight.shape[1]) if quant.method == "gptq"
+            else (qweight.shape[0], qweight.shape[1] * per))
+    slot = Slot(True, 0, 1, 0, n, k)
+    t = {kind: convert(quant, kind, tensors[kind], slot, f"{what}.{kind}") for kind in tensors}
+    g_idx = t.get("g_idx")
+    if g_idx is None:
+        g_idx = trivial_g_idx(range(k), k // quant.groups(k)).to(qweight.device)
+    return dequantize_ref(t["qweight"], t["scales"], t["qzeros"], g_idx, quant.bits).T.to(dtype)

@@ -168,14 +168,44 @@ def test_uncovered_configs_are_refused(tmp_path_factory, tmp_path, change, messa
         load_model(str(tmp_path / "m"))
 
 
-def test_quantized_moe_and_fp8_requant_are_refused(tmp_path_factory, tmp_path):
-    import shutil
+def test_fp8_requantization_is_refused(tmp_path_factory):
     quant, _ = checkpoint(tmp_path_factory, "gptq4-sym")
     with pytest.raises(ValueError, match="gptq int4 checkpoint: it runs as such"):
         load_model(str(quant), quantization="fp8")
-    shutil.copytree(quant, tmp_path / "m")
-    edit_config(tmp_path / "m", lambda c: c.update(model_type="qwen3_moe"))
-    with pytest.raises(ValueError, match="MoE models"):
+
+
+MOE = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64,
+           mlp_only_layers=[1])
+
+
+@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4-g128", "gptq8-sym-actorder"])
+def test_moe_experts_load_dequantized(tmp_path_factory, name):
+    """Qwen3-MoE with per-expert quantized tensors (Qwen's GPTQ-Int4 MoE layout): the
+    attention and dense MLP projections stay packed, the experts are dequantized at load;
+    logits are HF's on the dequantized weights, one process and TP=2."""
+    kw = dict(FORMATS[name])
+    if kw["fmt"] == "awq":
+        kw["group"] = 64        # the experts' 64 input rows of down_proj: one group
+    quant, deq = make_quantized(tmp_path_factory.mktemp(f"moe-{name}"), **kw, **MODEL,
+                                moe=MOE, seed=5)
+    refs = hf_logits(deq, PROMPTS)
+    model, _ = load_model(str(quant))
+    assert model.model.layers[0].self_attn.qkv_proj.quant is not None
+    assert model.model.layers[1].mlp.down_proj.quant is not None      # a dense MLP layer
+    cache = PagedKV(model, [len(p) for p in PROMPTS], block_size=4)
+    outs = run_step(model, cache, PROMPTS, [(i, 0, len(p)) for i, p in enumerate(PROMPTS)])
+    for i, (ours, ref) in enumerate(zip(outs, refs)):
+        assert_close(ours, ref, f"moe {name} seq {i}")
+    for rank, outs in enumerate(thread_tp_logits(quant, PROMPTS, 2)):
+        for i, (ours, ref) in enumerate(zip(outs, refs)):
+            assert_close(ours, ref, f"moe {name} tp rank {rank} seq {i}")
+
+
+def test_moe_expert_missing_its_scales_is_refused(tmp_path_factory, tmp_path):
+    quant, _ = make_quantized(tmp_path_factory.mktemp("moe-missing"), fmt="gptq", bits=4,
+                              group=32, **MODEL, moe=MOE, seed=5)
+    _rewrite(quant, tmp_path / "m", lambda s: s.pop("model.layers.0.mlp.experts.2.up_proj.scales"))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.2.up_proj: no scales"):
         load_model(str(tmp_path / "m"))
 
 

@@ -92,6 +92,16 @@ def make_quantized(path: Path, fmt: str, bits: int = 4, group: int = 32, sym: bo
     for d in (quant_dir, deq_dir):
         shutil.copytree(base, d)
     state = load_file(str(base / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stacked = state.pop(name)        # transformers 5 keeps experts stacked; Qwen's
+        prefix = name.rsplit(".", 1)[0]  # quantized checkpoints have one tensor each
+        for e, w in enumerate(stacked):
+            if name.endswith("gate_up_proj"):
+                gate, up = w.chunk(2)
+                state[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                state[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+            else:
+                state[f"{prefix}.{e}.down_proj.weight"] = w.contiguous()
     quant_state, deq_state = {}, {}
     for name, w in sorted(state.items()):
         module = name.removesuffix(".weight")
