@@ -125,10 +125,19 @@ class TritonBackend:
     decode_splits: flash-decoding splits for decode; None = heuristic from the batch shape
     (host ints only, no sync). Under CUDA graphs pass a fixed number: any value is correct
     for any context length, only the speed depends on it.
+
+    invariant (--deterministic, issue 68): every row, decode or prefill, takes paged_prefill,
+    whose key tiles start at multiples of BLOCK_N from key 0: a query at position p reduces
+    its keys in the same tiles, in the same order, whether it is a decode row, one row of a
+    prefill chunk of any length, after a cached prefix or not, beside any other rows. No
+    split-KV: a fixed split count (decode_splits) reorders a row's sum whenever the count
+    changes with the batch, and the decode kernel's own tiles (128 keys, a group's heads
+    per program) are a second order a re-prefilled sequence would not reproduce; the split
+    length is the whole context. No varlen FlashAttention either (its own tiles).
     """
     name = "triton"
 
-    def __init__(self, decode_splits: int | None = None) -> None:
+    def __init__(self, decode_splits: int | None = None, invariant: bool = False) -> None:
         # Imported here, not at module import, so TRITON_INTERPRET can still be set first.
         from kernels.paged_attention import default_num_splits, paged_decode, paged_prefill
         from kernels.store_kvcache import store_kvcache
@@ -137,6 +146,7 @@ class TritonBackend:
         self._varlen = torch_varlen
         self._default_splits = default_num_splits
         self.decode_splits = decode_splits
+        self.invariant = invariant
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -145,6 +155,10 @@ class TritonBackend:
                 kv_stored: bool = False) -> torch.Tensor:
         if not kv_stored:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if self.invariant:
+            return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                 meta.cu_seqlens_q, meta.max_seqlen_q, scale,
+                                 k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
             splits = self.decode_splits
             if splits is None:
@@ -224,7 +238,8 @@ def flash_attn_problem(device: torch.device, block_size: int | None = None,
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu",
                    block_size: int | None = None, head_dim: int | None = None,
-                   dtype: torch.dtype | None = None, shapes=None, kv_fp8: bool = False):
+                   dtype: torch.dtype | None = None, shapes=None, kv_fp8: bool = False,
+                   deterministic: bool = False):
     """Pick an attention backend: auto|flash_attn|triton|torch.
 
     auto on CUDA: triton, unless flash_attn can serve the model (installed; block_size %
@@ -234,8 +249,20 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
     CPU: torch. The choice and its reason are logged. Properties passed as None are not
     checked. Asking by name for one that cannot run here raises ValueError saying why.
     kv_fp8 (an fp8 KV cache) rules flash_attn out, and needs sm_89+ for triton.
+    deterministic (--deterministic): triton with one kernel for every row (TritonBackend's
+    invariant), the only backend whose order is ours to fix: auto takes it, torch (per
+    sequence einsums shaped by the chunk) and flash_attn (splits chosen from the batch)
+    raise.
     """
     device = torch.device(device)
+    if deterministic:
+        if name not in ("auto", "triton"):
+            raise ValueError(f"--deterministic needs the triton attention backend, not {name!r} "
+                             "(its reduction order depends on the batch or the chunk)")
+        backend = select_backend("triton", device, kv_fp8=kv_fp8)
+        backend.invariant = True
+        log.info("attention backend triton, batch-invariant (--deterministic)")
+        return backend
     if shapes is not None:
         head_dim, dtype = shapes.head_dim, shapes.dtype
         block_size = block_size or shapes.block_size

@@ -361,7 +361,7 @@ def _prefill_kernel(
                                      offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
                                      PRECISION, FP8)
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a padding row (context 0): zeros
     dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.batch_invariant import invariant_linear
 from kernels.gemv import gemv
 from models import kernel_choice
 from models.decode_step import TPShard, VocabStep
@@ -64,7 +65,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     so the GEMM and the gather only touch those."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if kernel_choice.paths(hidden).gemv:
+        p = kernel_choice.paths(hidden)
+        if p.invariant:   # --deterministic (kernel_choice.DETERMINISTIC)
+            logits = invariant_linear(hidden, self.weight)
+        elif p.gemv:
             logits = gemv(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)

@@ -14,6 +14,12 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
 - kernels/gemv.py's GEMV_MAX_TOKENS (NANOSERVE_GEMV_MAX_TOKENS) and ON_CPU: up to that many
   token rows the linear layers and the LM head take the GEMV (kept beside the kernel,
   whose tuning they are).
+- DETERMINISTIC (the worker's --deterministic, issue 68; set once at load by
+  worker_service/loading.py): a row's result must not depend on the rows beside it, so
+  every linear layer and the LM head take kernels/batch_invariant.py's fixed-tile GEMM
+  for every row count (no GEMV for one row and GEMM for more: two reduction orders), and
+  nothing hands an FP8 GEMM pre-quantized rows. Norms, rotary, SiLU, the q/k norm and
+  MoE routing are per-row kernels already (one program, or one torch op, per row).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from kernels.fp8_linear import FP8, ONE_BLOCK_MAX, scaled_mm_supported
 
 FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 FUSED_ON_CPU = False   # tests set it to run the fused kernels in the Triton interpreter
+DETERMINISTIC = False  # batch-invariant kernels (--deterministic): see above
 
 
 @dataclass(frozen=True)
@@ -38,18 +45,20 @@ class Paths:
     gated_gemv: bool   # gate_up's GEMV may apply SiLU-and-mul in its epilogue (where the
                        # layer has no bias, no adapter rows, two parts, no FP8 activation)
     triton: bool       # RMSNorm, rotary, MoE routing and experts: Triton, else torch refs
+    invariant: bool = False   # linear layers, LM head: kernels/batch_invariant.py (DETERMINISTIC)
 
 
 @functools.lru_cache(maxsize=1024)
 def decide(on_cuda: bool, rows: int, fused_kernels: bool, fused_on_cpu: bool,
-           gemv_max_tokens: int, gemv_on_cpu: bool) -> Paths:
+           gemv_max_tokens: int, gemv_on_cpu: bool, deterministic: bool = False) -> Paths:
     """The rule: the GEMV up to gemv_max_tokens rows (on CUDA, or in the interpreter), fused
     kernels where enabled. The gated GEMV needs the GEMV and FUSED alone (not the device:
-    a GEMV on CPU already runs in the interpreter). Cached: every layer of every eager
-    step asks (a lookup ~1 us, building the answer ~3)."""
-    gemv = (on_cuda or gemv_on_cpu) and rows <= gemv_max_tokens
+    a GEMV on CPU already runs in the interpreter). deterministic: the batch-invariant GEMM
+    at every row count, never the GEMV. Cached: every layer of every eager step asks (a
+    lookup ~1 us, building the answer ~3)."""
+    gemv = (on_cuda or gemv_on_cpu) and rows <= gemv_max_tokens and not deterministic
     return Paths(gemv=gemv, fused=(on_cuda or fused_on_cpu) and fused_kernels,
-                 gated_gemv=gemv and fused_kernels, triton=on_cuda)
+                 gated_gemv=gemv and fused_kernels, triton=on_cuda, invariant=deterministic)
 
 
 def paths(x: torch.Tensor) -> Paths:
@@ -57,7 +66,7 @@ def paths(x: torch.Tensor) -> Paths:
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     return decide(x.is_cuda, rows, FUSED, FUSED_ON_CPU, kernels.gemv.GEMV_MAX_TOKENS,
-                  kernels.gemv.ON_CPU)
+                  kernels.gemv.ON_CPU, DETERMINISTIC)
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -67,7 +76,7 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if weight.dtype != FP8 or weight.shape[1] > ONE_BLOCK_MAX:
         return False
     p = paths(x)
-    return not p.gemv and p.fused and scaled_mm_supported(x.device)
+    return not p.gemv and not p.invariant and p.fused and scaled_mm_supported(x.device)
 
 
 def lora_in_gemv(p: Paths, adapter_kernels: bool) -> bool:

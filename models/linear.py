@@ -20,6 +20,7 @@ from torch import nn
 
 from kernels.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_rows
 import kernels.quant_linear
+from kernels.batch_invariant import invariant_linear
 from kernels.gemv import GemvLora, gemv
 from kernels.quant_linear import quant_linear, quant_linear_ref
 from models import activation, kernel_choice
@@ -155,7 +156,10 @@ class LinearBase(nn.Module):
                    else quant_linear_ref)
             return run(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.quant.bits, bias)
         scale = self.fp8_scale
-        if kernel_choice.paths(x).gemv:
+        p = kernel_choice.paths(x)
+        if p.invariant:   # --deterministic: one kernel, one order, for every row count
+            return invariant_linear(x, self.weight, scale, bias)
+        if p.gemv:
             return gemv(x, self.weight, scale, bias, lora=lora)
         assert lora is None
         if scale is not None:

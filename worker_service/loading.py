@@ -12,6 +12,7 @@ import torch
 
 from kernels.attention import select_backend
 from kernels.backend_choice import AttentionShapes
+from models import kernel_choice
 from models.loader import config_dtype, load_config, load_model
 from models.parallel import TPGroup
 from models.qwen3 import _head_dim
@@ -51,8 +52,27 @@ def open_device(name: str, phases: dict[str, float]) -> torch.device:
     return device
 
 
+def set_deterministic(on: bool, tp: TPGroup, small_batch_kernel: str = "off") -> None:
+    """--deterministic (issue 68): every kernel computes a row's result in an order that no
+    other row, batch size, graph bucket, chunk boundary or prefix-cache hit changes. The
+    rules live with the choices they change: models/kernel_choice.py (the GEMMs), the
+    attention backend (kernels/attention.py: select_backend's deterministic), the sampler
+    (sampler.py: one sampling path for every batch). A process serves one mode. Refused
+    where the order is not ours: TP > 1 (the all-reduce's algorithm, hence its order,
+    follows the message size, i.e. the batch) and the persistent small-batch kernel (its
+    own GEMV order)."""
+    if on and tp.size > 1:
+        raise ValueError("--deterministic covers one rank (TP=1): the all-reduce's order "
+                         "follows the batch's size")
+    if on and small_batch_kernel != "off":
+        raise ValueError("--deterministic and --small-batch-kernel exclude each other: the "
+                         "persistent kernel reduces a row in its own order")
+    kernel_choice.DETERMINISTIC = on
+
+
 def load(config, tp: TPGroup, kv_fp8: bool, phases: dict[str, float]) -> Loaded:
     """Everything of RunnerConfig `config` a rank loads before its profile run."""
+    set_deterministic(config.deterministic, tp, config.small_batch_kernel)
     device = open_device(config.device, phases)
     dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
     # auto times flash_attn (when its build covers the model) and triton on this
@@ -64,7 +84,8 @@ def load(config, tp: TPGroup, kv_fp8: bool, phases: dict[str, float]) -> Loaded:
                              num_kv_heads=max(1, kv_heads // tp.size),
                              head_dim=_head_dim(hf), dtype=dtype or config_dtype(hf))
     with phase(phases, "attention backend"):
-        backend = select_backend(config.attention_backend, device, shapes=shapes, kv_fp8=kv_fp8)
+        backend = select_backend(config.attention_backend, device, shapes=shapes, kv_fp8=kv_fp8,
+                                 deterministic=config.deterministic)
     log.info("attention backend: %s", backend.name)
     model, hf_config = load_model(config.model_dir, tp=tp, dtype=dtype, device=device,
                                   attn_backend=backend, quantization=config.quantization,

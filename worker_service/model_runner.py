@@ -74,6 +74,7 @@ class RunnerConfig:
     draft_sampling: str = "greedy"        # or sampled: drafts drawn from q (drafter.py)
     tasks: tuple[str, ...] = ("generate",)  # of generate, embed, score (nanoserve/model_task.py)
     hf_overrides: dict | None = None      # config.json fields replaced (--hf-overrides)
+    deterministic: bool = False           # batch-invariant kernels (loading.py, issue 68)
 
 
 log = logging.getLogger("nanoserve.worker")

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from models import kernel_choice
 from worker_service.step_plan import SamplingParams
 
 
@@ -58,7 +59,10 @@ class SamplingBatch:
             min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
             seeded_rows=seeded,
             seeds=torch.tensor(row_seeds, dtype=torch.int32).to(device, non_blocking=True),
-            fused=torch.device(device).type == "cuda" and not (need_top_k_or_p or need_min_p),
+            # one path for every batch under --deterministic: which path a row took would
+            # otherwise follow its neighbours' filters (and each breaks ties its own way)
+            fused=torch.device(device).type == "cuda" and not (need_top_k_or_p or need_min_p)
+            and not kernel_choice.DETERMINISTIC,
             all_greedy=not sampled_rows,
             need_top_k_or_p=need_top_k_or_p,
             need_min_p=need_min_p,
