@@ -339,6 +339,7 @@ class EngineCore:
                 "num_host_kv_blocks": sched.block_manager.num_host_blocks,
                 "num_host_kv_offloaded_blocks": sched.block_manager.num_offloaded,
                 "num_host_kv_restored_blocks": sched.block_manager.num_restored,
+                "deterministic": e.info.deterministic,
                 **dataclasses.asdict(e.stats)}
 
     # ---- core -> frontends ------------------------------------------------------------

@@ -167,7 +167,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             max_model_len=limits.max_model_len, eos_token_id=info["eos_token_id"],
             tensor_parallel_size=info["world_size"], block_size=info["block_size"],
             num_kv_blocks=info["num_kv_blocks"], adapters=list(self.gen.engine.adapters),
-            task=",".join(self.gen.tasks), hidden_size=info.get("hidden_size", 0))
+            task=",".join(self.gen.tasks), hidden_size=info.get("hidden_size", 0),
+            deterministic=bool(info.get("deterministic")))
 
     async def LoadAdapter(self, request, context):
         return await self._change_adapter(context, "load", request.name, request.path)

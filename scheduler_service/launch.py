@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
                    help="every worker's weights: auto = as the checkpoint is; fp8 = e4m3 linear "
                         "layers, per-channel scales (sm_89+ GPUs)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every worker runs batch-invariant kernels (worker --deterministic): a "
+                        "request's greedy or seeded answer does not depend on the load; TP=1")
     p.add_argument("--draft-model", default="", metavar="DIR",
                    help="speculative decoding with this draft model (a smaller model sharing the "
                         "model's tokenizer, e.g. Qwen3-0.6B for Qwen3-8B): every worker loads it "
@@ -111,6 +114,8 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
             cmd += ["--quantization", args.quantization]
         if args.draft_model:
             cmd += ["--draft-model", args.draft_model]
+        if args.deterministic:
+            cmd += ["--deterministic"]
         cmds.append(cmd + args.worker_args.split())
     workers = ",".join(f"127.0.0.1:{args.worker_base_port + r}" for r in range(args.tp))
     sched = [py, "-m", "scheduler_service", "--model", args.model, "--workers", workers,

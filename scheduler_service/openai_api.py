@@ -287,7 +287,8 @@ class OpenAIApi:
         """The base model's card, or a LoRA adapter's (its base as `parent`, as vLLM's)."""
         base = self.cfg.model_name
         card = {"id": base, "object": "model", "created": self.created, "owned_by": "nanoserve",
-                "root": base, "parent": None, "max_model_len": self.gen.limits.max_model_len}
+                "root": base, "parent": None, "max_model_len": self.gen.limits.max_model_len,
+                "deterministic": bool(self.gen.engine.info.get("deterministic"))}
         if adapter:
             name = next(n for n, i in self.gen.engine.adapters.items() if i == adapter)
             card.update(id=name, parent=base)

@@ -171,7 +171,8 @@ class WorkerGroup:
                               structured_output=first.structured_output,
                               max_loras=max_loras, num_host_kv_blocks=host_blocks,
                               draft_model=first.draft_model, task=first.task or "generate",
-                              hidden_size=first.hidden_size)
+                              hidden_size=first.hidden_size,
+                              deterministic=all(i.deterministic for i in infos))
         return self.info
 
     async def set_adapters(self, adapters: tuple[tuple[int, str, str], ...]) -> None:

@@ -258,6 +258,8 @@ def test_runner_reports_and_refuses(runner, tmp_path_factory):
                                  deterministic=True))
     with pytest.raises(ValueError, match="small-batch-kernel"):
         loading.set_deterministic(True, TPGroup(), "persistent")
+    with pytest.raises(ValueError, match="TP=1"):
+        loading.set_deterministic(True, TPGroup(rank=0, size=2))
     deterministic(runner, True)
 
 

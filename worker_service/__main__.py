@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Triton kernel (kernels/persistent_decode.py) instead of a kernel per "
                         "op, where the model is covered (dense, one rank, no FP8, no LoRA; the "
                         "worker logs why not); experimental, off by default until measured")
+    p.add_argument("--deterministic", nargs="?", const="on", default="off", choices=["on", "off"],
+                   help="batch-invariant kernels (issue 68): a sequence's logits, hence its "
+                        "greedy and seeded tokens, do not depend on what else runs beside it "
+                        "(batch, graph bucket, prefill chunks, prefix-cache hits). One rank "
+                        "(TP=1), triton attention; GPU cost unmeasured (README). Off by default")
     p.add_argument("--host-kv-cache-gb", type=float, default=0.0, metavar="GB",
                    help="a host-memory tier for the prefix cache (pinned on CUDA): KV blocks "
                         "evicted from the device are copied here, and a later request whose "
@@ -289,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         enforce_eager=args.enforce_eager, small_batch_kernel=args.small_batch_kernel,
+        deterministic=args.deterministic == "on",
         max_loras=args.max_loras,
         host_kv_cache_gb=args.host_kv_cache_gb,
         max_lora_rank=args.max_lora_rank, tasks=args.tasks)
@@ -302,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{phases_line({**phases, **runner.phases})}", flush=True)
     print(f"nanoserve worker rank {args.rank} listening on {args.host}:{port} ({runner.device}, "
           f"{str(runner.dtype).removeprefix('torch.')}, attention {runner.backend.name}, "
-          f"KV cache {runner.kv_cache_dtype_name})", flush=True)
+          f"KV cache {runner.kv_cache_dtype_name}"
+          f"{', deterministic' if runner.config.deterministic else ''})", flush=True)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

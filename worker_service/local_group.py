@@ -64,7 +64,8 @@ class LocalWorkerGroup:
                               num_kv_blocks=blocks, block_size=block_size,
                               vocab_size=r.vocab_size, max_model_len=r.max_model_len,
                               eos_token_id=r.eos_token_id,
-                              structured_output=r.grammar_tokenizer is not None)
+                              structured_output=r.grammar_tokenizer is not None,
+                              deterministic=r.config.deterministic)
         return self.info
 
     async def send(self, request: worker_pb2.StepRequest) -> None:

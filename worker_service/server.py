@@ -54,7 +54,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_loras=r.config.max_loras, max_lora_rank=r.config.max_lora_rank,
             num_host_kv_blocks=r.host_capacity(block_size),
             draft_model=r.drafter.name if r.drafter is not None else "",
-            task=",".join(r.config.tasks), hidden_size=r.hf_config.hidden_size)
+            task=",".join(r.config.tasks), hidden_size=r.hf_config.hidden_size,
+            deterministic=r.config.deterministic)
 
     def Init(self, request, context):
         t0 = time.perf_counter()

@@ -37,3 +37,4 @@ class GroupInfo:
     draft_model: str = ""             # the drafter's model (WorkerInfo.draft_model; "": none)
     task: str = "generate"            # what the workers serve, comma-joined (WorkerInfo.task)
     hidden_size: int = 0              # an embedding's full size (WorkerInfo.hidden_size)
+    deterministic: bool = False       # every rank runs batch-invariant kernels (--deterministic)
