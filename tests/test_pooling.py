@@ -352,3 +352,36 @@ def test_a_pooling_flood_does_not_starve_decode():
         kinds.append("decode" if not batch.is_prefill else "pool")
         s.postprocess(batch, [5] * sum(batch.sample))
     assert kinds[:6] == ["pool", "decode"] * 3
+
+
+def test_one_step_mixing_samples_and_pooling_rows(model_dir, hf):
+    """The worker alone: one prefill step of a generation, an embedding and a score row;
+    the samples keep their places (a 0 for each pooling row) and the pooled values follow
+    in request order."""
+    import numpy as np
+
+    from nanoserve.v1 import worker_pb2
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    r = ModelRunner(RunnerConfig(model_dir=str(model_dir), device="cpu", dtype="float32",
+                                 kv_cache_gb=0.01, tasks=("generate", "embed", "score")))
+    r.init_kv(32, 8)
+    prompts = [list(range(3, 20)), list(range(30, 41)), list(range(50, 59))]
+    req = worker_pb2.StepRequest(step_id=1)
+    K = worker_pb2.WorkerPooling
+    for i, (ids, kind) in enumerate(zip(prompts, (0, K.KIND_SCORE, K.KIND_EMBED))):
+        w = req.seqs.add(seq_id=i, num_tokens=len(ids), start_pos=0, reset_block_table=True,
+                         sample=True, block_table_i32=np.arange(3 * i, 3 * i + 3,
+                                                                dtype="<i4").tobytes())
+        w.pooling.kind = kind
+        w.pooling.yes_token_id, w.pooling.no_token_id = 7, 9
+        w.pooling.dimensions = 0
+    req.token_ids_i32 = np.array(sum(prompts, []), "<i4").tobytes()
+    resp = r.step(req)
+    sampled = np.frombuffer(resp.sampled_token_ids_i32, "<i4").tolist()
+    with torch.no_grad():
+        want_gen = hf(torch.tensor([prompts[0]])).logits[0, -1].argmax().item()
+    assert sampled == [want_gen, 0, 0]
+    assert np.frombuffer(resp.pooled_sizes_i32, "<i4").tolist() == [1, 64]
+    pooled = np.frombuffer(resp.pooled_f32, "<f4")
+    assert pooled[0] == pytest.approx(hf_score(hf, prompts[1], 7, 9), abs=1e-5)
+    assert cosine(pooled[1:].tolist(), hf_embedding(hf, prompts[2])) >= 0.99999
