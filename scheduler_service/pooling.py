@@ -126,9 +126,14 @@ class Pooling:
         middle = enc(rerank_middle(query, document, instruction), add_special_tokens=False)
         room = self._limit - len(prefix) - len(suffix)
         if len(middle) > room:
-            if not truncate or room < 1:
+            if not truncate:
                 raise invalid(f"query and document are {len(prefix) + len(middle) + len(suffix)} "
                               f"tokens; the limit is {self._limit} (or ask for truncate)")
+            keep = len(enc(rerank_middle(query, "", instruction), add_special_tokens=False))
+            if keep > room:   # (the document goes, the instruction and query must stay)
+                raise invalid(f"the reranker's prompt without its document is "
+                              f"{len(prefix) + keep + len(suffix)} tokens; the limit is "
+                              f"{self._limit}")
             middle = middle[:room]
         return prefix + middle + suffix
 

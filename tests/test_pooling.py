@@ -385,3 +385,32 @@ def test_one_step_mixing_samples_and_pooling_rows(model_dir, hf):
     pooled = np.frombuffer(resp.pooled_f32, "<f4")
     assert pooled[0] == pytest.approx(hf_score(hf, prompts[1], 7, 9), abs=1e-5)
     assert cosine(pooled[1:].tolist(), hf_embedding(hf, prompts[2])) >= 0.99999
+
+
+def test_truncation_keeps_the_end_of_text_token():
+    """truncate: an embedding input keeps its first tokens and the end-of-text token its
+    tokenizer appended (the token whose hidden state is the embedding); a reranker prompt
+    loses its document's end, never the query or the judgement suffix."""
+    from types import SimpleNamespace
+
+    from scheduler_service.pooling import Pooling
+
+    class Tok:
+        eos_token_ids = frozenset({0})
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text] + ([0] if add_special_tokens else [])
+
+    gen = SimpleNamespace(tokenizer=Tok(), limits=SimpleNamespace(
+        max_model_len=400, max_kv_tokens=10_000, vocab_size=1000))
+    p = Pooling(gen, ("embed", "score"), 64)
+    ids = p.embed_prompt(text="x" * 500, truncate=True)
+    assert len(ids) == 400 and ids[-1] == 0 and ids[:-1] == [ord("x")] * 399
+    with pytest.raises(Exception, match="truncate"):
+        p.embed_prompt(text="x" * 500)
+    prompt = p.score_prompt("what?", "d" * 500, truncate=True)
+    assert len(prompt) == 400
+    text = "".join(map(chr, prompt))
+    assert "<Query>: what?" in text and text.endswith("</think>\n\n")
+    with pytest.raises(Exception, match="without its document"):
+        p.score_prompt("q" * 300, "d", truncate=True)
