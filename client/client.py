@@ -378,17 +378,22 @@ def _open_channel(grpc_module: Any, target: str | Sequence[str],
 
 
 def _replicas(grpc_module: Any, target: str | Sequence[str], how: str,
-              options: list[tuple[str, Any]] | None, *tls: Any) -> routing.Replicas | None:
+              options: list[tuple[str, Any]] | None, *tls: Any,
+              kv_events: Sequence[str] | None = None) -> routing.Replicas | None:
     """routing="prefix" over several targets: one channel each and a PrefixRouter
-    (client/routing.py); None for "round_robin" (one channel, grpc's policy)."""
+    (client/routing.py), which also follows the targets' KV events when given (one ZMQ
+    endpoint per target, in order); None for "round_robin" (one channel, grpc's policy)."""
     if how not in ("round_robin", "prefix"):
         raise ValueError(f"routing must be 'round_robin' or 'prefix', got {how!r}")
     addrs = [a.strip() for t in ([target] if isinstance(target, str) else target)
              for a in t.split(",") if a.strip()]
     if how == "round_robin" or len(addrs) < 2:
         return None
+    if kv_events is not None and len(kv_events) != len(addrs):
+        raise ValueError(f"kv_events: one endpoint per target ({len(addrs)}), got {len(kv_events)}")
     channels = [_open_channel(grpc_module, a, options, *tls)[1] for a in addrs]
-    return routing.Replicas(routing.PrefixRouter(len(addrs)),
+    index = routing.KVEventIndex(list(kv_events)) if kv_events else None
+    return routing.Replicas(routing.PrefixRouter(len(addrs), kv_index=index),
                             [generate_pb2_grpc.GenerationStub(c) for c in channels], channels)
 
 
@@ -407,7 +412,8 @@ class Client:
     channel_target. api_key goes with every call (authorization: Bearer); tls / tls_ca (PEM
     root, implies tls) / tls_cert + tls_key (client certificate, for servers that require
     one) select TLS. routing="prefix" sends each prompt to the replica most likely to
-    hold its prefix in cache (client/routing.py); a stream whose server dies is continued
+    hold its prefix in cache (client/routing.py; kv_events: the targets' KV event endpoints,
+    to follow what their caches hold); a stream whose server dies is continued
     on another, up to max_resumes times (client/resume.py; 0: never)."""
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET,
@@ -415,10 +421,12 @@ class Client:
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, routing: str = "round_robin",
-                 max_resumes: int = resume.MAX_RESUMES) -> None:
+                 max_resumes: int = resume.MAX_RESUMES,
+                 kv_events: Sequence[str] | None = None) -> None:
         self.target, self._channel = _open_channel(grpc, target, options, tls, tls_ca,
                                                    tls_cert, tls_key)
-        self._replicas = _replicas(grpc, target, routing, options, tls, tls_ca, tls_cert, tls_key)
+        self._replicas = _replicas(grpc, target, routing, options, tls, tls_ca, tls_cert, tls_key,
+                                   kv_events=kv_events)
         self.max_resumes = max_resumes
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
@@ -435,6 +443,8 @@ class Client:
         self._channel.close()
         for c in self._replicas.channels if self._replicas else ():
             c.close()
+        if self._replicas:
+            self._replicas.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -531,11 +541,12 @@ class AsyncClient:
                  options: list[tuple[str, Any]] | None = None, *, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, routing: str = "round_robin",
-                 max_resumes: int = resume.MAX_RESUMES) -> None:
+                 max_resumes: int = resume.MAX_RESUMES,
+                 kv_events: Sequence[str] | None = None) -> None:
         self.target, self._channel = _open_channel(grpc.aio, target, options, tls, tls_ca,
                                                    tls_cert, tls_key)
         self._replicas = _replicas(grpc.aio, target, routing, options, tls, tls_ca, tls_cert,
-                                   tls_key)
+                                   tls_key, kv_events=kv_events)
         self.max_resumes = max_resumes
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
@@ -552,6 +563,8 @@ class AsyncClient:
         await self._channel.close()
         for c in self._replicas.channels if self._replicas else ():
             await c.close()
+        if self._replicas:
+            self._replicas.close()
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout

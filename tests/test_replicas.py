@@ -254,3 +254,55 @@ def test_bench_multi_turn_compares_routing_policies(tmp_path, capsys):
     assert cached["prefix"] >= 0.9 * cached["single"] > 0
     assert cached["round_robin"] < cached["prefix"]
     assert "TTFT p50 ms" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_prefix_routing_follows_the_replicas_kv_events(tmp_path):
+    """A prompt warmed on replica 1 by someone else: the prefix client, which never routed
+    it, finds it there from replica 1's KV events."""
+    import json
+
+    from client.null_model import write_null_model
+    from services import free_port, start_null_worker
+    model = write_null_model(tmp_path / "m", vocab_size=1000)
+    stacks, events = [], []
+    try:
+        for _ in range(2):
+            w = start_null_worker(model, step_ms=1)
+            port = free_port()
+            cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                              "endpoint": f"tcp://*:{port}"})
+            stacks.append((start_scheduler(model, [w.port], block_size=4, extra=[
+                "--kv-events-config", cfg]), w))
+            events.append(f"tcp://127.0.0.1:{port}")
+        targets = [f"127.0.0.1:{s.port}" for s, _ in stacks]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        prompt = list(range(10, 50))
+        with Client(targets, timeout=60, routing="prefix", kv_events=events) as client:
+            index = client._replicas.router.kv_index
+            time.sleep(0.5)   # the subscriptions reach the publishers
+            with Client(targets[1], timeout=60) as other:
+                other.complete(prompt, params)
+            deadline = time.monotonic() + 20
+            while index.matched(1, routing_hashes(prompt, 4)) < 9 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert index.matched(1, routing_hashes(prompt, 4)) == 10 and index.block_size == 4
+            assert index.matched(0, routing_hashes(prompt, 4)) == 0
+            for _ in range(3):   # equal load: only the events tell replica 1 apart
+                last = list(client.generate(prompt + [7, 8], params))[-1]
+                assert last.usage.cached_tokens >= 36
+    finally:
+        for s, w in stacks:
+            s.stop()
+            w.stop()
+
+
+def routing_hashes(ids, bs):
+    from client.routing import server_block_hashes
+    from scheduler_service.block_manager import compute_hash
+    hashes = server_block_hashes(ids, bs)
+    h = None
+    for i, x in enumerate(hashes):   # the client's copy of the scheduler's hash
+        h = compute_hash(tuple(ids[i * bs:(i + 1) * bs]), h)
+        assert x == h
+    return hashes
