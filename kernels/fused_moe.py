@@ -25,6 +25,11 @@ Numerics follow the reference's roundings in x's dtype: gate and up are rounded 
 dtype, silu rounded, the product rounded (as kernels/activation.py); the down product is
 accumulated in float32, scaled by the routing weight, rounded once. float32 inputs use
 full-precision dots (no TF32), so they match the reference closely.
+
+Int4 / int8 experts (GPTQ, AWQ checkpoints): `packed` gives each stack in
+kernels/quant_linear.py's layout with a leading expert dimension (PackedExperts); each
+weight tile is dequantized in registers (quant_linear's `_dequant_tile`), rounded to x's
+dtype, then multiplied as above: a quarter of bf16's bytes per expert read at int4.
 """
 from __future__ import annotations
 
@@ -32,8 +37,21 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import NamedTuple
+
 from kernels.fp8_linear import FP8
 from kernels.interpret import INTERPRET_ENV, cast, dot
+from kernels.quant_linear import BITS, _dequant_tile
+
+
+class PackedExperts(NamedTuple):
+    """One stack of int4 / int8 experts, W[e] = (q[e] - zeros[e][g]) * scales[e][g] with
+    g = g_idx[e][k] (kernels/quant_linear.py's layout per expert)."""
+    qweight: torch.Tensor     # [E, K / (32 / bits), N] int32, packed along K
+    scales: torch.Tensor      # [E, G, N] x's dtype
+    zeros: torch.Tensor       # [E, G, N] x's dtype
+    g_idx: torch.Tensor       # [E, K] int32
+    bits: int
 
 # Tiles by the number of (token, k) slots, from a sweep at Qwen3-30B-A3B's shapes on an H200
 # (tests/gpu/moe_check.py kernels; tests/gpu/RESULTS.md): decode batches keep block_m at
@@ -163,12 +181,14 @@ def align_tokens_ref(ids: torch.Tensor, num_experts: int, block_m: int
 @triton.jit
 def _gate_up_silu_kernel(X, W, WScale, Act, SortedSlots, BlockExpert, N, H, I,
                          stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
-                         stride_as, stride_ai, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         stride_as, stride_ai, QW, QS, QZ, QG, stride_qe, stride_se, stride_ge,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr,
-                         PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
+                         PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, Q_BITS: tl.constexpr):
     """act[slot, n] = silu(gate[e] @ x[slot // k]) * (up[e] @ x[slot // k]) for the block's
     slots and block_n columns n; gate rows are W[e, :I], up rows W[e, I:]. FP8_W: W is e4m3
-    and row r of expert e is W[e, r] * WScale[e, r] (WScale [E, 2I] contiguous)."""
+    and row r of expert e is W[e, r] * WScale[e, r] (WScale [E, 2I] contiguous). Q_BITS > 0:
+    W is packed instead (QW / QS / QZ / QG: PackedExperts, gate columns then up columns)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -187,9 +207,18 @@ def _gate_up_silu_kernel(X, W, WScale, Act, SortedSlots, BlockExpert, N, H, I,
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        wg = tl.load(g_ptrs, mask=w_mask, other=0.0).to(x.dtype)   # e4m3 -> x's: exact
-        wu = tl.load(u_ptrs, mask=w_mask, other=0.0).to(x.dtype)
+        if Q_BITS > 0:
+            kk = k0 + offs_k
+            qw, qs = QW + expert * stride_qe, QS + expert * stride_se
+            qz, qg = QZ + expert * stride_se, QG + expert * stride_ge
+            wg = cast(_dequant_tile(qw, qs, qz, qg, kk, offs_n, k_mask, n_mask, 2 * I, Q_BITS),
+                      x.dtype, RNE_BF16)
+            wu = cast(_dequant_tile(qw, qs, qz, qg, kk, offs_n + I, k_mask, n_mask, 2 * I,
+                                    Q_BITS), x.dtype, RNE_BF16)
+        else:
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            wg = tl.load(g_ptrs, mask=w_mask, other=0.0).to(x.dtype)   # e4m3 -> x's: exact
+            wu = tl.load(u_ptrs, mask=w_mask, other=0.0).to(x.dtype)
         acc_g = dot(x, wg, acc_g, PRECISION)
         acc_u = dot(x, wu, acc_u, PRECISION)
         x_ptrs += BLOCK_K * stride_xh
@@ -211,11 +240,13 @@ def _gate_up_silu_kernel(X, W, WScale, Act, SortedSlots, BlockExpert, N, H, I,
 @triton.jit
 def _down_weighted_kernel(Act, D, DScale, Weights, Out, SortedSlots, BlockExpert, N, H, I,
                           stride_as, stride_ai, stride_de, stride_dh, stride_di,
-                          stride_os, stride_oh, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          stride_os, stride_oh, QW, QS, QZ, QG, stride_qe, stride_se, stride_ge,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, FP8_W: tl.constexpr,
-                          PRECISION: tl.constexpr, RNE_BF16: tl.constexpr):
+                          PRECISION: tl.constexpr, RNE_BF16: tl.constexpr, Q_BITS: tl.constexpr):
     """out[slot, n] = weights[slot] * (act[slot] @ down[e, n]) for the block's slots and
-    block_n hidden columns n. FP8_W: down is e4m3 times DScale [E, H] (contiguous)."""
+    block_n hidden columns n. FP8_W: down is e4m3 times DScale [E, H] (contiguous). Q_BITS > 0:
+    down is packed instead (QW / QS / QZ / QG: PackedExperts, [I, H] per expert)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -231,7 +262,12 @@ def _down_weighted_kernel(Act, D, DScale, Weights, Out, SortedSlots, BlockExpert
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
+        if Q_BITS > 0:
+            d = cast(_dequant_tile(QW + expert * stride_qe, QS + expert * stride_se,
+                                   QZ + expert * stride_se, QG + expert * stride_ge, k0 + offs_k,
+                                   offs_n, k_mask, n_mask, H, Q_BITS), a.dtype, RNE_BF16)
+        else:
+            d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
         acc = dot(a, d, acc, PRECISION)
         a_ptrs += BLOCK_K * stride_ai
         d_ptrs += BLOCK_K * stride_di
@@ -248,9 +284,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
               weights: torch.Tensor, ids: torch.Tensor,
               scales: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+              packed: tuple[PackedExperts, PackedExperts] | None = None,
               block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None,
               num_stages: int | None = None) -> torch.Tensor:
@@ -263,19 +300,34 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     (models/moe.py quantize_fp8); each tile is widened to x's dtype (exact) before the dot
     and each output column scaled after it. Without scales both are in x's dtype.
 
+    Int4 / int8 experts: gate_up and down None, packed = (gate_up's [H, 2I] per expert,
+    down's [I, H] per expert) as PackedExperts.
+
     Tiles default to `default_config(T * k)` (TILE_TIERS); any keyword given overrides its
     entry.
     block_m, block_n, block_k must be powers of two >= 16 (tl.dot's minimum). Both GEMMs
     share the tiles; block_n tiles I in the first, H in the second. No host sync, and the
     launch grids depend on shapes only, so it can be captured in a CUDA graph."""
-    assert x.dim() == 2 and gate_up.dim() == 3 and down.dim() == 3
     T, H = x.shape
-    E, two_i, _ = gate_up.shape
-    inter = two_i // 2
-    assert gate_up.shape == (E, 2 * inter, H) and down.shape == (E, H, inter)
-    assert weights.shape == ids.shape and ids.shape[0] == T
+    if packed is not None:
+        gu, dn = packed
+        assert gu.bits == dn.bits and gu.bits in BITS and scales is None
+        E, two_i = gu.qweight.shape[0], gu.qweight.shape[2]
+        inter = two_i // 2
+        assert gu.g_idx.shape == (E, H) and dn.g_idx.shape == (E, inter)
+        assert dn.qweight.shape == (E, inter * gu.bits // 32, H)
+        for p in packed:
+            assert p.qweight.is_contiguous() and p.scales.is_contiguous()
+            assert p.zeros.is_contiguous() and p.g_idx.is_contiguous() and p.scales.shape == p.zeros.shape
+        gate_up, down = gu.qweight, dn.qweight        # unread dense operands (Q_BITS > 0)
+    else:
+        assert gate_up.dim() == 3 and down.dim() == 3
+        E, two_i, _ = gate_up.shape
+        inter = two_i // 2
+        assert gate_up.shape == (E, 2 * inter, H) and down.shape == (E, H, inter)
+    assert x.dim() == 2 and weights.shape == ids.shape and ids.shape[0] == T
     fp8 = scales is not None
-    assert gate_up.dtype == down.dtype == (FP8 if fp8 else x.dtype)
+    assert packed is not None or gate_up.dtype == down.dtype == (FP8 if fp8 else x.dtype)
     if fp8:
         assert scales[0].shape == (E, 2 * inter) and scales[1].shape == (E, H)
         assert all(s.dtype == torch.float32 and s.is_contiguous() for s in scales)
@@ -298,16 +350,27 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     gu_scale, d_scale = scales if fp8 else (gate_up, down)   # (unread without FP8_W)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                   FP8_W=fp8, PRECISION=_precision(x.dtype),
-                  RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16)
+                  RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
+                  Q_BITS=packed[0].bits if packed is not None else 0)
+
+    def quant_args(i: int) -> tuple:
+        if packed is None:
+            return (x, x, x, ids, 0, 0, 0)
+        p = packed[i]
+        return (p.qweight, p.scales, p.zeros, p.g_idx, p.qweight.stride(0), p.scales.stride(0),
+                p.g_idx.stride(0))
+
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, bn))](
         x, gate_up, gu_scale, act, sorted_slots, block_expert, n, H, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
-        act.stride(0), act.stride(1), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        act.stride(0), act.stride(1), *quant_args(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk,
         **launch)
     _down_weighted_kernel[(num_blocks, triton.cdiv(H, bn))](
         act, down, d_scale, w_flat, out_slots, sorted_slots, block_expert, n, H, inter,
         act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
-        out_slots.stride(0), out_slots.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        out_slots.stride(0), out_slots.stride(1), *quant_args(1), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk,
         **launch)
     # The k reduction: deterministic torch sum (reduces in float32 for half types).
     return out_slots.view(T, top_k, H).sum(dim=1)

@@ -146,11 +146,14 @@ class MLPStep:
 class ExpertsStep:
     """Every expert's SwiGLU of one layer, stacked; this rank's slice of each (the output a
     partial sum over the ranks)."""
-    gate_up: torch.Tensor                # [E, 2 * I_local, H] (gate rows, then up rows)
-    down: torch.Tensor                   # [E, H, I_local]
+    gate_up: torch.Tensor | None         # [E, 2 * I_local, H] (gate rows, then up rows)
+    down: torch.Tensor | None            # [E, H, I_local]
     gate_up_scale: torch.Tensor | None   # [E, 2 * I_local] float32 where e4m3
     down_scale: torch.Tensor | None      # [E, H]
     shard: TPShard                       # dim 0 of each expert's gate/up rows
+    quant: tuple[QuantWeightStep, QuantWeightStep] | None = None   # GPTQ / AWQ experts
+    # (gate_up's [H, 2 * I_local], down's [I_local, H] per expert, stacked on a leading E
+    # dimension); gate_up and down are None then
 
 
 @dataclass(frozen=True)

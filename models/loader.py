@@ -14,7 +14,7 @@ output channel (kernels/fp8_linear.py), and MoE experts per output row, weight-o
 GPTQ / AWQ: checkpoints with `quant_method` "gptq" (int4 / int8) or "awq" (GEMM int4) build
 their attention and MLP projections packed (models/quantized.py), each rank cutting its
 slice of the packed tensors as they load; what those layers do not cover is refused there.
-Their MoE experts are dequantized as each expert's tensors complete (`_QuantizedExperts`).
+Their MoE experts stay packed too (models/moe.py), run by the fused MoE kernel.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from models.config import ModelConfig, load_config
 from models.linear import LinearBase
 from models.moe import MoEExperts
 from models.parallel import TPGroup
-from models.quantized import WeightQuant, dequantize_checkpoint, needs, weight_quant
+from models.quantized import KINDS, weight_quant
 from models.qwen3 import Qwen3ForCausalLM
 
 QUANTIZATIONS = ("auto", "none", "fp8")   # auto: what the checkpoint is (fp8 or none)
@@ -56,12 +56,15 @@ _EXPERT_PARTS = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_p
 def _destination(name: str, mapping: dict[str, tuple[str, object]]) -> tuple[str, object]:
     """Checkpoint name -> (parameter name, shard id) via the model's packed_modules_mapping;
     one expert's `...experts.{e}.gate_proj.weight` -> (`...experts.gate_up_proj`,
-    (e, "gate")) (models/moe.py stacks the experts)."""
+    (e, "gate")) (models/moe.py stacks the experts), its GPTQ / AWQ `...gate_proj.qweight`
+    -> (`...experts.gate_up_qweight`, (e, "gate"))."""
     parts = name.split(".")
     if (len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit()
-            and parts[-2] in _EXPERT_PARTS and parts[-1] == "weight"):
-        return (".".join(parts[:-3] + [_EXPERT_PARTS[parts[-2]]]),
-                (int(parts[-3]), parts[-2].removesuffix("_proj")))
+            and parts[-2] in _EXPERT_PARTS and parts[-1] in ("weight", *KINDS)):
+        stack = _EXPERT_PARTS[parts[-2]]
+        if parts[-1] != "weight":
+            stack = stack.removesuffix("_proj") + "_" + parts[-1]
+        return (".".join(parts[:-3] + [stack]), (int(parts[-3]), parts[-2].removesuffix("_proj")))
     if len(parts) >= 2 and parts[-2] in mapping:
         target, shard_id = mapping[parts[-2]]
         return ".".join(parts[:-2] + [target, parts[-1]]), shard_id
@@ -96,37 +99,6 @@ def fp8_blocks(config) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-class _QuantizedExperts:
-    """Collects each GPTQ / AWQ MoE expert projection's tensors (they may sit in different
-    files) and hands back its dequantized `.weight` once they are all read."""
-
-    def __init__(self, quant: WeightQuant | None, dtype: torch.dtype) -> None:
-        self.quant, self.dtype = quant, dtype
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    def take(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """(name, tensor) to load now: as given, or a completed expert's weight; None while
-        an expert projection waits for its other tensors."""
-        module, _, kind = name.rpartition(".")
-        parts = module.split(".")
-        if (self.quant is None or len(parts) < 3 or parts[-3] != "experts"
-                or not parts[-2].isdigit() or kind not in needs(self.quant)):
-            return name, tensor
-        got = self.pending.setdefault(module, {})
-        got[kind] = tensor.clone()     # reads may reuse the buffer a tensor views
-        if got.keys() != needs(self.quant):
-            return None
-        return module + ".weight", self._dequantize(module)
-
-    def rest(self) -> list[tuple[str, torch.Tensor]]:
-        """Expert projections still waiting at the end (a GPTQ g_idx may be absent without
-        act-order): dequantized, or an error naming what is missing."""
-        return [(module + ".weight", self._dequantize(module)) for module in list(self.pending)]
-
-    def _dequantize(self, module: str) -> torch.Tensor:
-        return dequantize_checkpoint(self.quant, self.pending.pop(module), self.dtype, module)
-
-
 def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | None = None
                  ) -> float:
     """Copy every *.safetensors tensor in model_dir into model via each param's weight_loader
@@ -148,22 +120,15 @@ def load_weights(model: nn.Module, model_dir: str, blocks: tuple[int, int] | Non
     loaded: dict[str, set] = {name: set() for name in params}
     unexpected: list[str] = []
     device = next(model.parameters()).device
-    experts = _QuantizedExperts(weight_quant(model.config),
-                                next(p.dtype for p in model.parameters() if p.is_floating_point()))
     waited = 0.0
-    for path in [*files, None]:
-        tensors = read_tensors(path, device) if path else iter(experts.rest())
+    for path in files:
+        tensors = read_tensors(path, device)
         while True:
             t = time.perf_counter()
             name, tensor = next(tensors, (None, None))
             waited += time.perf_counter() - t
             if name is None:
                 break
-            if path is not None:
-                taken = experts.take(name, tensor)
-                if taken is None:
-                    continue
-                name, tensor = taken
             if ((tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
                     or name.endswith(".weight_scale_inv")):
                 continue

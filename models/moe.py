@@ -6,6 +6,9 @@ partial outputs. Parameters are stacked per layer, as Hugging Face keeps them in
 `experts.gate_up_proj` [E, 2 * I / tp, H] (gate rows, then up rows) and
 `experts.down_proj` [E, H, I / tp]; the loader fills them from the per-expert tensors
 (`experts.{e}.gate_proj.weight`, ...) that Qwen publishes, or from already-stacked ones.
+GPTQ / AWQ experts stay packed (`experts.gate_up_qweight` [E, H / P, 2 * I / tp], ...: each
+expert in models/quantized.py's layout, gate/up column-parallel, down row-parallel), filled
+from `experts.{e}.gate_proj.qweight`, ...
 
 On a GPU the router is one kernel (kernels/moe_route.py; `route` here is its reference) and
 the experts run through kernels/fused_moe.py (tokens sorted to their experts, two grouped
@@ -21,11 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8_linear import FP8, quantize_rows
-from kernels.fused_moe import fused_moe
+from kernels.fused_moe import PackedExperts, fused_moe
+from kernels.quant_linear import dequantize_ref
 from kernels.moe_route import route_topk
 from models import kernel_choice
-from models.decode_step import ExpertsStep, LinearStep, MoEStep, TPShard
+from models.decode_step import ExpertsStep, LinearStep, MoEStep, QuantWeightStep, TPShard
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
+from models.quantized import KINDS, Slot, WeightQuant, convert, trivial_g_idx, weight_quant
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool
@@ -54,10 +59,15 @@ class MoEExperts(nn.Module):
     """Every expert's weights of one layer, stacked; this rank's slice of each."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 tp: TPGroup) -> None:
+                 tp: TPGroup, quant: WeightQuant | None = None) -> None:
         super().__init__()
         self.tp = tp
+        self.quant = quant
         self.inter = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        self.gate_up_scale = self.down_scale = None   # buffers once quantize_fp8 ran
+        if quant is not None:
+            self._init_packed(num_experts, hidden_size, intermediate_size, quant)
+            return
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter),
@@ -65,7 +75,57 @@ class MoEExperts(nn.Module):
         for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
             param.weight_loader = self.weight_loader
             param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
-        self.gate_up_scale = self.down_scale = None   # buffers once quantize_fp8 ran
+
+    def _init_packed(self, num_experts: int, hidden: int, inter_full: int,
+                     quant: WeightQuant) -> None:
+        """Packed stacks (kernels/fused_moe.py's PackedExperts): gate_up [H, 2I_local] and
+        down [I_local, H] per expert; down keeps every group of the full I (g_idx indexes)."""
+        self.register_parameter("gate_up_proj", None)
+        self.register_parameter("down_proj", None)
+        per, inter, first = quant.per_word, self.inter, self.tp.rank * self.inter
+        for k in (hidden, inter):
+            if k % per:
+                raise ValueError(f"{quant.method} experts: {k} input rows per rank are not whole "
+                                 f"{per}-value words")
+        for stack, k, n, rows, k_full, parts in (
+                ("gate_up", hidden, 2 * inter, range(hidden), hidden, ("gate", "up")),
+                ("down", inter, hidden, range(first, first + inter), inter_full, ("down",))):
+            groups = quant.groups(k_full)
+            tensors = {"qweight": torch.empty(num_experts, k // per, n, dtype=torch.int32),
+                       "qzeros": torch.empty(num_experts, groups, n),
+                       "scales": torch.empty(num_experts, groups, n),
+                       "g_idx": trivial_g_idx(rows, k_full // groups).repeat(num_experts, 1)}
+            for kind in KINDS:
+                param = nn.Parameter(tensors[kind], requires_grad=False)
+                param.weight_loader, param.quant_kind = self.packed_loader, kind
+                param.expected_shards = ({(e, p) for e in range(num_experts) for p in parts}
+                                         if kind != "g_idx" or quant.desc_act else set())
+                setattr(self, f"{stack}_{kind}", param)
+
+    @property
+    def packed(self) -> tuple[PackedExperts, PackedExperts] | None:
+        """fused_moe's int4 / int8 stacks (gate_up's, down's); None: not GPTQ / AWQ."""
+        if self.quant is None:
+            return None
+        return tuple(PackedExperts(*(getattr(self, f"{stack}_{kind}") for kind in
+                                     ("qweight", "scales", "qzeros", "g_idx")), self.quant.bits)
+                     for stack in ("gate_up", "down"))
+
+    def packed_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str]) -> None:
+        """One expert's GPTQ / AWQ tensor (gate, up or down) -> this rank's slice of it."""
+        expert, part = shard_id
+        kind, inter = param.quant_kind, self.inter
+        what = f"expert {expert} {part}_proj {self.quant.method} {kind}"
+        hidden = self.down_qweight.shape[2]
+        slot = (Slot(False, self.tp.rank, self.tp.size, 0, hidden, inter) if part == "down" else
+                Slot(True, self.tp.rank, self.tp.size, 0 if part == "gate" else inter, inter,
+                     hidden))
+        t = convert(self.quant, kind, loaded, slot, what)
+        dst = (param.data[expert] if kind == "g_idx"
+               else param.data[expert].narrow(-1, slot.out_offset, slot.out_size))
+        check_shape(dst, t, what)
+        dst.copy_(t)
 
     @property
     def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -93,12 +153,23 @@ class MoEExperts(nn.Module):
         self.register_buffer("down_scale", d_scale)
 
     def decode_step(self) -> ExpertsStep:
-        """The stacks and their FP8 scales, by reference (models/decode_step.py)."""
+        """The stacks and their FP8 scales (or packed stacks), by reference
+        (models/decode_step.py)."""
+        packed = self.packed
+        quant = None if packed is None else tuple(
+            QuantWeightStep(p.qweight, p.scales, p.zeros, p.g_idx, p.bits, self.quant.group_size)
+            for p in packed)
         return ExpertsStep(self.gate_up_proj, self.down_proj, self.gate_up_scale,
-                           self.down_scale, TPShard(self.tp.rank, self.tp.size, 0))
+                           self.down_scale, TPShard(self.tp.rank, self.tp.size, 0), quant)
 
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up, down) in dtype, dequantized if FP8: moe_reference's operands."""
+        """(gate_up, down) in dtype, dequantized if FP8 or packed: moe_reference's operands."""
+        if self.quant is not None:
+            gate_up, down = (torch.stack([dequantize_ref(p.qweight[e], p.scales[e], p.zeros[e],
+                                                         p.g_idx[e], p.bits).T
+                                          for e in range(p.qweight.shape[0])]).to(dtype)
+                             for p in self.packed)
+            return gate_up, down
         if self.scales is None:
             return self.gate_up_proj, self.down_proj
         return tuple((w.float() * s[..., None]).to(dtype)
@@ -145,7 +216,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.gate.weight.requires_grad_(False)
         self.gate.weight.weight_loader = replicated_weight_loader
         self.experts = MoEExperts(config.num_experts, config.hidden_size,
-                                  config.moe_intermediate_size, tp)
+                                  config.moe_intermediate_size, tp, weight_quant(config))
         self.fused = False   # CPU: True runs the fused kernels (Triton's interpreter; tests)
 
     def decode_step(self) -> MoEStep:
@@ -163,7 +234,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                                                         self.norm_topk_prob)
         e = self.experts
         if fused:
-            out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, e.scales)
+            out = fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids, e.scales,
+                            packed=e.packed)
         else:
             out = moe_reference(x, *e.dense(x.dtype), weights, ids)
         return self.tp.all_reduce(out) if self.reduce else out

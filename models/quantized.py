@@ -23,17 +23,14 @@ values in order (value j of a word at bits j*bits); AutoAWQ's GEMM layout interl
 AWQ_REVERSE_ORDER[j]. GPTQ's original format ("checkpoint_format": "gptq") stores zero - 1;
 "gptq_v2" stores the zero.
 
-Qwen3-MoE experts (`experts.{e}.gate_proj.qweight`, ...) are dequantized to the model dtype
-as they load (`dequantize_checkpoint`): such checkpoints load and run, at bf16's bytes per
-step until the fused MoE kernel takes int4 experts.
+Qwen3-MoE experts (`experts.{e}.gate_proj.qweight`, ...) load the same way into stacks
+(models/moe.py), one expert per slice of a leading dimension.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-from kernels.quant_linear import dequantize_ref
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)            # nibble i of a word holds column AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)    # column j sits at nibble AWQ_REVERSE_ORDER[j]
@@ -188,28 +185,3 @@ def _whole(n: int, per_word: int, what: str) -> int:
                          "words (a TP size the packing does not divide)")
     return n // per_word
 
-
-def needs(quant: WeightQuant) -> set[str]:
-    """The checkpoint tensors of one quantized projection."""
-    return {"qweight", "qzeros", "scales"} | ({"g_idx"} if quant.method == "gptq" else set())
-
-
-def dequantize_checkpoint(quant: WeightQuant, tensors: dict[str, torch.Tensor],
-                          dtype: torch.dtype, what: str) -> torch.Tensor:
-    """One projection's checkpoint tensors (`needs`; a GPTQ g_idx may be left out without
-    act-order) -> its [out, in] weight in dtype, as a Linear holds it."""
-    missing = needs(quant) - tensors.keys() - ({"g_idx"} if not quant.desc_act else set())
-    if missing:
-        raise ValueError(f"{what}: no {', '.join(sorted(missing))} in the checkpoint")
-    qweight = tensors["qweight"]
-    if qweight.dim() != 2:
-        raise ValueError(f"{what}.qweight has shape {tuple(qweight.shape)}, expected 2-D")
-    per = quant.per_word
-    k, n = ((qweight.shape[0] * per, qweight.shape[1]) if quant.method == "gptq"
-            else (qweight.shape[0], qweight.shape[1] * per))
-    slot = Slot(True, 0, 1, 0, n, k)
-    t = {kind: convert(quant, kind, tensors[kind], slot, f"{what}.{kind}") for kind in tensors}
-    g_idx = t.get("g_idx")
-    if g_idx is None:
-        g_idx = trivial_g_idx(range(k), k // quant.groups(k)).to(qweight.device)
-    return dequantize_ref(t["qweight"], t["scales"], t["qzeros"], g_idx, quant.bits).T.to(dtype)

@@ -179,10 +179,10 @@ MOE = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, moe_interm
 
 
 @pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4-g128", "gptq8-sym-actorder"])
-def test_moe_experts_load_dequantized(tmp_path_factory, name):
-    """Qwen3-MoE with per-expert quantized tensors (Qwen's GPTQ-Int4 MoE layout): the
-    attention and dense MLP projections stay packed, the experts are dequantized at load;
-    logits are HF's on the dequantized weights, one process and TP=2."""
+def test_moe_experts_stay_packed(tmp_path_factory, name):
+    """Qwen3-MoE with per-expert quantized tensors (Qwen's GPTQ-Int4 MoE layout): attention,
+    dense MLP and experts stay packed; logits are HF's on the dequantized weights, one
+    process (reference experts, then the fused MoE kernel in the interpreter) and TP=2."""
     kw = dict(FORMATS[name])
     if kw["fmt"] == "awq":
         kw["group"] = 64        # the experts' 64 input rows of down_proj: one group
@@ -196,6 +196,14 @@ def test_moe_experts_load_dequantized(tmp_path_factory, name):
     outs = run_step(model, cache, PROMPTS, [(i, 0, len(p)) for i, p in enumerate(PROMPTS)])
     for i, (ours, ref) in enumerate(zip(outs, refs)):
         assert_close(ours, ref, f"moe {name} seq {i}")
+    assert model.model.layers[0].mlp.experts.packed is not None
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "fused"):
+            layer.mlp.fused = True          # the fused MoE kernel with packed experts
+    cache = PagedKV(model, [len(p) for p in PROMPTS], block_size=4)
+    outs = run_step(model, cache, PROMPTS, [(i, 0, len(p)) for i, p in enumerate(PROMPTS)])
+    for i, (ours, ref) in enumerate(zip(outs, refs)):
+        assert_close(ours, ref, f"moe {name} fused seq {i}")
     for rank, outs in enumerate(thread_tp_logits(quant, PROMPTS, 2)):
         for i, (ours, ref) in enumerate(zip(outs, refs)):
             assert_close(ours, ref, f"moe {name} tp rank {rank} seq {i}")
@@ -205,7 +213,7 @@ def test_moe_expert_missing_its_scales_is_refused(tmp_path_factory, tmp_path):
     quant, _ = make_quantized(tmp_path_factory.mktemp("moe-missing"), fmt="gptq", bits=4,
                               group=32, **MODEL, moe=MOE, seed=5)
     _rewrite(quant, tmp_path / "m", lambda s: s.pop("model.layers.0.mlp.experts.2.up_proj.scales"))
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.2.up_proj: no scales"):
+    with pytest.raises(ValueError, match=r"experts.gate_up_scales\[\(2, 'up'\)\]"):
         load_model(str(tmp_path / "m"))
 
 
