@@ -26,7 +26,8 @@ import kernels.gemv
 from kernels.fp8_linear import FP8, ONE_BLOCK_MAX
 from models import kernel_choice
 from models.decode_step import (AttentionBlockStep, AttentionStep, DecoderLayerStep, LinearStep,
-                                MLPStep, MoEStep, ModelStep, NormStep, RotaryStep)
+                                MLPStep, MoEStep, ModelStep, NormStep, QuantWeightStep,
+                                RotaryStep)
 from models.kernel_choice import Paths, decide
 from models.loader import load_model
 from paged_kv import PagedKV
@@ -40,12 +41,23 @@ SHAPES = {
     "moe": dict(num_layers=3, seed=7, moe=dict(num_experts=5, num_experts_per_tok=2,
                                                 norm_topk_prob=True, moe_intermediate_size=32,
                                                 mlp_only_layers=[1])),
+    # GPTQ int4 act-order (packed projections) and AWQ MoE (packed experts): tiny_quantized
+    "gptq4": dict(quant=dict(fmt="gptq", bits=4, group=32, sym=False, act_order=True)),
+    "awq-moe": dict(quant=dict(fmt="awq", group=64), num_layers=3, seed=7, moe=dict(
+        num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64,
+        mlp_only_layers=[1])),
 }
 
 
 @pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
 def model_dir(request, tmp_path_factory):
-    return tiny_qwen3_dir(tmp_path_factory, **SHAPES[request.param])
+    kw = dict(SHAPES[request.param])
+    if "quant" in kw:
+        from tiny_quantized import make_quantized
+        return make_quantized(tmp_path_factory.mktemp(request.param), **kw.pop("quant"),
+                              hidden_size=128, num_heads=8, head_dim=16,
+                              intermediate_size=256, **kw)[0]
+    return tiny_qwen3_dir(tmp_path_factory, **kw)
 
 
 def tensors(step) -> list[tuple[str, torch.Tensor]]:
@@ -57,6 +69,9 @@ def tensors(step) -> list[tuple[str, torch.Tensor]]:
             out.append((f.name, value))
         elif dataclasses.is_dataclass(value):
             out += [(f"{f.name}.{n}", t) for n, t in tensors(value)]
+        elif isinstance(value, tuple):      # packed experts: (gate_up's, down's)
+            out += [(f"{f.name}.{i}.{n}", t) for i, v in enumerate(value)
+                    if dataclasses.is_dataclass(v) for n, t in tensors(v)]
     return out
 
 
@@ -150,9 +165,18 @@ def rms(x: torch.Tensor, n: NormStep) -> torch.Tensor:
             * n.weight).to(x.dtype)
 
 
+def dequantized(q: QuantWeightStep) -> torch.Tensor:
+    """[out, in] W of a GPTQ / AWQ description (the layout's formula, written out)."""
+    shifts = torch.arange(0, 32, q.bits, dtype=torch.int32)
+    ints = ((q.qweight[:, None, :] >> shifts[None, :, None]) & ((1 << q.bits) - 1))
+    ints = ints.reshape(-1, q.qweight.shape[-1]).float()
+    g = q.g_idx.long()
+    return ((ints - q.zeros.float()[g]) * q.scales.float()[g]).T.to(q.scales.dtype)
+
+
 def linear(x: torch.Tensor, s: LinearStep) -> torch.Tensor:
     assert s.shard.size == 1 and s.weight_scale is None and s.lora is None
-    return F.linear(x, s.weight, s.bias)
+    return F.linear(x, dequantized(s.quant) if s.quant is not None else s.weight, s.bias)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, r: RotaryStep) -> torch.Tensor:
@@ -199,10 +223,15 @@ def mlp(x: torch.Tensor, s: MLPStep | MoEStep) -> torch.Tensor:
     if s.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     out = torch.zeros_like(x)
+    q = s.experts.quant
     for t in range(x.shape[0]):
         for w, e in zip(weights[t].to(x.dtype), ids[t].tolist()):
-            gate, up = (s.experts.gate_up[e] @ x[t]).chunk(2)
-            out[t] += w * (s.experts.down[e] @ (F.silu(gate) * up))
+            gate_up, down = (s.experts.gate_up[e], s.experts.down[e]) if q is None else (
+                dequantized(QuantWeightStep(*(getattr(p, f)[e] for f in
+                                              ("qweight", "scales", "zeros", "g_idx")),
+                                            p.bits, p.group_size)) for p in q)
+            gate, up = (gate_up @ x[t]).chunk(2)
+            out[t] += w * (down @ (F.silu(gate) * up))
     return out
 
 
