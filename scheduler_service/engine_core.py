@@ -34,7 +34,7 @@ from scheduler_service import ipc, metrics
 from scheduler_service.api_keys import KeyRing, Quotas
 from scheduler_service.engine import Engine, EngineStats, StepOutputs
 from scheduler_service.fast_forward import FastForward
-from scheduler_service.kv_events import KVEventsConfig, ZmqEventPublisher
+from scheduler_service.kv_events import AllBlocksCleared, KVEventsConfig, ZmqEventPublisher
 from scheduler_service.speculation import SpecConfig, Speculator
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.worker_client import WorkerGroup, wait_for_group
@@ -130,7 +130,9 @@ class EngineCore:
             tasks.append(asyncio.ensure_future(self._sync_metrics()))
         if cfg.kv_events and (kv_cfg := KVEventsConfig.from_cli(cfg.kv_events)).active:
             self.kv_events = ZmqEventPublisher(kv_cfg)
-            self.engine.scheduler.block_manager.events = []
+            # a core that starts (or restarts: the workers' KV outlives it, but not its
+            # index) holds nothing: routers that knew a core before us forget it
+            self.engine.scheduler.block_manager.events = [AllBlocksCleared()]
             tasks.append(asyncio.ensure_future(self._flush_kv_events()))
         try:
             await self.engine.run()
