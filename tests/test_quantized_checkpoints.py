@@ -27,7 +27,10 @@ FORMATS = {
     "gptq8-asym": dict(fmt="gptq", bits=8, group=-1, sym=False),
     "awq4-g128": dict(fmt="awq", group=128, sym=False),
 }
-FAMILIES = {"qwen3": dict(), "llama": dict(llama=True), "qwen2": dict(qwen2=True)}
+MOE = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64,
+           mlp_only_layers=[1])
+FAMILIES = {"qwen3": dict(), "llama": dict(llama=True), "qwen2": dict(qwen2=True),
+            "moe": dict(moe=MOE)}
 _dirs: dict = {}
 
 
@@ -174,9 +177,6 @@ def test_fp8_requantization_is_refused(tmp_path_factory):
         load_model(str(quant), quantization="fp8")
 
 
-MOE = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64,
-           mlp_only_layers=[1])
-
 
 @pytest.mark.parametrize("name", ["gptq4-asym-actorder", "awq4-g128", "gptq8-sym-actorder"])
 def test_moe_experts_stay_packed(tmp_path_factory, name):
@@ -218,15 +218,17 @@ def test_moe_expert_missing_its_scales_is_refused(tmp_path_factory, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gptq4-asym-actorder", "gptq8-sym-actorder", "awq4-g128"])
-def test_worker_streams_hf_greedy_tokens(tmp_path_factory, name):
+@pytest.mark.parametrize("name,family", [("gptq4-asym-actorder", "qwen3"),
+                                         ("gptq8-sym-actorder", "qwen3"), ("awq4-g128", "qwen3"),
+                                         ("gptq4-asym-actorder", "moe")])
+def test_worker_streams_hf_greedy_tokens(tmp_path_factory, name, family):
     """A worker serving the quantized checkpoint through the scheduler's gRPC API: greedy
     tokens are HF's on the dequantized weights."""
     import transformers
 
     from nanoserve.v1 import generate_pb2
     from services import generation_stub
-    quant, deq = checkpoint(tmp_path_factory, name)
+    quant, deq = checkpoint(tmp_path_factory, name, family)
     prompt = [5, 77, 130, 9, 250, 31]
     with generation_stub(quant) as stub:
         got = stub.Complete(generate_pb2.GenerateRequest(
