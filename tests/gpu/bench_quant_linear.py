@@ -78,9 +78,8 @@ def main() -> None:
                       f"({100 * w.nbytes / b_us / peak:.0f}%) | {q_us:.1f} "
                       f"({nbytes / q_us / 1e3:.0f}, {100 * nbytes / q_us / peak:.0f}%) | "
                       f"{b_us / q_us:.2f}x |", flush=True)
-            del mats
+            mats = None
             torch.cuda.empty_cache()
-        del dense
 
 
 if __name__ == "__main__":
