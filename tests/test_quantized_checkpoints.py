@@ -249,3 +249,12 @@ def test_lora_on_quantized_layers_is_refused(tmp_path_factory):
     model, _ = load_model(str(quant))
     with pytest.raises(ValueError, match="LoRA adapters on awq"):
         attach(model, num_slots=2, max_rank=4)
+
+
+def test_persistent_decode_kernel_declines_packed_weights(tmp_path_factory):
+    """The persistent small-batch kernel reads bf16 weights: it says why it does not run."""
+    from worker_service.persistent_executor import unsupported
+    quant, _ = checkpoint(tmp_path_factory, "gptq4-sym")
+    model, _ = load_model(str(quant))
+    PagedKV(model, [8], block_size=4)      # binds the KV views decode_step reads
+    assert unsupported(model.decode_step(), 1) == "GPTQ / AWQ weights"

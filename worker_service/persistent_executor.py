@@ -40,6 +40,8 @@ def unsupported(step: ModelStep, tp_size: int) -> str | None:
         return "biased projections"
     if any(s.weight_scale is not None for s in linears):
         return "FP8 weights"
+    if any(s.quant is not None for s in linears):
+        return "GPTQ / AWQ weights"
     if any(s.lora is not None for s in linears):
         return "LoRA adapters"
     attn = layer.attn.attn
