@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto = the model's dtype; fp8 = e4m3 with one scale per token "
                         "(about twice the KV blocks; triton or torch backend, sm_89+ GPUs)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
-                   help="weights: auto = as the checkpoint is (block-scaled FP8 checkpoints: fp8); fp8 = "
+                   help="weights: auto = as the checkpoint is (block-scaled FP8 checkpoints: fp8; "
+                        "GPTQ int4 / int8 and AWQ int4 checkpoints: packed, as they are); fp8 = "
                         "e4m3 linear layers with per-channel scales, activations quantized per "
                         "token (about half the weight bytes; sm_89+ GPUs for the FP8 GEMM)")
     p.add_argument("--rope-scaling", type=json_object, default=None, metavar="JSON",
