@@ -25,6 +25,7 @@ FORMATS = {
     "gptq4-asym-actorder": dict(fmt="gptq", bits=4, group=32, sym=False, act_order=True),
     "gptq8-sym-actorder": dict(fmt="gptq", bits=8, group=64, sym=True, act_order=True),
     "gptq8-asym": dict(fmt="gptq", bits=8, group=-1, sym=False),
+    "gptq4-v2-asym": dict(fmt="gptq", bits=4, group=16, sym=False, gptq_v2=True),
     "awq4-g128": dict(fmt="awq", group=128, sym=False),
 }
 MOE = dict(num_experts=3, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=64,

@@ -84,9 +84,10 @@ def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool,
 
 
 def make_quantized(path: Path, fmt: str, bits: int = 4, group: int = 32, sym: bool = True,
-                   act_order: bool = False, **model_kw) -> tuple[Path, Path]:
+                   act_order: bool = False, gptq_v2: bool = False, **model_kw) -> tuple[Path, Path]:
     """Write `path`/quant (a GPTQ or AWQ checkpoint of a tiny random model) and
-    `path`/deq (float32, the same model with the dequantized weights): (quant, deq)."""
+    `path`/deq (float32, the same model with the dequantized weights): (quant, deq).
+    gptq_v2: GPTQ zeros stored as they are ("checkpoint_format": "gptq_v2")."""
     base = make_tiny_qwen3(path / "base", **model_kw)
     quant_dir, deq_dir = path / "quant", path / "deq"
     for d in (quant_dir, deq_dir):
@@ -116,7 +117,7 @@ def make_quantized(path: Path, fmt: str, bits: int = 4, group: int = 32, sym: bo
         deq_state[name] = deq
         if fmt == "gptq":
             quant_state[f"{module}.qweight"] = pack_along_rows(q, bits)
-            quant_state[f"{module}.qzeros"] = pack_along_columns(zeros - 1, bits)
+            quant_state[f"{module}.qzeros"] = pack_along_columns(zeros - (0 if gptq_v2 else 1), bits)
             quant_state[f"{module}.scales"] = scales
             quant_state[f"{module}.g_idx"] = g_idx
         else:
@@ -128,7 +129,8 @@ def make_quantized(path: Path, fmt: str, bits: int = 4, group: int = 32, sym: bo
     config = json.loads((quant_dir / "config.json").read_text())
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-         "sym": sym, "checkpoint_format": "gptq", "true_sequential": True}
+         "sym": sym, "checkpoint_format": "gptq_v2" if gptq_v2 else "gptq",
+         "true_sequential": True}
         if fmt == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
          "version": "gemm", "modules_to_not_convert": None})
