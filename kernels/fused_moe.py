@@ -208,13 +208,12 @@ def _gate_up_silu_kernel(X, W, WScale, Act, SortedSlots, BlockExpert, N, H, I,
         k_mask = offs_k < H - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if Q_BITS > 0:
-            kk = k0 + offs_k
             qw, qs = QW + expert * stride_qe, QS + expert * stride_se
             qz, qg = QZ + expert * stride_se, QG + expert * stride_ge
-            wg = cast(_dequant_tile(qw, qs, qz, qg, kk, offs_n, k_mask, n_mask, 2 * I, Q_BITS),
-                      x.dtype, RNE_BF16)
-            wu = cast(_dequant_tile(qw, qs, qz, qg, kk, offs_n + I, k_mask, n_mask, 2 * I,
-                                    Q_BITS), x.dtype, RNE_BF16)
+            wg = cast(_dequant_tile(qw, qs, qz, qg, k0, offs_n, n_mask, H, 2 * I, Q_BITS,
+                                    BLOCK_K, BLOCK_N), x.dtype, RNE_BF16)
+            wu = cast(_dequant_tile(qw, qs, qz, qg, k0, offs_n + I, n_mask, H, 2 * I, Q_BITS,
+                                    BLOCK_K, BLOCK_N), x.dtype, RNE_BF16)
         else:
             w_mask = k_mask[:, None] & n_mask[None, :]
             wg = tl.load(g_ptrs, mask=w_mask, other=0.0).to(x.dtype)   # e4m3 -> x's: exact
@@ -264,8 +263,8 @@ def _down_weighted_kernel(Act, D, DScale, Weights, Out, SortedSlots, BlockExpert
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if Q_BITS > 0:
             d = cast(_dequant_tile(QW + expert * stride_qe, QS + expert * stride_se,
-                                   QZ + expert * stride_se, QG + expert * stride_ge, k0 + offs_k,
-                                   offs_n, k_mask, n_mask, H, Q_BITS), a.dtype, RNE_BF16)
+                                   QZ + expert * stride_se, QG + expert * stride_ge, k0, offs_n,
+                                   n_mask, I, H, Q_BITS, BLOCK_K, BLOCK_N), a.dtype, RNE_BF16)
         else:
             d = tl.load(d_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(a.dtype)
         acc = dot(a, d, acc, PRECISION)

@@ -51,18 +51,35 @@ def quant_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 @triton.jit
-def _dequant_tile(QW, S, Z, G, offs_k, offs_n, k_mask, n_mask, N, BITS: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] float32 W: packed words, shifted and masked, minus the zero,
-    times the scale of each row's group."""
+def _dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] float32 W of rows k0.. (k0 a multiple of BLOCK_K, itself of the
+    values a word holds), zero past K. Each packed word is read once and split in registers;
+    a tile whose rows share one group (consecutive groups, as without act-order) reads one
+    row of scales and zeros, others each row's."""
     PER_WORD: tl.constexpr = 32 // BITS
-    mask = k_mask[:, None] & n_mask[None, :]
-    words = tl.load(QW + (offs_k // PER_WORD)[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    q = (words >> ((offs_k % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+    offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(QW + offs_w[:, None] * N + offs_n[None, :],
+                    mask=(offs_w < K // PER_WORD)[:, None] & n_mask[None, :], other=0)
+    shifts = tl.arange(0, PER_WORD) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)   # row = word * P + j
+    q = tl.reshape(q, [BLOCK_K, BLOCK_N]).to(tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
     g = tl.load(G + offs_k, mask=k_mask, other=0)
-    rows = g[:, None] * N + offs_n[None, :]
-    s = tl.load(S + rows, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(Z + rows, mask=mask, other=0.0).to(tl.float32)
-    return (q.to(tl.float32) - z) * s
+    g_lo = tl.min(tl.where(k_mask, g, 2147483647), 0)
+    g_hi = tl.max(tl.where(k_mask, g, -1), 0)
+    if g_lo == g_hi:
+        s = tl.load(S + g_lo * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + g_lo * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = (q - z[None, :]) * s[None, :]
+    else:
+        rows = g[:, None] * N + offs_n[None, :]
+        mask = k_mask[:, None] & n_mask[None, :]
+        s2 = tl.load(S + rows, mask=mask, other=0.0).to(tl.float32)
+        z2 = tl.load(Z + rows, mask=mask, other=0.0).to(tl.float32)
+        w = (q - z2) * s2
+    return tl.where(k_mask[:, None], w, 0.0)
 
 
 @triton.jit
@@ -77,9 +94,8 @@ def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Y, N, K, stride_xm, stride_ym,
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(X + m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        w = _dequant_tile(QW, S, Z, G, offs_k, offs_n, k_mask, n_mask, N, BITS)
+        x = tl.load(X + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        w = _dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS, BLOCK_K, BLOCK_N)
         w = cast(w, dt, RNE_BF16).to(tl.float32)          # the reference's rounding of W
         acc += tl.sum(x[:, None] * w, axis=0)
     if HAS_BIAS:
@@ -103,8 +119,8 @@ def _quant_gemm_kernel(X, QW, S, Z, G, Bias, Y, M, N, K, stride_xm, stride_ym,
         k_mask = offs_k < K
         x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = cast(_dequant_tile(QW, S, Z, G, offs_k, offs_n, k_mask, n_mask, N, BITS), dt,
-                 RNE_BF16)
+        w = cast(_dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS, BLOCK_K, BLOCK_N),
+                 dt, RNE_BF16)
         acc = dot(x, w, acc, PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -38,9 +38,12 @@ def test_reference_dequantizes_the_packed_ints(bits):
 @pytest.mark.parametrize("bits,act_order,bias", [(4, False, False), (4, True, True),
                                                  (8, False, True), (8, True, False)])
 @pytest.mark.parametrize("rows", [1, 3, 21], ids=["gemv1", "gemv3", "gemm21"])
-def test_kernel_matches_reference(rows, bits, act_order, bias, dtype):
-    K, N = 160, 72      # K past one BLOCK_K, N past one BLOCK_N: the masks
-    _, qweight, scales, zeros, g_idx = random_layout(K, N, bits, 32, act_order, dtype, seed=rows)
+@pytest.mark.parametrize("K,group", [(160, 32), (192, 64)], ids=["k160g32", "k192g64"])
+def test_kernel_matches_reference(rows, bits, act_order, bias, dtype, K, group):
+    """K past one BLOCK_K and N past one BLOCK_N (the masks); group 64 without act-order:
+    tiles within one group (one row of scales) and, in the GEMV's 128-row tiles, across two."""
+    N = 72
+    _, qweight, scales, zeros, g_idx = random_layout(K, N, bits, group, act_order, dtype, seed=rows)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(rows, K, generator=gen).to(dtype)
     b = torch.randn(N, generator=gen).to(dtype) if bias else None
