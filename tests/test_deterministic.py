@@ -2,8 +2,10 @@
 bit-identical (torch.equal) alone, beside random neighbours (batches of 2, 3, 5, 8, some
 prefilling while it decodes), after a preemption (its decoded tokens re-prefilled), across
 prefill chunk sizes, after a prefix-cache hit, and as a run of rows in one step (the shape
-of speculation's verify rows and fast-forward). The same scenarios without the mode must
-differ somewhere (the mutant check: else these tests could not fail).
+of speculation's verify rows and fast-forward); float32, bf16 with an fp8 KV cache, and FP8
+weights. The
+same scenarios without the mode must differ somewhere (the mutant checks: else these tests
+could not fail).
 
 What the CPU proves: the rules (kernel_choice's GEMM, the attention backend's one kernel
 for every row, the sampler's one path) and the kernels' reduction order as the
@@ -232,6 +234,53 @@ def test_logits_are_bit_identical(runner, name):
     diff = [i for i, (x, y) in enumerate(zip(ref, got)) if not torch.equal(x, y)]
     assert not diff, f"{name}: steps {diff} differ from the sequence alone " \
                      f"(max |d| {max((ref[i] - got[i]).abs().max().item() for i in diff):.3g})"
+
+
+def bf16_runner(tmp_path_factory, quantization: str) -> ModelRunner:
+    """bf16 activations, an fp8 KV cache (e4m3 + a scale per slot); quantization="fp8":
+    FP8 weights too (e4m3, a scale per output channel)."""
+    path = tiny_qwen3_dir(tmp_path_factory)
+    r = ModelRunner(RunnerConfig(model_dir=str(path), device="cpu", dtype="bfloat16",
+                                 kv_cache_dtype="fp8", quantization=quantization,
+                                 attention_backend="auto", kv_cache_gb=0.01, max_model_len=256,
+                                 deterministic=True))
+    r.init_kv(96, BS)
+    return r
+
+
+@pytest.fixture(scope="module")
+def bf16_fp8kv(tmp_path_factory):
+    yield bf16_runner(tmp_path_factory, "none")
+    loading.set_deterministic(False, TPGroup())
+
+
+@pytest.mark.parametrize("name", ["batch5", "chunks_33_7_40", "preempted", "prefix_hit"])
+def test_bf16_with_an_fp8_kv_cache(bf16_fp8kv, name):
+    deterministic(bf16_fp8kv, True)
+    assert same(alone(bf16_fp8kv), SCENARIOS[name](bf16_fp8kv))
+
+
+def test_bf16_without_the_mode_differs(bf16_fp8kv):
+    """The mutant of the above: a batch of five changes the watched row's bits."""
+    deterministic(bf16_fp8kv, False)
+    try:
+        assert not same(alone(bf16_fp8kv), SCENARIOS["batch5"](bf16_fp8kv))
+    finally:
+        deterministic(bf16_fp8kv, True)
+
+
+def test_fp8_weights(tmp_path_factory):
+    """FP8 weights take the invariant GEMM weight-only. No mutant here: without the mode
+    these scenarios agree on CPU too (each GEMM quantizes its input rows to e4m3 per token,
+    which absorbs the attention's last-bit differences), so this guards the mode's path for
+    e4m3 weights; the GEMM's own row check is test_gemm_rows_do_not_see_each_other."""
+    r = bf16_runner(tmp_path_factory, "fp8")
+    try:
+        ref = alone(r)
+        for name in ("batch5", "preempted"):
+            assert same(ref, SCENARIOS[name](r)), name
+    finally:
+        loading.set_deterministic(False, TPGroup())
 
 
 def test_without_the_mode_something_differs(runner):
