@@ -221,6 +221,7 @@ class ModelInfo:
     num_kv_blocks: int = 0
     task: str = ""          # what the server serves: generate, embed, score (comma-joined)
     hidden_size: int = 0    # an embedding's full size
+    deterministic: bool = False   # batch-invariant workers (--deterministic)
 
 
 @dataclass
@@ -255,6 +256,7 @@ class Stats:
     num_host_kv_restored_blocks: int = 0
     num_priority_preemptions: int = 0       # of num_preemptions, for a higher priority
     num_deadline_drops: int = 0             # dropped before prefill: deadline unmeetable
+    deterministic: bool = False             # batch-invariant workers (--deterministic)
 
 
 # ---------------------------------------------------------------------------- conversions

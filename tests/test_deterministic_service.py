@@ -30,7 +30,8 @@ def stack(tmp_path_factory):
         sched = start_scheduler(model_dir, [worker.port], block_size=16,
                                 extra=["--http-port", "0"])
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as channel:
-            yield generate_pb2_grpc.GenerationStub(channel), sched.http_port
+            yield generate_pb2_grpc.GenerationStub(channel), sched.http_port, \
+                f"127.0.0.1:{sched.port}"
     finally:
         if sched:
             sched.stop()
@@ -45,17 +46,20 @@ def answer(stub, prompt: list[int], **sampling) -> list[int]:
 
 
 def test_reported(stack):
-    stub, http_port = stack
+    stub, http_port, target = stack
     assert stub.GetStats(generate_pb2.StatsRequest(), timeout=10).deterministic
     assert stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).deterministic
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as r:
         assert json.load(r)["data"][0]["deterministic"] is True
+    from client import Client
+    with Client(target) as c:
+        assert c.stats().deterministic and c.model_info().deterministic
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=7)],
                          ids=["greedy", "seeded"])
 def test_same_answer_alone_and_under_load(stack, sampling):
-    stub, _ = stack
+    stub, _, _ = stack
     rnd = random.Random(68)
     prompt = [rnd.randrange(300) for _ in range(70)]
     alone = answer(stub, prompt, **sampling)
