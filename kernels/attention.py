@@ -117,6 +117,11 @@ class TorchBackend:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
+# --deterministic's split length in keys (TritonBackend.invariant): a multiple of the key
+# tile; 512 keys give a 4k-token decode row 8 programs per kv head. Unmeasured on a GPU.
+INVARIANT_SPLIT_LEN = 512
+
+
 class TritonBackend:
     """Own Triton kernels: store_kvcache + paged decode / paged prefill (a prefill without
     cached prefixes goes to torch's varlen FlashAttention where available). Default on CUDA
@@ -126,14 +131,16 @@ class TritonBackend:
     (host ints only, no sync). Under CUDA graphs pass a fixed number: any value is correct
     for any context length, only the speed depends on it.
 
-    invariant (--deterministic, issue 68): every row, decode or prefill, takes paged_prefill,
-    whose key tiles start at multiples of BLOCK_N from key 0: a query at position p reduces
-    its keys in the same tiles, in the same order, whether it is a decode row, one row of a
-    prefill chunk of any length, after a cached prefix or not, beside any other rows. No
-    split-KV: a fixed split count (decode_splits) reorders a row's sum whenever the count
-    changes with the batch, and the decode kernel's own tiles (128 keys, a group's heads
-    per program) are a second order a re-prefilled sequence would not reproduce; the split
-    length is the whole context. No varlen FlashAttention either (its own tiles).
+    invariant (--deterministic, issue 68): every row, decode or prefill, takes paged_prefill
+    with splits of a fixed LENGTH (split_len keys from key 0, each reduced alone in key
+    tiles from its start, merged in order): a query at position p reduces its keys in the
+    same tiles and splits, in the same order, whether it is a decode row, one row of a
+    prefill chunk of any length, after a cached prefix or not, beside any other rows. A
+    decode step runs its splits as parallel programs (long contexts at small batches keep
+    the GPU busy), a prefill walks them in turn; the merge is one arithmetic in both. Not
+    a split COUNT (decode_splits, chosen from the batch: it moves every boundary), not the
+    decode kernel (its own tiles: a re-prefilled sequence would not reproduce them), not
+    varlen FlashAttention (its own tiles either).
     """
     name = "triton"
 
@@ -147,6 +154,7 @@ class TritonBackend:
         self._default_splits = default_num_splits
         self.decode_splits = decode_splits
         self.invariant = invariant
+        self.split_len = INVARIANT_SPLIT_LEN
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -156,9 +164,11 @@ class TritonBackend:
         if not kv_stored:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if self.invariant:
+            splits = -(-meta.max_seqlen_k // self.split_len) if meta.is_decode else 0
             return self._prefill(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                  meta.cu_seqlens_q, meta.max_seqlen_q, scale,
-                                 k_scale=k_scale, v_scale=v_scale)
+                                 k_scale=k_scale, v_scale=v_scale, split_len=self.split_len,
+                                 parallel_splits=splits if splits > 1 else 0)
         if meta.is_decode:
             splits = self.decode_splits
             if splits is None:

@@ -308,20 +308,77 @@ def _decode_merge_kernel(
              out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=_BY_BATCH)
+@triton.jit
+def _attend_keys(q, q_pos, lo, hi, full, KCache, VCache, KScale, VScale, table, kv_head,
+                 stride_cb, stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, SAFE: tl.constexpr):
+    """The online softmax of keys [lo, hi) (lo a multiple of BLOCK_N) from a fresh state:
+    tiles wholly below `full` (every key visible to every row) unmasked, the rest masked.
+    SAFE: a row may see no key of the range (a split past its position)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, tl.minimum(full, hi), BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
+                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
+                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
+                                     PRECISION, FP8, MASKED=HEAD_DIM != BLOCK_D, SAFE=SAFE)
+    for start in range(tl.maximum(lo, full), hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
+                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
+                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
+                                     PRECISION, FP8, SAFE=SAFE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _split_result(m_i, l_i, acc):
+    """One split's (output, base-2 log-sum-exp); a row that saw no key: (0, -inf)."""
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
+def _merge_split(m, w, acc, o, lse):
+    """Fold one split (o, lse) into the running (max, weight sum, weighted sum): the same
+    arithmetic, splits in index order, in paged_prefill's programs and in
+    _split_merge_kernel, so both give one row the same bits. An empty split is a no-op."""
+    m_new = tl.maximum(m, lse)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m - m_use)
+    b = tl.exp2(lse - m_use)
+    return m_new, w * a + b, acc * a[:, None] + o * b[:, None]
+
+
+@triton.jit(do_not_specialize=_BY_BATCH + ["num_kv_heads", "num_splits"])
 def _prefill_kernel(
     Q, KCache, VCache, KScale, VScale, Out, BlockTables, ContextLens, CuSeqlensQ,
+    PartOut, PartLse,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    qk_scale_log2,
+    qk_scale_log2, num_heads, num_kv_heads, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS: tl.constexpr, PRECISION: tl.constexpr,   # TOKENS = BLOCK_M // GROUP query tokens
     FP8: tl.constexpr, Q_FP16: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, PARTIAL: tl.constexpr,
 ):
+    """SPLIT_LEN 0: one online softmax over every key. Else the keys are cut into splits of
+    SPLIT_LEN from key 0, each reduced from a fresh state and merged in order
+    (_merge_split): in turn inside the program, or, PARTIAL, one split per program (grid
+    axis 2 = split * num_kv_heads + kv head) written to PartOut / PartLse for
+    _split_merge_kernel."""
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    if PARTIAL:
+        kv_head = tl.program_id(2) % num_kv_heads
+        split = tl.program_id(2) // num_kv_heads
+    else:
+        kv_head = tl.program_id(2)
+        split = 0
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
     if q_block * TOKENS >= q_len:
@@ -342,28 +399,67 @@ def _prefill_kernel(
     q_pos = ctx - q_len + tok                        # absolute position of each row's token
     # Keys past the last query position of this program are never visible.
     hi = tl.minimum(ctx, ctx - q_len + (q_block + 1) * TOKENS)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = BlockTables + seq.to(tl.int64) * stride_bt
     # Tiles wholly below the diagonal (every key visible to every row: keys up to the
     # program's first query position) run unmasked, the rest masked.
     full = (ctx - q_len + q_block * TOKENS + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, full, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
-                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
-                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
-                                     PRECISION, FP8, MASKED=HEAD_DIM != BLOCK_D)
-    for start in range(full, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
-                                     table, start, hi, kv_head, stride_cb, stride_cs, stride_ch,
-                                     offs_d, d_mask, qk_scale_log2, PAGE_SIZE, BLOCK_N,
-                                     PRECISION, FP8)
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a padding row (context 0): zeros
+    if SPLIT_LEN == 0:
+        m_i, l_i, acc = _attend_keys(q, q_pos, 0, hi, full, KCache, VCache, KScale, VScale,
+                                     table, kv_head, stride_cb, stride_cs, stride_ch, offs_d,
+                                     d_mask, qk_scale_log2, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                     PAGE_SIZE, BLOCK_N, PRECISION, FP8, False)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a padding row (context 0): zeros
+    elif PARTIAL:
+        lo = split * SPLIT_LEN
+        m_i, l_i, acc = _attend_keys(q, q_pos, lo, tl.minimum(hi, lo + SPLIT_LEN), full,
+                                     KCache, VCache, KScale, VScale, table, kv_head, stride_cb,
+                                     stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
+                                     HEAD_DIM, BLOCK_D, BLOCK_M, PAGE_SIZE, BLOCK_N, PRECISION,
+                                     FP8, True)
+        o, lse = _split_result(m_i, l_i, acc)
+        part = (q_rows * num_heads + heads) * num_splits + split   # [T, Hq, splits]
+        tl.store(PartOut + part[:, None] * BLOCK_D + offs_d[None, :], o,
+                 mask=row_mask[:, None])
+        tl.store(PartLse + part, lse, mask=row_mask)
+        return
+    else:
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        w_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for lo in range(0, hi, SPLIT_LEN):
+            m_i, l_i, acc = _attend_keys(q, q_pos, lo, tl.minimum(hi, lo + SPLIT_LEN), full,
+                                         KCache, VCache, KScale, VScale, table, kv_head,
+                                         stride_cb, stride_cs, stride_ch, offs_d, d_mask,
+                                         qk_scale_log2, HEAD_DIM, BLOCK_D, BLOCK_M, PAGE_SIZE,
+                                         BLOCK_N, PRECISION, FP8, True)
+            o, lse = _split_result(m_i, l_i, acc)
+            m_run, w_run, acc_run = _merge_split(m_run, w_run, acc_run, o, lse)
+        out = acc_run / tl.where(w_run > 0, w_run, 1.0)[:, None]
     dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _split_merge_kernel(Out, PartOut, PartLse, stride_ot, stride_oh, num_heads, num_splits,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HEADS_PAD: tl.constexpr):
+    """One row's heads: its splits merged in index order by _merge_split."""
+    row = tl.program_id(0)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_heads
+    base = (row * num_heads + offs_h).to(tl.int64) * num_splits
+    m_run = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    w_run = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    acc_run = tl.zeros([HEADS_PAD, BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(PartLse + base + s, mask=h_mask, other=float("-inf"))
+        o = tl.load(PartOut + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=h_mask[:, None], other=0.0)
+        m_run, w_run, acc_run = _merge_split(m_run, w_run, acc_run, o, lse)
+    out = acc_run / tl.where(w_run > 0, w_run, 1.0)[:, None]
+    dst = Out + row.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, out.to(Out.dtype.element_ty), mask=h_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -494,12 +590,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, max_seqlen_q: int, scale: float,
                   out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, split_len: int = 0,
+                  parallel_splits: int = 0) -> torch.Tensor:
     """Prefill (or any ragged batch): q [T, Hq, D] -> [T, Hq, D], causal over the paged context.
 
     cu_seqlens_q [num_seqs + 1], context_lens [num_seqs], block_tables: int32.
     max_seqlen_q is a host int (no device sync); it only sizes the grid. fp8 caches: as
     paged_decode.
+
+    split_len (a multiple of 64; 0: none): the keys in splits of split_len from key 0, each
+    reduced alone and merged in order, so a row's bits depend on its own position only
+    (--deterministic). parallel_splits > 0 (a decode step: few rows, long contexts): that
+    many programs per (sequence, kv head), one split each (>= the longest context's
+    splits), merged by a second kernel; 0: each program walks its splits in turn. Both give
+    a row the same bits.
     """
     num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
     fp8 = check_cache(q.dtype, k_cache, v_cache, k_scale, v_scale)
@@ -511,18 +615,34 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     block_m = max(64, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)
-    grid = (triton.cdiv(max_seqlen_q, block_m // group), num_seqs, num_kv_heads)
+    block_n = 64 if head_dim <= 128 else 32
+    assert split_len % 64 == 0, "splits must hold whole key tiles"
+    splits = parallel_splits if split_len else 0
+    part_out = part_lse = out                         # unused unless splits
+    if splits:
+        part_out = torch.empty(num_tokens, num_heads, splits, block_d, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
+                               device=q.device)
+    grid = (triton.cdiv(max_seqlen_q, block_m // group), num_seqs, num_kv_heads * max(splits, 1))
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, block_tables,
-        context_lens, cu_seqlens_q,
+        context_lens, cu_seqlens_q, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, num_heads, num_kv_heads, max(splits, 1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32, TOKENS=block_m // group,
+        BLOCK_M=block_m, BLOCK_N=block_n, TOKENS=block_m // group,
         PRECISION=_precision(q.dtype), FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
+        SPLIT_LEN=split_len, PARTIAL=splits > 0,
         num_warps=4, num_stages=2,
     )
+    if splits:
+        _split_merge_kernel[(num_tokens,)](
+            out, part_out, part_lse, out.stride(0), out.stride(1), num_heads, splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, HEADS_PAD=triton.next_power_of_2(num_heads),
+            num_warps=4,
+        )
     return out
 
 

@@ -35,6 +35,7 @@ pytestmark = needs_triton
 BS = 16
 T = 1                                 # the watched sequence's id
 PROMPT_LEN = 80                       # > 64: its keys span two of paged_prefill's tiles
+SPLIT_LEN = 64                        # attention's fixed split length here: 80 keys, two splits
 # On a GPU host (NANOSERVE_GPU_TESTS=1) the runners run compiled kernels and CUDA graphs (the
 # buckets, padding rows included); few graphs, so they capture quickly.
 GPU_LIMITS = dict(max_num_seqs=16, max_prefill_graph_tokens=128)
@@ -47,6 +48,7 @@ def runner(tmp_path_factory):
                                  attention_backend="auto", kv_cache_gb=0.01,
                                  max_model_len=256, deterministic=True, **GPU_LIMITS))
     r.init_kv(96, BS)
+    r.backend.split_len = SPLIT_LEN
     yield r
     loading.set_deterministic(False, TPGroup())   # the process-wide switch: leave it off
 
@@ -128,14 +130,14 @@ def alone(r: ModelRunner) -> list[torch.Tensor]:
 
 
 def beside(r: ModelRunner, batch: int, seed: int) -> list[torch.Tensor]:
-    """The same, in steps of `batch` rows: random neighbours (prompts of 1-100 tokens)
+    """The same, in steps of `batch` rows: random neighbours (prompts of 1-140 tokens)
     prefill with it and decode with it, the watched row at a random place; one neighbour
     arrives late, prefilling while the watched one decodes."""
     prompt, dec = watched(r.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     s, blocks = Stepper(r), Blocks(seed)
-    lens = {100 + i: rnd.randint(1, 100) for i in range(batch - 1)}
+    lens = {100 + i: rnd.randint(1, 140) for i in range(batch - 1)}
     first = [(n, tokens(gen, k, r.vocab_size), 0, blocks.take(k + 4)) for n, k in lens.items()]
     late = first.pop(rnd.randrange(len(first))) if first else None
     first.insert(rnd.randrange(len(first) + 1), (T, prompt, 0, blocks.take(PROMPT_LEN + 3)))
@@ -248,6 +250,7 @@ def bf16_runner(tmp_path_factory, quantization: str) -> ModelRunner:
                                  attention_backend="auto", kv_cache_gb=0.01, max_model_len=256,
                                  deterministic=True, **GPU_LIMITS))
     r.init_kv(96, BS)
+    r.backend.split_len = SPLIT_LEN
     return r
 
 
@@ -354,3 +357,26 @@ def test_moe_routing_ties_go_to_the_lower_expert_in_any_batch():
     for lo, n in ((5, 1), (9, 1), (3, 20)):
         w2, ids2 = route_topk(logits[lo:lo + n].contiguous(), 4, True)
         assert torch.equal(ids2, ids[lo:lo + n]) and torch.equal(w2, w[lo:lo + n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_attention_one_row_two_ways(dtype):
+    """paged_prefill with a fixed split length: a decode step's splits as parallel programs
+    (more than its longest context needs: empty splits are no-ops) give the bits of the
+    same rows walking their splits in turn, and both the reference's values. (fp16, not
+    bf16: the interpreter's tl.dot has no bf16, kernels/interpret.py.)"""
+    from kernels.attention import paged_attention_ref
+    from kernels.backend_choice import AttentionShapes, make_step
+    from kernels.paged_attention import paged_prefill
+    shapes = AttentionShapes(num_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=16)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for seqs in ([(200, 1), (70, 1), (1, 1), (64, 1)], [(200, 130), (70, 70), (65, 1)]):
+        st = make_step(shapes, seqs, torch.device(DEVICE))
+        m = st["meta"]
+        args = (st["q"], st["k_cache"], st["v_cache"], m.block_tables, m.context_lens,
+                m.cu_seqlens_q, m.max_seqlen_q, st["scale"])
+        walked = paged_prefill(*args, split_len=64)
+        ref = paged_attention_ref(st["q"], st["k_cache"], st["v_cache"], m, st["scale"])
+        torch.testing.assert_close(walked, ref, **tol)
+        if m.is_decode:
+            assert torch.equal(paged_prefill(*args, split_len=64, parallel_splits=5), walked)
