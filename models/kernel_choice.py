@@ -19,7 +19,7 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
   every linear layer and the LM head take kernels/batch_invariant.py's fixed-tile GEMM
   for every row count (no GEMV for one row and GEMM for more: two reduction orders), and
   nothing hands an FP8 GEMM pre-quantized rows. Norms, rotary, SiLU, the q/k norm and
-  MoE routing are per-row kernels already (one program, or one torch op, per row).
+  MoE routing reduce each row alone already (a program per row, or per-row torch ops).
 """
 from __future__ import annotations
 
