@@ -269,7 +269,10 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu",
         if name not in ("auto", "triton"):
             raise ValueError(f"--deterministic needs the triton attention backend, not {name!r} "
                              "(its reduction order depends on the batch or the chunk)")
-        backend = select_backend("triton", device, kv_fp8=kv_fp8)
+        try:
+            backend = select_backend("triton", device, kv_fp8=kv_fp8)
+        except ValueError as e:
+            raise ValueError(f"--deterministic needs the triton attention backend: {e}") from None
         backend.invariant = True
         log.info("attention backend triton, batch-invariant (--deterministic)")
         return backend
