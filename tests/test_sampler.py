@@ -84,6 +84,33 @@ def test_fused_path_agrees_with_the_torch_path():
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_seeded_rows_token_does_not_follow_its_neighbours_filters(monkeypatch):
+    """Where the fused kernel runs (a GPU; here the interpreter), a seeded row without
+    filters draws the fused kernel's noise whether its neighbours ask for top-k or not (the
+    batch is split by each row's own path), so its token is the one it gets alone. With one
+    path chosen for the whole batch, a top-k neighbour moved it to the torch race's noise."""
+    from models import kernel_choice
+    monkeypatch.setattr(kernel_choice, "FUSED_ON_CPU", True)
+    logits = torch.randn(2, V)
+    moved = 0
+    for seed in range(12):
+        p = SamplingParams(temperature=1.0, seed=seed, logprobs=True)
+        alone, _ = _run(logits[:1], [p], positions=[30])
+        plain = SamplingParams(temperature=1.0)
+        filtered = SamplingParams(temperature=1.0, top_k=5)
+        beside_plain, _ = _run(logits, [p, plain], positions=[30, 8])
+        beside_filtered, lp = _run(logits, [p, filtered], positions=[30, 8])
+        assert beside_plain[0] == alone[0] == beside_filtered[0], seed
+        assert SamplingBatch.build([p, filtered], [30, 8], V, torch.device("cpu")).split == ([0], [1])
+        torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(
+            1, beside_filtered[:, None]).squeeze(1))
+        one_path = SamplingBatch.build([p, filtered], [30, 8], V, torch.device("cpu"))
+        one_path.split = None   # the old rule: the neighbour's top-k sent the batch to the race
+        old_rule, _ = sample(logits, one_path)
+        moved += int(old_rule[0] != alone[0])
+    assert moved, "under the old rule the seeded row's token moved for some seed"
+
+
 # ---- the rejection rule with a sampled draft's q (speculative decoding) --------------------
 
 def _chain(p_logits, q, params, n, k, check=None):

@@ -16,10 +16,12 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from models import kernel_choice
 from worker_service.step_plan import SamplingParams
+from worker_service.transfers import to_device
 
 
 @dataclass
@@ -37,6 +39,10 @@ class SamplingBatch:
     need_min_p: bool
     want_logprobs: bool
     top_logprobs: int = 0       # alternatives to return per row (the most any row asked)
+    # CUDA, rows with and without top-k / top-p / min-p: (rows without, rows with), each
+    # part sampled on its own rows' path (sample_split); None: one path for the batch
+    split: tuple[list[int], list[int]] | None = None
+    source: tuple = ()          # (params, positions, vocab_size, device): the parts' builds
 
     @classmethod
     def build(cls, params: list[SamplingParams], positions: list[int], vocab_size: int,
@@ -50,6 +56,14 @@ class SamplingBatch:
         sampled_rows = [i for i, t in enumerate(temps) if t > 0]
         need_top_k_or_p = any(top_k[i] < vocab_size or top_p[i] < 1.0 for i in sampled_rows)
         need_min_p = any(min_p[i] > 0.0 for i in sampled_rows)
+        filtered = [i for i in sampled_rows
+                    if top_k[i] < vocab_size or top_p[i] < 1.0 or min_p[i] > 0.0]
+        # the fused kernel where a row's own parameters allow it (CUDA; a test runs it in
+        # the interpreter), so a seeded row's noise never follows its neighbours' filters
+        cuda = torch.device(device).type == "cuda" or kernel_choice.FUSED_ON_CPU
+        split = None
+        if cuda and filtered and len(filtered) < len(params) and not kernel_choice.DETERMINISTIC:
+            split = ([i for i in range(len(params)) if i not in set(filtered)], filtered)
         row_seeds = [_mix(p.seed, pos) & 0x7FFFFFFF if p.seed is not None else random.getrandbits(31)
                      for p, pos in zip(params, positions)]
         return cls(
@@ -61,13 +75,13 @@ class SamplingBatch:
             seeds=torch.tensor(row_seeds, dtype=torch.int32).to(device, non_blocking=True),
             # one path for every batch under --deterministic: which path a row took would
             # otherwise follow its neighbours' filters (and each breaks ties its own way)
-            fused=torch.device(device).type == "cuda" and not (need_top_k_or_p or need_min_p)
-            and not kernel_choice.DETERMINISTIC,
+            fused=cuda and not filtered and not kernel_choice.DETERMINISTIC,
             all_greedy=not sampled_rows,
             need_top_k_or_p=need_top_k_or_p,
             need_min_p=need_min_p,
             want_logprobs=any(p.logprobs for p in params),
             top_logprobs=max((p.top_logprobs for p in params), default=0),
+            split=split, source=(params, positions, vocab_size, device),
         )
 
 
@@ -80,6 +94,8 @@ def _mix(seed: int, position: int) -> int:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [N, V] -> (token ids [N] int64, logprobs of those ids [N] or None)."""
+    if batch.split is not None:
+        return sample_split(logits, batch)
     if batch.fused:
         from kernels.sampling import gumbel_sample
         return gumbel_sample(logits, batch.temperature, batch.seeds,
@@ -100,6 +116,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     logprobs = None
     if batch.want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, logprobs
+
+
+def sample_split(logits: torch.Tensor, batch: SamplingBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample` of a batch.split batch: the rows without filters through the fused kernel,
+    the rest through the filtered race, each part a batch of its own rows, so which noise a
+    row draws (and a seeded row's token) depends on its own parameters alone."""
+    params, positions, vocab_size, device = batch.source
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for rows in batch.split:
+        part = SamplingBatch.build([params[i] for i in rows], [positions[i] for i in rows],
+                                   vocab_size, device)
+        at = to_device(np.array(rows, np.int64), logits.device)
+        tokens[at] = sample(logits.index_select(0, at), part)[0]
+    logprobs = None
+    if batch.want_logprobs:
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, logprobs
 
 
