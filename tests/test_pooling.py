@@ -23,6 +23,10 @@ pytestmark = pytest.mark.slow
 BLOCK = 8
 TASKS = "generate,embed,score"
 SCORE_TOKENS = ("y", "n")   # one token each in the tiny vocabulary ("yes" is two)
+# Scores are probabilities in float32: the reduction order changes with prefix-cache hits and
+# chunk boundaries (CI's reverse order measured 1.9e-5 apart on a score of 0.053); a wrong
+# token, row or LM-head row moves a score by far more.
+SCORE_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +123,7 @@ def test_scores_equal_hf_yes_no_softmax(stub, hf, tokenizer):
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]   # noqa: E731
     for doc, got in zip(docs, resp.scores):
         ids = enc(RERANK_PREFIX) + enc(rerank_middle(query, doc)) + enc(RERANK_SUFFIX)
-        assert got == pytest.approx(hf_score(hf, ids, yes, no), abs=1e-5)
+        assert got == pytest.approx(hf_score(hf, ids, yes, no), abs=SCORE_TOL)
     # the shared prefix (system prompt, instruction, query) was computed once
     assert resp.usage.cached_tokens > 0
 
@@ -144,7 +148,7 @@ def test_pooling_mixed_with_generation_in_one_batch(stub, hf, tokenizer):
             for text, e in zip(TEXTS, f.result().embeddings):
                 assert cosine(e.values, hf_embedding(hf, tokenizer(text)["input_ids"])) >= 0.99999
         first = scores[0].result().scores
-        assert scores[1].result().scores == pytest.approx(first, abs=1e-5)
+        assert scores[1].result().scores == pytest.approx(first, abs=SCORE_TOL)
 
 
 def test_errors(stub):
@@ -310,7 +314,7 @@ def test_tensor_parallel_pooling(model_dir, hf, tokenizer):
         (got,) = stub.Score(generate_pb2.ScoreRequest(query="q?", documents=["dog"]),
                             timeout=60).scores
         ids = enc(RERANK_PREFIX) + enc(rerank_middle("q?", "dog")) + enc(RERANK_SUFFIX)
-        assert got == pytest.approx(hf_score(hf, ids, yes, no), abs=1e-5)
+        assert got == pytest.approx(hf_score(hf, ids, yes, no), abs=SCORE_TOL)
 
 
 @pytest.mark.parametrize("files,config,name,want", [
@@ -383,7 +387,7 @@ def test_one_step_mixing_samples_and_pooling_rows(model_dir, hf):
     assert sampled == [want_gen, 0, 0]
     assert np.frombuffer(resp.pooled_sizes_i32, "<i4").tolist() == [1, 64]
     pooled = np.frombuffer(resp.pooled_f32, "<f4")
-    assert pooled[0] == pytest.approx(hf_score(hf, prompts[1], 7, 9), abs=1e-5)
+    assert pooled[0] == pytest.approx(hf_score(hf, prompts[1], 7, 9), abs=SCORE_TOL)
     assert cosine(pooled[1:].tolist(), hf_embedding(hf, prompts[2])) >= 0.99999
 
 
