@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import linear_rows
 from kernels.interpret import INTERPRET, INTERPRET_ENV, cast
 
 BLOCK_M = 64    # rows per tile: fixed, the rule (never from the row count)
@@ -90,14 +91,8 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | Non
     x [..., K] (bf16 / fp16 / fp32), w [N, K] (rows contiguous; e4m3 needs scale [N, 1]
     float32), bias [N] or None -> [..., N] in x's dtype. No host sync: CUDA-graph safe."""
     shape = x.shape
+    x2, N = linear_rows(x, w, scale, bias)
     K = shape[-1]
-    N = w.shape[0]
-    assert w.shape == (N, K) and w.stride(1) == 1, (w.shape, K, w.stride())
-    assert scale is not None or w.dtype != torch.float8_e4m3fn, "e4m3 weights need their scale"
-    assert bias is None or bias.shape == (N,)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:

@@ -155,6 +155,19 @@ def gemv_config(tokens: int) -> tuple[int, int, int]:
     return 8, max(1024 // t_pad, 128), 4
 
 
+def linear_rows(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """x [..., K] as rows [M, K] (contiguous along K) and N, after the checks every linear
+    kernel's wrapper makes of w [N, K] (rows contiguous), an e4m3 w's scale and bias [N]."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    assert w.shape == (N, K) and w.stride(1) == 1, (w.shape, K, w.stride())
+    assert scale is not None or w.dtype != torch.float8_e4m3fn, "e4m3 weights need their scale"
+    assert bias is None or bias.shape == (N,)
+    x2 = x.reshape(-1, K)
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), N
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, *, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None,
@@ -165,14 +178,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     token only) adds that token's adapter delta before the output is rounded. gated (w is
     [gate; up], no bias or lora): silu_and_mul_ref of that output, [..., N // 2]."""
     shape = x.shape
+    x2, N = linear_rows(x, w, scale, bias)
     K = shape[-1]
-    N = w.shape[0]
-    assert w.shape == (N, K) and w.stride(1) == 1, (w.shape, K, w.stride())
-    assert scale is not None or w.dtype != torch.float8_e4m3fn, "e4m3 weights need their scale"
-    assert bias is None or bias.shape == (N,)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     T = x2.shape[0]
     assert not gated or (bias is None and lora is None and N % 2 == 0)
     out_n = N // 2 if gated else N
