@@ -530,6 +530,8 @@ def test_cpu_replicas_profile_is_two_cpu_stacks_behind_the_balancer(cpu_replicas
         assert "deploy" not in svc and "ipc" not in svc, name
         assert flags(svc["command"])["device"] == "cpu" and svc["build"]["args"]["DEVICE"] == "cpu", name
     assert not services["scheduler-b"].get("ports"), "replica b is reached through the balancer only"
+    for name, svc in services.items():   # the balancer's, the router's, the scheduler's
+        assert all(p.get("host_ip") == "127.0.0.1" for p in svc.get("ports") or []), f"{name}: loopback only"
 
     lb = services["balancer"]
     assert Path(lb["build"]["context"]) / lb["build"]["dockerfile"] == BALANCER_DOCKERFILE
