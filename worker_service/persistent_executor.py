@@ -98,7 +98,7 @@ class PersistentDecode:
         self.ws = Workspace.allocate(self.dims, device)
         self.logits = torch.empty(MAX_ROWS, self.dims.vocab, dtype=self.lm_head.dtype,
                                   device=device)
-        self.programs = (1 if INTERPRET_ENV or device.type != "cuda"
+        self.sms = (1 if INTERPRET_ENV or device.type != "cuda"
                          else torch.cuda.get_device_properties(device).multi_processor_count)
 
     def fits(self, step: StepInputs) -> bool:
@@ -116,7 +116,7 @@ class PersistentDecode:
         self.ws.resid[:n].copy_(self.model.model.embed_tokens(ids))
         decode_step(self.table, self.lm_head, self.final_norm, self.cos_sin, self.dims, self.ws,
                     positions, slots, context_lens, block_tables, self.logits, self.kv_cache,
-                    self.programs)
+                    self.sms)
         return self.logits[:n]
 
     def run(self, step: StepInputs) -> Forward:

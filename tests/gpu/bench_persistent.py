@@ -1,6 +1,7 @@
 """The persistent small-batch decode kernel (kernels/persistent_decode.py) on a GPU against
 the per-op decode graph: logits (rel. L2 error, same argmax) and the step's GPU time from
-its CUDA graph, at batch 1, 2, 4 and 8, on the random Qwen3-0.6B checkpoint (or --model).
+its CUDA graph, at batch 1, 2, 4 and 8, on the random Qwen3-0.6B checkpoint (or --model);
+with NANOSERVE_PERSISTENT_PROFILE=1 also the kernel's critical path per phase kind (us).
 
     python tests/gpu/bench_persistent.py [--model DIR] [--context 256] [--replays 100]
 """
@@ -27,6 +28,7 @@ def main() -> None:
     from worker_service.cuda_graphs import DecodeGraphs
     from worker_service.executors import StepInputs
     from worker_service.model_runner import ModelRunner, RunnerConfig
+    from kernels.persistent_decode import profile
     from worker_service.persistent_executor import PersistentGraphs
     t0 = time.perf_counter()
     runner = ModelRunner(RunnerConfig(model_dir=args.model, device="cuda", dtype="bfloat16",
@@ -78,6 +80,11 @@ def main() -> None:
                 times.append(start.elapsed_time(end) / args.replays)
             runner.kv_cache.copy_(kv)
         print(f"| {bs} | {rel:.2e} | {same} | {times[0]:.3f} | {times[1]:.3f} |", flush=True)
+        if pg.kernel.ws.prof is not None:
+            phases = profile(pg.kernel.ws, pg.kernel.dims)
+            print("|  | profile us: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    from kernels.persistent_decode import compiled
+    print("compiled:", compiled)
 
 
 if __name__ == "__main__":
