@@ -316,7 +316,12 @@ def _attend_keys(q, q_pos, lo, hi, full, KCache, VCache, KScale, VScale, table, 
                  FP8: tl.constexpr, SAFE: tl.constexpr):
     """The online softmax of keys [lo, hi) (lo a multiple of BLOCK_N) from a fresh state:
     tiles wholly below `full` (every key visible to every row) unmasked, the rest masked.
-    SAFE: a row may see no key of the range (a split past its position)."""
+    SAFE (the split paths: --deterministic): a row may see no key of the range (a split
+    past its position), and every tile is masked: compiled, the two loops round a tile
+    differently (on an H200 a prompt's second chunk differed from the whole prompt by
+    2.4e-7 at layer 0's attention), and where `full` falls depends on the chunk."""
+    if SAFE:
+        full = lo
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -421,7 +426,6 @@ def _prefill_kernel(
         tl.store(PartOut + part[:, None] * BLOCK_D + offs_d[None, :], o,
                  mask=row_mask[:, None])
         tl.store(PartLse + part, lse, mask=row_mask)
-        return
     else:
         m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         w_run = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -435,8 +439,10 @@ def _prefill_kernel(
             o, lse = _split_result(m_i, l_i, acc)
             m_run, w_run, acc_run = _merge_split(m_run, w_run, acc_run, o, lse)
         out = acc_run / tl.where(w_run > 0, w_run, 1.0)[:, None]
-    dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    if not PARTIAL:   # (a partial program's result went to PartOut; `out` is not defined
+        #               there, which the compiler, unlike the interpreter, sees)
+        dst = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])

@@ -176,8 +176,11 @@ class ModelRunner:
         self.init_kv(blocks_per_seq * len(lens), block_size)
         kv_bytes = self.block_bytes(block_size) * self.num_blocks
         req = worker_pb2.StepRequest(step_id=0)
+        # a pooling-only worker (--task embed / score) refuses sampled rows: it profiles the
+        # same prefill as a chunk that ends nowhere (a vocabulary's logits fewer)
+        sample = not self.config.tasks or "generate" in self.config.tasks
         for i, n in enumerate(lens):
-            req.seqs.add(seq_id=i, num_tokens=n, start_pos=0, reset_block_table=True, sample=True,
+            req.seqs.add(seq_id=i, num_tokens=n, start_pos=0, reset_block_table=True, sample=sample,
                          block_table_i32=np.arange(i * blocks_per_seq, (i + 1) * blocks_per_seq,
                                                    dtype="<i4").tobytes())
         req.token_ids_i32 = np.zeros(n_tokens, dtype="<i4").tobytes()

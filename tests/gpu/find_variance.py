@@ -1,0 +1,95 @@
+"""Where --deterministic stops being batch-invariant on this device: one prompt prefilled
+alone, then beside a neighbour and in two chunks, every module's output for the prompt's
+rows compared (torch.equal) in the order the modules ran; prints the first that differ.
+The tiny float32 checkpoint of tests/test_deterministic.py, eager, or with --graphs CUDA
+graphs as the test's runner captures them.
+
+    NANOSERVE_GPU_TESTS=1 python tests/gpu/find_variance.py [--graphs]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
+
+
+def main() -> None:
+    from test_deterministic import (BS, GPU_LIMITS, PROMPT_LEN, SPLIT_LEN, Blocks, Stepper,
+                                    tokens, watched)
+    from tiny_checkpoint import make_tiny_qwen3
+    from triton_device import DEVICE
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    path = tempfile.mkdtemp()
+    make_tiny_qwen3(path)
+    r = ModelRunner(RunnerConfig(model_dir=path, device=DEVICE, dtype="float32",
+                                 attention_backend="auto", kv_cache_gb=0.01, max_model_len=256,
+                                 deterministic=True, enforce_eager="--graphs" not in sys.argv,
+                                 **GPU_LIMITS))
+    r.init_kv(96, BS)
+    r.backend.split_len = SPLIT_LEN
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def hook(name):
+        def f(_m, _i, out):
+            t = out[0] if isinstance(out, tuple) else out
+            if isinstance(t, torch.Tensor):
+                seen.append((name, t.detach().clone()))
+        return f
+
+    for name, m in r.model.named_modules():
+        m.register_forward_hook(hook(name or "model"))
+    prompt, _ = watched(r.vocab_size)
+    gen = torch.Generator().manual_seed(3)
+
+    def run(steps) -> list[tuple[str, torch.Tensor]]:
+        s, blocks = Stepper(r), Blocks(0)
+        table = blocks.take(PROMPT_LEN + 3)
+        out = []
+        for prefills in steps(table, blocks):
+            seen.clear()
+            logits = s(prefills=prefills)[1]
+            out.append(list(seen) + [("logits", logits)])
+        s.forget_all()
+        return out
+
+    alone = run(lambda t, b: [[(1, prompt, 0, t)]])[0]
+    other = tokens(gen, 37, r.vocab_size)
+    beside = run(lambda t, b: [[(1, prompt, 0, t), (2, other, 0, b.take(40))]])[0]
+    after = run(lambda t, b: [[(2, other, 0, b.take(40)), (1, prompt, 0, t)]])[0]
+    chunks = run(lambda t, b: [[(1, prompt[:16], 0, t)], [(1, prompt[16:], 16, None)]])[1]
+    for label, got, rows in (("beside a 37-token prompt", beside, slice(0, PROMPT_LEN)),
+                             ("after a 37-token prompt", after, slice(37, 37 + PROMPT_LEN)),
+                             ("second of two chunks (16 + 64)", chunks, slice(16, PROMPT_LEN))):
+        print(f"== {label}")
+        bad = 0
+        if len(alone) != len(got):   # (graphs: a step that replayed one runs no hooks)
+            alone, got = alone[-1:], got[-1:]
+        for (n1, a), (n2, b) in zip(alone, got):
+            assert n1 == n2, (n1, n2)
+            if n1 == "logits":   # (under CUDA graphs the hooks see only the capture)
+                print(f"  the prompt's last logits {'equal' if torch.equal(a, b) else 'DIFFER'}")
+                continue
+            if a.dim() == 0 or a.shape[0] != PROMPT_LEN:
+                continue
+            ref = a[rows]
+            mine = b[:ref.shape[0]] if label.startswith("second") else b[rows]
+            if label.startswith("after"):
+                ref, mine = a, b[rows]
+            if ref.shape != mine.shape:
+                continue
+            if not torch.equal(ref, mine):
+                print(f"  {n1}: max |d| {(ref - mine).abs().max().item():.3g} {tuple(a.shape)}")
+                bad += 1
+                if bad == 6:
+                    break
+        if not bad:
+            print("  every module's output equal")
+
+
+if __name__ == "__main__":
+    main()
