@@ -61,9 +61,14 @@ def main() -> None:
     other = tokens(gen, 37, r.vocab_size)
     beside = run(lambda t, b: [[(1, prompt, 0, t), (2, other, 0, b.take(40))]])[0]
     after = run(lambda t, b: [[(2, other, 0, b.take(40)), (1, prompt, 0, t)]])[0]
+    # 80 + 60 tokens: past GPU_LIMITS' 128-token prefill graphs, so under --graphs the
+    # prompt alone replays a graph and beside this neighbour runs eager
+    longer = tokens(gen, 60, r.vocab_size)
+    eager = run(lambda t, b: [[(1, prompt, 0, t), (2, longer, 0, b.take(64))]])[0]
     chunks = run(lambda t, b: [[(1, prompt[:16], 0, t)], [(1, prompt[16:], 16, None)]])[1]
     for label, got, rows in (("beside a 37-token prompt", beside, slice(0, PROMPT_LEN)),
                              ("after a 37-token prompt", after, slice(37, 37 + PROMPT_LEN)),
+                             ("beside a 60-token prompt", eager, slice(0, PROMPT_LEN)),
                              ("second of two chunks (16 + 64)", chunks, slice(16, PROMPT_LEN))):
         print(f"== {label}")
         bad = 0
