@@ -652,7 +652,8 @@ def run_null(args: argparse.Namespace, wcfg: WorkloadConfig
                        "--speculative", args.speculative,
                        "--num-speculative-tokens", str(args.num_speculative_tokens),
                        "--speculative-max-batch", str(args.speculative_max_batch)],
-                   tokenizer_dir=args.null_tokenizer) as stack:
+                   tokenizer_dir=args.null_tokenizer,
+                   worker_args=["--prefill-us-per-token", str(args.prefill_us_per_token)]) as stack:
         args.target = stack.target
         args.device_name = f"null worker, {args.step_ms:g} ms/step"
         outcomes, workload = run_grpc(
@@ -909,6 +910,9 @@ def build_parser() -> argparse.ArgumentParser:
     nw.add_argument("--step-ms", type=float, default=7.0,
                     help="the null worker's emulated device time per step (0 = the control "
                          "plane's ceiling)")
+    nw.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                    help="the null worker's emulated time per prefill token, on top of "
+                         "--step-ms (0: every step the same)")
     nw.add_argument("--null-tokenizer", metavar="DIR",
                     help="the null model's tokenizer from this model directory (default: a "
                          "tiny BPE); Qwen3's prices grammar masks (--json-schema) as served")

@@ -202,10 +202,13 @@ def run(args: argparse.Namespace, make_flood: MakeFlood, argv: list[str] | None 
         from client.null_stack import NullStack
         with NullStack(step_ms=args.step_ms, max_model_len=args.max_model_len,
                        scheduler_args=shlex.split(args.scheduler_args),
-                       tokenizer_dir=args.null_tokenizer) as stack:
+                       tokenizer_dir=args.null_tokenizer,
+                       worker_args=["--prefill-us-per-token", str(args.prefill_us_per_token)]) as stack:
             args.target = stack.target
             report = asyncio.run(_run(args, make_flood))
-        report["device"] = f"null worker, {args.step_ms:g} ms/step"
+        report["device"] = (f"null worker, {args.step_ms:g} ms/step"
+                            + (f" + {args.prefill_us_per_token:g} us/prefill token"
+                               if args.prefill_us_per_token else ""))
     else:
         report = asyncio.run(_run(args, make_flood))
     report["command"] = shlex.join([sys.executable, "-m", "client.bench",

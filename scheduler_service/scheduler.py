@@ -12,8 +12,9 @@ shares between API keys, then arrival. Where priorities differ, a waiting sequen
 finds the batch (max_num_seqs) or the KV cache full preempts the running sequence of the
 lowest class, if that class is at least `priority_preemption_gap` below its own (so equal
 classes never preempt each other), and the KV pressure of decode preempts the lowest
-class first. A preempted sequence keeps its tokens and its place: its output is what it
-would have been. A sequence whose caller's deadline cannot be met any more is dropped
+class first. A prefill step holds one class: a better class's prompt is not made to wait
+for a worse class's prompts filling the rest of the token budget. A preempted sequence
+keeps its tokens and its place: its output is what it would have been. A sequence whose caller's deadline cannot be met any more is dropped
 before its prefill (`drain_errors`: DEADLINE_EXCEEDED).
 
 Fast-forward (structured output): where a sequence's grammar forces its next tokens, the
@@ -245,6 +246,8 @@ class Scheduler:
             seq = self.waiting.head()
             if seq.sampling.deadline and not seq.block_table and self._expired(seq):
                 continue
+            if seqs and seq.sampling.priority != seqs[0].sampling.priority:
+                break   # one class a step (waiting is ordered by class: the rest is worse)
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
             if len(self.running) >= cfg.max_num_seqs and not self._make_room(seq):

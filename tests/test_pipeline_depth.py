@@ -10,6 +10,7 @@ import asyncio
 import random
 from collections import deque
 
+import numpy as np
 import pytest
 
 from nanoserve.v1 import worker_pb2
@@ -172,3 +173,22 @@ def test_step_latency_pairs_every_token_with_its_step():
     lat = measure(step_ms=0.5, requests=2, output_len=20, prompt_len=8)
     assert len(lat) == 2 * 19
     assert all(0 < x < 1000 for x in lat)
+
+
+def test_the_null_worker_prices_prefill_tokens():
+    """--prefill-us-per-token: a step's emulated device time is step_ms plus the price of
+    each token past one a row (what makes a long prefill felt by what runs beside it)."""
+    w = NullWorkerServicer(step_ms=2.0, vocab_size=VOCAB, max_model_len=MAX_LEN,
+                           eos_token_id=EOS, num_kv_blocks=64, prefill_us_per_token=100.0)
+    asyncio.run(w.Init(worker_pb2.InitRequest(num_kv_blocks=64, block_size=BS), None))
+    req = worker_pb2.StepRequest(step_id=1)
+    lens = (10, 20, 30)
+    for i, n in enumerate(lens):
+        req.seqs.add(seq_id=i, num_tokens=n, start_pos=0, sample=True, reset_block_table=True,
+                     block_table_i32=np.arange(4 * i, 4 * i + 4, dtype="<i4").tobytes())
+    req.token_ids_i32 = np.ones(sum(lens), "<i4").tobytes()
+    prefill = w._launch(req)
+    assert prefill.resp.gpu_ms == pytest.approx(2.0 + 0.1 * (sum(lens) - len(lens)))
+    dec = worker_pb2.StepRequest(step_id=2)
+    dec.decode.seq_ids_u64 = np.arange(3, dtype="<u8").tobytes()
+    assert w._launch(dec).resp.gpu_ms == pytest.approx(2.0)

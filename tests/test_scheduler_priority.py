@@ -120,8 +120,9 @@ def test_decode_kv_pressure_preempts_the_lowest_class_not_the_newest():
     high = seq(2, [4], priority=0, max_tokens=10)
     s.add(low)
     s.add(high)
-    step(s)   # low: 2 blocks, high: 1
-    step(s)   # low 5 tokens, high 3: each needs a block more, 1 free
+    step(s)   # high prefilled alone (a prefill step holds one class): 1 block
+    step(s)   # low: 2 blocks
+    step(s)   # both decode: low 5 tokens, high 3: each needs a block more, 1 free
     batch = s.schedule()
     assert low.status is W and high.status is R and s.num_preemptions == 1
     assert [x.seq_id for x in batch.seqs] == [2]
@@ -178,3 +179,17 @@ def test_an_idle_key_saves_up_no_burst():
     order = run_all(s, {0: [seq(200 + i, [i], tenant="b", max_tokens=4) for i in range(4)],
                         1: [seq(300 + i, [i], tenant="a", max_tokens=4) for i in range(4)]})
     assert any(x >= 300 for x in order[:4]), order   # a and b alternate from here
+
+
+def test_a_prefill_step_holds_one_class():
+    """A better class's prompts get a step of their own: the worse class's waiting prompts
+    do not fill the rest of its token budget (they take the next step), and one class's
+    prompts still share a step."""
+    s = make(max_num_batched_tokens=64)
+    for x in [seq(1, range(10), 5), seq(2, range(10), 0), seq(3, range(10), 5),
+              seq(4, range(10), 0)]:
+        s.add(x)
+    first = step(s)
+    assert first.is_prefill and [x.seq_id for x in first.seqs] == [2, 4]
+    second = step(s)
+    assert second.is_prefill and [x.seq_id for x in second.seqs] == [1, 3]

@@ -147,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     null.add_argument("--null", action="store_true", help="compute nothing (see above)")
     null.add_argument("--step-ms", type=float, default=7.0,
                       help="emulated device time per step")
+    null.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                      help="emulated device time per token a step computes past one a row "
+                           "(a prefill's price; 0: every step takes --step-ms)")
     null.add_argument("--null-kv-blocks", type=int, default=65536,
                       help="KV capacity reported, in blocks of 16 tokens")
     cli.add_metrics_flags(p.add_argument_group("metrics"),
@@ -224,7 +227,8 @@ def serve_null(args: argparse.Namespace) -> int:
             limits["max_model_len"] = min(args.max_model_len, limits["max_model_len"])
         servicer = NullWorkerServicer(step_ms=args.step_ms, num_kv_blocks=args.null_kv_blocks,
                                       model=os.path.basename(os.path.normpath(args.model or "null")),
-                                      model_dir=args.model, tasks=args.tasks, **limits)
+                                      model_dir=args.model, tasks=args.tasks,
+                                      prefill_us_per_token=args.prefill_us_per_token, **limits)
         server, port = await serve(servicer, args.host, args.port, args.secret, args.credentials)
         serve_metrics(args)
         print(f"nanoserve null worker ({args.step_ms:g} ms/step) listening on {args.host}:{port}",

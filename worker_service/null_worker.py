@@ -3,7 +3,9 @@
 It prices and tests the control plane without a GPU: the scheduler cannot tell it from a
 real worker. It keeps the same per-sequence state a real worker keeps (block tables,
 positions, sampling flags), applies the same checks, and answers the Step stream in
-order. Its "device" runs one step at a time for `step_ms`: a step starts when it has
+order. Its "device" runs one step at a time for `step_ms` (plus `prefill_us_per_token` for
+each token a step computes past one a row: a prefill's price, which what runs beside a
+long prefill feels): a step starts when it has
 arrived and the previous step has finished (a real worker launches step N+1 the moment
 step N's GPU work is done), and is answered when its time is up. So with the scheduler
 keeping two steps in flight, the device is never idle unless the control plane is late,
@@ -90,8 +92,9 @@ def _made_up_pooled(plan) -> tuple[bytes, bytes]:
 class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, *, step_ms: float, vocab_size: int, max_model_len: int, eos_token_id: int,
                  num_kv_blocks: int, model: str = "null", model_dir: str | None = None,
-                 tasks: tuple[str, ...] = ("generate",)):
+                 tasks: tuple[str, ...] = ("generate",), prefill_us_per_token: float = 0.0):
         self.step_s = step_ms / 1e3
+        self.token_s = prefill_us_per_token / 1e6
         self.tasks = tasks   # what Info reports (the table takes every row)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -184,7 +187,8 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         now = time.perf_counter()
         self.steps += 1
         self.steps_overlapped += t0 < self.device_free_at
-        self.device_free_at = max(now, self.device_free_at) + self.step_s
+        device_s = self.step_s + self.token_s * max(len(plan.token_ids) - len(plan.rows), 0)
+        self.device_free_at = max(now, self.device_free_at) + device_s
         pooled = None
         if plan.pool is not None:   # pooling rows answer too: a 0 among the samples
             at = plan.pool_at
@@ -193,7 +197,7 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
         resp = worker_pb2.StepResponse(
             step_id=req.step_id, sampled_token_ids_i32=tokens.astype("<i4").tobytes(),
             logprobs_f32=np.zeros(len(tokens), "<f4").tobytes() if want_logprobs else b"",
-            gpu_ms=self.step_s * 1e3)
+            gpu_ms=device_s * 1e3)
         if pooled is not None:
             resp.pooled_f32, resp.pooled_sizes_i32 = pooled
         if plan.drafts is not None:
