@@ -9,11 +9,46 @@ kernels serves them:
   scales  [G, N] and zeros [G, N] in the activation dtype (zeros: the true zero point)
   g_idx   [K] int32: the group of each input row (GPTQ act-order permutes it; otherwise
           k // group_size, offset by the rank's first row under row-parallel TP)
-Dequantization happens in registers: the GEMV (a few token rows, decode) has each program
-own BLOCK_N output channels over all of K and multiply on CUDA cores in float32; the GEMM
-(prefill) dequantizes one [BLOCK_K, BLOCK_N] tile at a time into the activation dtype and
-feeds tl.dot. The reference dequantizes, rounds W to x's dtype, then multiplies.
-No host sync, grid from shapes only: CUDA-graph safe. Not yet measured on a GPU.
+The reference dequantizes, rounds W to x's dtype, then multiplies; both kernels compute
+exactly that W (same float32 ops, then the same rounding) and differ only in summation order.
+
+The GEMV (up to GEMV_MAX_TOKENS = 4 rows: decode) is built to stream the packed weights
+once at HBM speed (issue 64; the first form, one program per 64 channels per row, reached
+2-11% of HBM on an H200):
+- Split K: the grid is (N / GEMV_BLOCK_N tiles, K splits), and one program multiplies all
+  the rows by its [K_SPLIT, BLOCK_N] slice of W, so each weight byte is read once whatever
+  the row count. gemv_splits picks the splits from N, K and bits only (never M, so a row's
+  result does not depend on the rows beside it): enough for GEMV_PROGRAMS = 512 programs,
+  ~4 per SM on a 132-SM H200 (Qwen3-8B int4: gate_up 192 tiles x 3 splits, down and o_proj 32 x
+  16, qkv 48 x 8), each split a whole, even number of chunks. Each program writes its fp32
+  partial sums to [splits, M, N]; _split_sum_kernel adds them in split order (+ bias) and
+  rounds: no atomics, the same bits on every run (--deterministic holds). One split writes
+  y directly. No host sync, grid from shapes only: CUDA-graph safe.
+- Chunks: a loop iteration loads two chunks of GEMV_BLOCK_KW = 16 words x BLOCK_N = 128
+  channels (2 x 8 KiB of int32, each warp row 512 contiguous bytes, 16-byte loads) before
+  using either. A chunk stays in the words' own [16, 128] register layout: value j of every
+  word is unpacked at once (a shift and a mask), x's rows k0 + 16w + j are loaded to match,
+  and each row m keeps a [16, 128] float32 accumulator (8 registers a thread at 8 warps),
+  so nothing crosses threads until the one tl.sum at the program's end. float(q) is taken
+  as the bits of 2^23 + q minus 2^23 (exact; an OR and an add instead of a quarter-rate
+  int -> float conversion).
+- Groups: with GROUP (constexpr, consecutive_group(g_idx): g_idx[k] == g_idx[0] + k //
+  GROUP) the kernel loads no g_idx and reduces nothing: a chunk inside one group (GROUP a
+  multiple of its rows: g128 for int4 and int8) reads one row of scales and zeros, smaller
+  groups one per word. GROUP = 0 (act-order, or a rank starting mid-group) gathers each
+  row's scales through g_idx; both paths give bitwise the same sums. quant_linear takes
+  group_size from its caller (decided at load) or, when None, decides it at g_idx's first
+  call (one host read) and keeps it on the tensor; inside a CUDA-graph capture an undecided
+  tensor takes the general path.
+Compiled for sm_90 (bf16, no spills): int4 g128 1 row 80 registers, 4 rows 254 (the x loads
+of both chunks hoisted: one 8-warp program an SM then); int8 g128 1 row 64. All of this is
+reasoned, not measured: the sizes (BLOCK_N, BLOCK_KW, 8 warps, GEMV_PROGRAMS) are unmeasured
+on a GPU, and at full HBM speed the int4 dequantization (~8 + M float32 / integer ops a
+value) may bound the kernel on the ALUs instead; tests/gpu/bench_quant_linear.py measures it.
+
+The GEMM (prefill, more rows) dequantizes one [BLOCK_K, BLOCK_N] tile at a time into the
+activation dtype (_dequant_tile, shared with kernels/fused_moe.py) and feeds tl.dot; it is
+unchanged and untuned (0.14-0.16x bf16 measured at 256 tokens).
 """
 from __future__ import annotations
 
@@ -24,7 +59,12 @@ import triton.language as tl
 from kernels.interpret import INTERPRET_ENV, cast, dot
 
 BITS = (4, 8)
-GEMV_MAX_TOKENS = 4   # up to this many rows the GEMV, above the GEMM (untuned)
+GEMV_MAX_TOKENS = 4   # up to this many rows the GEMV, above the GEMM (untuned; the GEMV
+                      # kernel has one accumulator per row, written out up to 4)
+GEMV_BLOCK_N = 128    # output channels a GEMV program (512 B of int32 words a row of a chunk)
+GEMV_BLOCK_KW = 16    # packed words along K a chunk: 16 x 128 int32 = 8 KiB, two a loop
+GEMV_WARPS = 8
+GEMV_PROGRAMS = 512   # K splits aim at this many programs: ~4 a SM on a 132-SM H200
 ON_CPU = False        # tests set it to run the model's quantized layers in the interpreter
 
 
@@ -83,24 +123,132 @@ def _dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS: tl.constexpr,
 
 
 @triton.jit
-def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Y, N, K, stride_xm, stride_ym,
-                       BITS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_words(QW, k0, k_end, offs_n, n_mask, N, PER_WORD: tl.constexpr,
+                BLOCK_KW: tl.constexpr):
+    """The [BLOCK_KW, BLOCK_N] packed words of rows k0.. (zero from k_end on)."""
+    offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_KW)
+    return tl.load(QW + offs_w[:, None] * N + offs_n[None, :],
+                   mask=(offs_w < k_end // PER_WORD)[:, None] & n_mask[None, :], other=0)
+
+
+@triton.jit
+def _gemv_chunk(X, S, Z, G, words, k0, k_end, g0, offs_n, n_mask, N, stride_xm,
+                a0, a1, a2, a3, dt: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                ROWS: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """a_m[w, n] += sum over the P rows k of word w of x[m, k] * W[k, n], W dequantized from
+    `words` (rows k0 + w * P + j, j < P) and rounded to dt: every tile stays in the words'
+    [BLOCK_KW, BLOCK_N] layout (value j of every word at once, no reshape), and the
+    accumulators keep the K axis, so nothing crosses threads until the program's end."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
+    rows0 = k0 + tl.arange(0, BLOCK_KW) * PER_WORD          # each word's first row
+    w_mask = rows0 < k_end
+    if GROUP > 0:   # no act-order: row k is in group g0 + k // GROUP, nothing loaded for it
+        if GROUP % BLOCK_K == 0:   # the chunk lies in one group: one row of scales, zeros
+            g = g0 + k0 // GROUP
+            sz_mask = n_mask & (k0 < k_end)
+            s = tl.load(S + g * N + offs_n, mask=sz_mask, other=0.0).to(tl.float32)[None, :]
+            z = tl.load(Z + g * N + offs_n, mask=sz_mask, other=0.0).to(tl.float32)[None, :]
+        else:                      # smaller groups: a word's P rows share one (P | GROUP)
+            gw = (g0 + rows0 // GROUP)[:, None] * N + offs_n[None, :]
+            sz_mask = w_mask[:, None] & n_mask[None, :]
+            s = tl.load(S + gw, mask=sz_mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + gw, mask=sz_mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(PER_WORD):
+        q = (words >> (j * BITS)) & ((1 << BITS) - 1)
+        # float(q) as 2^23 + q (q's bits under float 2^23's exponent) minus 2^23: exact,
+        # an OR and an add where an int -> float conversion runs at a quarter rate
+        f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        if GROUP == 0:   # act-order: each row's group from g_idx, its scales gathered
+            g = tl.load(G + rows0 + j, mask=w_mask, other=0)
+            gr = g[:, None] * N + offs_n[None, :]
+            sz_mask = w_mask[:, None] & n_mask[None, :]
+            s = tl.load(S + gr, mask=sz_mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + gr, mask=sz_mask, other=0.0).to(tl.float32)
+        w = cast((f - z) * s, dt, RNE_BF16).to(tl.float32)   # the reference's rounding of W
+        xk = X + rows0 + j
+        a0 += tl.load(xk, mask=w_mask, other=0.0).to(tl.float32)[:, None] * w
+        if ROWS > 1:
+            a1 += tl.load(xk + stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * w
+        if ROWS > 2:
+            a2 += tl.load(xk + 2 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * w
+        if ROWS > 3:
+            a3 += tl.load(xk + 3 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * w
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _gemv_emit(acc, m, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask,
+               ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr,
+               DIRECT: tl.constexpr):
+    """Row m's [BLOCK_N] sums: y (+ bias) where K is one split, else its fp32 partial."""
+    r = tl.sum(acc, axis=0)
+    if DIRECT:
+        if HAS_BIAS:
+            r += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(Y + m * stride_ym + offs_n, cast(r, Y.dtype.element_ty, RNE_BF16), mask=n_mask)
+    else:
+        tl.store(Part + (split * ROWS + m) * N + offs_n, r, mask=n_mask)
+
+
+@triton.jit
+def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Part, Y, N, K, K_SPLIT, stride_xm, stride_ym,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr, DIRECT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Program (n tile, split): all ROWS rows of x times rows [split * K_SPLIT, + K_SPLIT)
+    of W for BLOCK_N channels; two chunks of BLOCK_KW words loaded per iteration."""
     pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(1)
+    PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BLOCK_KW * PER_WORD
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     dt = Y.dtype.element_ty
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        w = _dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS, BLOCK_K, BLOCK_N)
-        w = cast(w, dt, RNE_BF16).to(tl.float32)          # the reference's rounding of W
-        acc += tl.sum(x[:, None] * w, axis=0)
+    k_begin = split * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    g0 = 0
+    if GROUP > 0:
+        g0 = tl.load(G)            # the rank's first group (row-parallel slices start later)
+    a0 = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_KW, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, 2 * BLOCK_K):
+        wa = _gemv_words(QW, k0, k_end, offs_n, n_mask, N, PER_WORD, BLOCK_KW)
+        wb = _gemv_words(QW, k0 + BLOCK_K, k_end, offs_n, n_mask, N, PER_WORD, BLOCK_KW)
+        a0, a1, a2, a3 = _gemv_chunk(X, S, Z, G, wa, k0, k_end, g0, offs_n, n_mask, N,
+                                     stride_xm, a0, a1, a2, a3, dt, BITS, GROUP, ROWS,
+                                     RNE_BF16, BLOCK_KW)
+        a0, a1, a2, a3 = _gemv_chunk(X, S, Z, G, wb, k0 + BLOCK_K, k_end, g0, offs_n, n_mask,
+                                     N, stride_xm, a0, a1, a2, a3, dt, BITS, GROUP, ROWS,
+                                     RNE_BF16, BLOCK_KW)
+    _gemv_emit(a0, 0, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask, ROWS, HAS_BIAS,
+               RNE_BF16, DIRECT)
+    if ROWS > 1:
+        _gemv_emit(a1, 1, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask, ROWS, HAS_BIAS,
+                   RNE_BF16, DIRECT)
+    if ROWS > 2:
+        _gemv_emit(a2, 2, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask, ROWS, HAS_BIAS,
+                   RNE_BF16, DIRECT)
+    if ROWS > 3:
+        _gemv_emit(a3, 3, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask, ROWS, HAS_BIAS,
+                   RNE_BF16, DIRECT)
+
+
+@triton.jit
+def _split_sum_kernel(Part, Bias, Y, N, SPLITS, stride_ym, ROWS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m] = ((partial[0] + partial[1]) + ...) (+ bias): the splits in index order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.program_id(1)
+    mask = offs < N
+    acc = tl.load(Part + m * N + offs, mask=mask, other=0.0)
+    for s in range(1, SPLITS):
+        acc += tl.load(Part + (s * ROWS + m) * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(Y + m * stride_ym + offs_n, cast(acc, dt, RNE_BF16), mask=n_mask)
+        acc += tl.load(Bias + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + offs, cast(acc, Y.dtype.element_ty, RNE_BF16), mask=mask)
 
 
 @triton.jit
@@ -128,10 +276,61 @@ def _quant_gemm_kernel(X, QW, S, Z, G, Bias, Y, M, N, K, stride_xm, stride_ym,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def consecutive_group(g_idx: torch.Tensor) -> int:
+    """GS > 0 where g_idx[k] == g_idx[0] + k // GS for every k (no act-order, and the rank's
+    rows start a group: the GEMV's constexpr path), else 0 (act-order: the general path).
+    One group over all rows gives GS = len(g_idx). Reads g_idx on the host (a sync): decide
+    once, at load, not per call."""
+    g = g_idx.detach().to("cpu", torch.int64)
+    if g.numel() == 0:
+        return 0
+    other = (g != g[0]).nonzero()
+    group = int(other[0, 0]) if other.numel() else g.numel()
+    trivial = torch.equal(g, g[0] + torch.arange(g.numel()) // group)
+    return group if trivial else 0
+
+
+def _known_group(g_idx: torch.Tensor) -> int:
+    """consecutive_group(g_idx), decided at the tensor's first call and kept on it (weights
+    do not change after load); 0 (the general path, same results) if that first call is
+    inside a CUDA-graph capture, where the host read is not allowed."""
+    try:
+        version = g_idx._version
+    except RuntimeError:     # an inference-mode tensor: no version counter
+        version = -1
+    key = (g_idx.data_ptr(), version, tuple(g_idx.shape))
+    memo = getattr(g_idx, "_quant_group", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    if g_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        return 0
+    group = consecutive_group(g_idx)
+    g_idx._quant_group = (key, group)
+    return group
+
+
+def gemv_splits(N: int, K: int, bits: int, splits: int | None = None) -> tuple[int, int]:
+    """(K splits, rows a split) of the GEMV: from the shapes only (so a row's result does not
+    depend on how many rows share the call), enough programs for GEMV_PROGRAMS, each split a
+    whole number of chunks (even, unless `splits` is forced: tests)."""
+    rows = GEMV_BLOCK_KW * (32 // bits)
+    chunks = max(1, triton.cdiv(K, rows))
+    if splits is None:
+        splits = max(1, min(triton.cdiv(GEMV_PROGRAMS, triton.cdiv(N, GEMV_BLOCK_N)), chunks // 2))
+        per = triton.cdiv(triton.cdiv(chunks, splits), 2) * 2
+    else:
+        per = triton.cdiv(chunks, max(1, splits))
+    return triton.cdiv(chunks, per), per * rows
+
+
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W + bias in x's dtype: the GEMV up to GEMV_MAX_TOKENS rows, else the GEMM."""
+                 bias: torch.Tensor | None = None, group_size: int | None = None,
+                 splits: int | None = None) -> torch.Tensor:
+    """x [..., K] @ W + bias in x's dtype: the GEMV up to GEMV_MAX_TOKENS rows, else the GEMM.
+    group_size: consecutive_group(g_idx) as the caller decided it at load (0: act-order, the
+    general path); None: decided here at g_idx's first call and kept on the tensor.
+    splits: force the GEMV's K splits (tests); None: gemv_splits' choice."""
     assert bits in BITS, bits
     K, N = qweight.shape[0] * (32 // bits), qweight.shape[1]
     assert x.shape[-1] == K and qweight.dtype == torch.int32 and qweight.is_contiguous()
@@ -143,14 +342,25 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        common = dict(BITS=bits, HAS_BIAS=bias is not None,
-                      RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16)
+        rne = INTERPRET_ENV and x.dtype == torch.bfloat16
+        common = dict(BITS=bits, HAS_BIAS=bias is not None, RNE_BF16=rne)
         b = bias if bias is not None else scales
-        if M <= GEMV_MAX_TOKENS:
-            block_n = 64
-            _quant_gemv_kernel[(triton.cdiv(N, block_n), M)](
-                x2, qweight, scales, zeros, g_idx, b, y, N, K, x2.stride(0), y.stride(0),
-                BLOCK_N=block_n, BLOCK_K=128, num_warps=4, **common)
+        if M <= min(GEMV_MAX_TOKENS, 4):   # the GEMV kernel's 4 row accumulators
+            group = _known_group(g_idx) if group_size is None else group_size
+            if group <= 0 or group % (32 // bits):
+                group = 0         # the general path (bitwise the same sums, slower)
+            n_splits, k_split = gemv_splits(N, K, bits, splits)
+            direct = n_splits == 1
+            part = y if direct else torch.empty(n_splits, M, N, dtype=torch.float32,
+                                                device=x.device)
+            _quant_gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N), n_splits)](
+                x2, qweight, scales, zeros, g_idx, b, part, y, N, K, k_split,
+                x2.stride(0), y.stride(0), GROUP=group, ROWS=M, DIRECT=direct,
+                BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=GEMV_BLOCK_KW, num_warps=GEMV_WARPS, **common)
+            if not direct:
+                _split_sum_kernel[(triton.cdiv(N, 1024), M)](
+                    part, b, y, N, n_splits, y.stride(0), ROWS=M, HAS_BIAS=bias is not None,
+                    RNE_BF16=rne, BLOCK=1024, num_warps=4)
         else:
             block_m = 16 if M <= 16 else 32 if M <= 32 else 64
             _quant_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64))](

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
-from kernels.quant_linear import dequantize_ref, quant_linear, quant_linear_ref
+import kernels.quant_linear
+from kernels.quant_linear import consecutive_group, dequantize_ref, quant_linear, quant_linear_ref
 
 
 def random_layout(K: int, N: int, bits: int, group: int, act_order: bool, dtype, seed: int = 0):
@@ -79,3 +81,75 @@ def test_fused_moe_with_packed_experts_matches_reference(bits, act_order, dtype)
     out = fused_moe(x, None, None, weights, ids, packed=tuple(stacks))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+# --- the split-K GEMV (up to GEMV_MAX_TOKENS rows) ------------------------------------------
+
+def gemv_case(bits, act_order, group, rows, dtype, N=200, seed=0):
+    """K of 5 chunks (80 words: int4 640 rows, int8 320), N over two 128-channel tiles."""
+    K = 80 * (32 // bits)
+    _, qweight, scales, zeros, g_idx = random_layout(K, N, bits, group, act_order, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(rows, K, generator=gen).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype)
+    return x, qweight, scales, zeros, g_idx, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 2, 3, None], ids=["split1", "split2", "split3", "auto"])
+@pytest.mark.parametrize("bits,group,act_order", [(4, 32, False), (4, 128, False), (4, 64, True),
+                                                  (8, 32, True), (8, 64, False)])
+def test_gemv_split_k_matches_reference(bits, group, act_order, splits, dtype):
+    """5 chunks in 1, 2 (3 + 2) or 3 (2 + 2 + 1: a split ending on its unrolled loop's first
+    chunk) splits, every row count of the GEMV, with and without bias: the constexpr group
+    path (groups of one chunk or more: one row of scales a chunk; smaller: one a word) and
+    act-order's gathers."""
+    x, qweight, scales, zeros, g_idx, b = gemv_case(bits, act_order, group, 4, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for rows in range(1, kernels.quant_linear.GEMV_MAX_TOKENS + 1):
+        for bias in (None, b):
+            ref = quant_linear_ref(x[:rows], qweight, scales, zeros, g_idx, bits, bias)
+            out = quant_linear(x[:rows], qweight, scales, zeros, g_idx, bits, bias, splits=splits)
+            assert out.dtype == dtype and out.shape == ref.shape
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol,
+                                       atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemv_is_the_same_for_every_row_count_and_group_path(bits):
+    """Bitwise: a row's result does not depend on the rows beside it (the splits come from
+    the shapes only), and the constexpr group path sums exactly what the general path (the
+    g_idx gathers) does: the path is a speed choice, never a numerical one."""
+    x, qweight, scales, zeros, g_idx, b = gemv_case(bits, False, 32, 4, torch.bfloat16, seed=5)
+    group = consecutive_group(g_idx)
+    assert group == 32
+    full = quant_linear(x, qweight, scales, zeros, g_idx, bits, b, group_size=group)
+    general = quant_linear(x, qweight, scales, zeros, g_idx, bits, b, group_size=0)
+    assert torch.equal(full, general)
+    for m in range(4):
+        one = quant_linear(x[m:m + 1], qweight, scales, zeros, g_idx, bits, b, group_size=group)
+        assert torch.equal(one, full[m:m + 1])
+    # group_size=None: decided at g_idx's first call, kept on the tensor
+    assert torch.equal(quant_linear(x, qweight, scales, zeros, g_idx, bits, b), full)
+    assert g_idx._quant_group[1] == 32
+
+
+def test_consecutive_group_tells_trivial_g_idx_from_act_order():
+    rows = torch.arange(256, dtype=torch.int32)
+    assert consecutive_group(rows // 128) == 128
+    assert consecutive_group(3 + rows // 64) == 64            # a row-parallel rank's slice
+    assert consecutive_group(torch.full((256,), 2, dtype=torch.int32)) == 256   # one group
+    assert consecutive_group((rows + 32) // 128) == 0         # the rank starts mid-group
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    assert consecutive_group((rows // 32)[perm]) == 0          # act-order
+
+
+def test_gemv_splits_come_from_shapes():
+    """Qwen3-8B's decode shapes get >= GEMV_PROGRAMS / 2 programs; each split whole chunks."""
+    from kernels.quant_linear import GEMV_BLOCK_KW, GEMV_BLOCK_N, GEMV_PROGRAMS, gemv_splits
+    for N, K in ((24576, 4096), (4096, 12288), (4096, 4096), (6144, 4096)):
+        for bits in (4, 8):
+            splits, k_split = gemv_splits(N, K, bits)
+            chunk = GEMV_BLOCK_KW * 32 // bits
+            assert k_split % (2 * chunk) == 0 and (splits - 1) * k_split < K <= splits * k_split
+            assert splits * triton.cdiv(N, GEMV_BLOCK_N) >= GEMV_PROGRAMS // 2
