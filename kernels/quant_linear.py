@@ -37,9 +37,8 @@ once at HBM speed (issue 64; the first form, one program per 64 channels per row
   multiple of its rows: g128 for int4 and int8) reads one row of scales and zeros, smaller
   groups one per word. GROUP = 0 (act-order, or a rank starting mid-group) gathers each
   row's scales through g_idx; both paths give bitwise the same sums. quant_linear takes
-  group_size from its caller (decided at load) or, when None, decides it at g_idx's first
-  call (one host read) and keeps it on the tensor; inside a CUDA-graph capture an undecided
-  tensor takes the general path.
+  group_size from its caller (the model's layer decides it once, models/linear.py) or, when
+  None, reads g_idx on the host to decide it (tests, benchmarks: a sync a call).
 Compiled for sm_90 (bf16, no spills): int4 g128 1 row 80 registers, 4 rows 254 (the x loads
 of both chunks hoisted: one 8-warp program an SM then); int8 g128 1 row 64. All of this is
 reasoned, not measured: the sizes (BLOCK_N, BLOCK_KW, 8 warps, GEMV_PROGRAMS) are unmeasured
@@ -290,25 +289,6 @@ def consecutive_group(g_idx: torch.Tensor) -> int:
     return group if trivial else 0
 
 
-def _known_group(g_idx: torch.Tensor) -> int:
-    """consecutive_group(g_idx), decided at the tensor's first call and kept on it (weights
-    do not change after load); 0 (the general path, same results) if that first call is
-    inside a CUDA-graph capture, where the host read is not allowed."""
-    try:
-        version = g_idx._version
-    except RuntimeError:     # an inference-mode tensor: no version counter
-        version = -1
-    key = (g_idx.data_ptr(), version, tuple(g_idx.shape))
-    memo = getattr(g_idx, "_quant_group", None)
-    if memo is not None and memo[0] == key:
-        return memo[1]
-    if g_idx.is_cuda and torch.cuda.is_current_stream_capturing():
-        return 0
-    group = consecutive_group(g_idx)
-    g_idx._quant_group = (key, group)
-    return group
-
-
 def gemv_splits(N: int, K: int, bits: int, splits: int | None = None) -> tuple[int, int]:
     """(K splits, rows a split) of the GEMV: from the shapes only (so a row's result does not
     depend on how many rows share the call), enough programs for GEMV_PROGRAMS, each split a
@@ -346,7 +326,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         common = dict(BITS=bits, HAS_BIAS=bias is not None, RNE_BF16=rne)
         b = bias if bias is not None else scales
         if M <= min(GEMV_MAX_TOKENS, 4):   # the GEMV kernel's 4 row accumulators
-            group = _known_group(g_idx) if group_size is None else group_size
+            group = consecutive_group(g_idx) if group_size is None else group_size
             if group <= 0 or group % (32 // bits):
                 group = 0         # the general path (bitwise the same sums, slower)
             n_splits, k_split = gemv_splits(N, K, bits, splits)

@@ -22,7 +22,7 @@ from kernels.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_rows
 import kernels.quant_linear
 from kernels.batch_invariant import invariant_linear
 from kernels.gemv import GemvLora, gemv
-from kernels.quant_linear import quant_linear, quant_linear_ref
+from kernels.quant_linear import consecutive_group, quant_linear, quant_linear_ref
 from models import activation, kernel_choice
 from models.decode_step import LinearStep, QuantWeightStep, TPShard
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
@@ -88,6 +88,9 @@ class LinearBase(nn.Module):
         if not quant.desc_act:   # consecutive groups unless the checkpoint says otherwise
             self.g_idx.expected_shards = set()
         self._g_idx_parts: set = set()
+        # the GEMV's group path, from the loaded g_idx at the first matmul (a host read: on
+        # a GPU that is the worker's eager profile run, before any CUDA graph is captured)
+        self.quant_group: int | None = None
 
     def quant_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                      shard_id: object = None) -> None:
@@ -152,9 +155,16 @@ class LinearBase(nn.Module):
                ) -> torch.Tensor:
         if self.quant is not None:
             assert lora is None and quantized is None
-            run = (quant_linear if kernel_choice.paths(x).triton or kernels.quant_linear.ON_CPU
-                   else quant_linear_ref)
-            return run(x, self.qweight, self.scales, self.qzeros, self.g_idx, self.quant.bits, bias)
+            if not (kernel_choice.paths(x).triton or kernels.quant_linear.ON_CPU):
+                return quant_linear_ref(x, self.qweight, self.scales, self.qzeros, self.g_idx,
+                                        self.quant.bits, bias)
+            group = self.quant_group
+            if group is None:   # (a capture cannot read g_idx: the general path, same sums)
+                capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+                group = 0 if capturing else consecutive_group(self.g_idx)
+                self.quant_group = None if capturing else group
+            return quant_linear(x, self.qweight, self.scales, self.qzeros, self.g_idx,
+                                self.quant.bits, bias, group_size=group)
         scale = self.fp8_scale
         p = kernel_choice.paths(x)
         if p.invariant:   # --deterministic: one kernel, one order, for every row count
