@@ -21,7 +21,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file
@@ -31,7 +32,7 @@ from kernels.attention import AttentionMetadata
 from models.attention import Attention
 from models.layernorm import RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from models.rotary import RotaryEmbedding, max_positions
+from models.rotary import RopeScaling, RotaryEmbedding, max_positions, rope_from_config
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Eagle3Config:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeScaling          # the layer config's RoPE, scaled where it says (rotary.py)
     vocab_size: int            # the target's
     draft_vocab_size: int
     target_hidden_size: int
@@ -80,8 +81,8 @@ def read_config(model_dir: str) -> Eagle3Config:
         num_kv_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
         head_dim=layer.get("head_dim") or h // layer["num_attention_heads"],
         intermediate_size=layer["intermediate_size"], rms_norm_eps=layer["rms_norm_eps"],
-        rope_theta=float(layer.get("rope_theta") or
-                         (layer.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+        rope=rope_from_config(SimpleNamespace(**{"rope_theta": 10000.0, **{
+            k: v for k, v in layer.items() if v is not None}})),
         vocab_size=layer["vocab_size"],
         draft_vocab_size=raw.get("draft_vocab_size") or layer["vocab_size"],
         target_hidden_size=raw.get("target_hidden_size") or h,
@@ -104,7 +105,9 @@ class Eagle3Head(nn.Module):
         self.hidden_norm = RMSNorm(h, eps=eps)
         self.qkv_proj = QKVParallelLinear(2 * h, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, h, bias=False)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
+        # the table as long as the target serves; dynamic NTK's threshold is the config's own
+        rope = cfg.rope if cfg.rope.kind == "dynamic" else replace(cfg.rope, max_position=max_position)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, rope=rope)
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                               cfg.head_dim ** -0.5, backend)
         self.post_attention_layernorm = RMSNorm(h, eps=eps)

@@ -10,6 +10,7 @@ for another target are refused at start.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -200,3 +201,30 @@ def test_structured_output_with_a_head(tmp_path_factory, target_dir):
         formats_unchanged_by_drafts(stub, ("json_schema", "regex"), ([3, 5, 11],), 100)
         s = stub.GetStats(generate_pb2.StatsRequest())
         assert s.num_fast_forward_mismatches == 0 and s.num_decode_steps > 0
+
+
+def test_the_head_rotates_with_its_configs_rope_scaling(tmp_path):
+    """An EAGLE-3 head whose layer config scales RoPE (Llama 3.1 heads: rope_type llama3)
+    rotates as that config says, not with plain RoPE of its theta."""
+    from models.eagle3 import Eagle3Head, read_config
+    from models.rotary import RopeScaling, _cos_sin_table
+    path = make_tiny_eagle3(tmp_path / "head", "speculators", target_hidden_size=HIDDEN,
+                            vocab_size=VOCAB, draft_vocab_size=200, hidden_size=HIDDEN,
+                            num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                            seed=3)
+    raw = json.loads((path / "config.json").read_text())
+    raw["transformer_layer_config"]["rope_scaling"] = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}
+    (path / "config.json").write_text(json.dumps(raw))
+    cfg = read_config(str(path))
+    assert cfg.rope.kind == "llama3" and cfg.rope.factor == 8.0
+    head = Eagle3Head(cfg, None, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), 256)
+    want = _cos_sin_table(cfg.head_dim, RopeScaling(
+        kind="llama3", theta=cfg.rope.theta, factor=8.0, max_position=256,
+        original_max_position=64, low_freq_factor=1.0, high_freq_factor=4.0), torch.device("cpu"))
+    plain = _cos_sin_table(cfg.head_dim, RopeScaling(theta=cfg.rope.theta, max_position=256),
+                           torch.device("cpu"))
+    assert head.rotary_emb.cos_sin_cache.shape[0] == 256
+    torch.testing.assert_close(head.rotary_emb.cos_sin_cache, want)
+    assert not torch.allclose(head.rotary_emb.cos_sin_cache, plain)
