@@ -45,9 +45,26 @@ reasoned, not measured: the sizes (BLOCK_N, BLOCK_KW, 8 warps, GEMV_PROGRAMS) ar
 on a GPU, and at full HBM speed the int4 dequantization (~8 + M float32 / integer ops a
 value) may bound the kernel on the ALUs instead; tests/gpu/bench_quant_linear.py measures it.
 
-The GEMM (prefill, more rows) dequantizes one [BLOCK_K, BLOCK_N] tile at a time into the
-activation dtype (_dequant_tile, shared with kernels/fused_moe.py) and feeds tl.dot; it is
-unchanged and untuned (0.14-0.16x bf16 measured at 256 tokens).
+The GEMM (prefill, more rows) dequantizes one [BLOCK_K, BLOCK_N] tile of W a K step into
+the activation dtype (_dequant_tile_group; kernels/fused_moe.py's experts take its general
+path through _dequant_tile) and feeds tl.dot. Measured before this form: 0.14-0.16x bf16
+at 256 tokens on an H200 (int4 gate_up 546 us vs cuBLAS 75; down 281 vs 44). Per K step now:
+- Groups as the GEMV's: GROUP (constexpr, the same consecutive_group as the GEMV, passed
+  for both) > 0 loads no g_idx and reduces nothing across threads (the general path's
+  tl.min / tl.max over the tile's g_idx); a tile inside one group (GROUP a multiple of
+  BLOCK_K = 64: g64, g128) reads one row of scales and zeros, at g0 + k0 // GROUP (g0 read
+  once a program), smaller groups each row's by its computed group. GROUP = 0 (act-order,
+  a rank starting mid-group) keeps the g_idx path. Both give bitwise the same W and y.
+- float(q) by the 2^23 bit trick (as the GEMV) instead of an int -> float conversion.
+- Tiles by M bucket only (gemm_config): up to 16 and 32 rows as before (BLOCK_N 64, 4 warps);
+  33-128 rows 64 x 128, above 128 x 128, both 8 warps; BLOCK_K 64 and 3 stages everywhere.
+  Reasoned, unmeasured: at 128 rows a tile, each dequantized W value serves twice the rows
+  of the old 64 (the dequantization, ~5 ALU ops a value, is paid once per m tile); BLOCK_K
+  128 was rejected because the 128 x 128 x 128 tile spilled (352 B) on sm_90. Compiled for
+  sm_90 (bf16, ptxas -v): 128 x 128 and 64 x 128 use wgmma, 186-255 registers (one 8-warp
+  program an SM), no spills; 16 / 32 rows mma.sync, 96-152 registers. Known gap: at 256
+  tokens the down projection (N 4096) is only 2 x 32 = 64 programs for 132 SMs (split-K or
+  a smaller BLOCK_N there is the next step); tests/gpu/bench_quant_linear.py measures it.
 """
 from __future__ import annotations
 
@@ -92,32 +109,59 @@ def quant_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 @triton.jit
 def _dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] float32 W of rows k0.. through g_idx (kernels/fused_moe.py's
+    experts): _dequant_tile_group's general path."""
+    return _dequant_tile_group(QW, S, Z, G, k0, 0, offs_n, n_mask, K, N, BITS, 0, BLOCK_K,
+                               BLOCK_N)
+
+
+@triton.jit
+def _dequant_tile_group(QW, S, Z, G, k0, g0, offs_n, n_mask, K, N, BITS: tl.constexpr,
+                        GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_K, BLOCK_N] float32 W of rows k0.. (k0 a multiple of BLOCK_K, itself of the
-    values a word holds), zero past K. Each packed word is read once and split in registers;
-    a tile whose rows share one group (consecutive groups, as without act-order) reads one
-    row of scales and zeros, others each row's."""
+    values a word holds), zero past K. Each packed word is read once and split in registers.
+    GROUP > 0 (g_idx[k] == g0 + k // GROUP): nothing of g_idx loaded, nothing reduced; a
+    tile inside one group (GROUP a multiple of BLOCK_K) reads one row of scales and zeros,
+    smaller groups each row's by its computed group. GROUP = 0 (act-order): g_idx loaded;
+    a tile whose rows share one group (found by a min / max) reads one row, others each
+    row's. Both paths give the same W bit for bit."""
     PER_WORD: tl.constexpr = 32 // BITS
     offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
     words = tl.load(QW + offs_w[:, None] * N + offs_n[None, :],
                     mask=(offs_w < K // PER_WORD)[:, None] & n_mask[None, :], other=0)
     shifts = tl.arange(0, PER_WORD) * BITS
     q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)   # row = word * P + j
-    q = tl.reshape(q, [BLOCK_K, BLOCK_N]).to(tl.float32)
+    # float(q) as the bits of 2^23 + q minus 2^23: exact, an OR and an add where an
+    # int -> float conversion runs at a quarter rate (as the GEMV)
+    q = tl.reshape(q | 0x4B000000, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True) - 8388608.0
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    g = tl.load(G + offs_k, mask=k_mask, other=0)
-    g_lo = tl.min(tl.where(k_mask, g, 2147483647), 0)
-    g_hi = tl.max(tl.where(k_mask, g, -1), 0)
-    if g_lo == g_hi:
-        s = tl.load(S + g_lo * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(Z + g_lo * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        w = (q - z[None, :]) * s[None, :]
+    if GROUP > 0:
+        if GROUP % BLOCK_K == 0:   # the tile lies in group g0 + k0 // GROUP
+            g = g0 + k0 // GROUP
+            s = tl.load(S + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        else:                      # smaller (or uneven) groups: each row's, computed
+            rows = (g0 + offs_k // GROUP)[:, None] * N + offs_n[None, :]
+            mask = k_mask[:, None] & n_mask[None, :]
+            s2 = tl.load(S + rows, mask=mask, other=0.0).to(tl.float32)
+            z2 = tl.load(Z + rows, mask=mask, other=0.0).to(tl.float32)
+            w = (q - z2) * s2
     else:
-        rows = g[:, None] * N + offs_n[None, :]
-        mask = k_mask[:, None] & n_mask[None, :]
-        s2 = tl.load(S + rows, mask=mask, other=0.0).to(tl.float32)
-        z2 = tl.load(Z + rows, mask=mask, other=0.0).to(tl.float32)
-        w = (q - z2) * s2
+        g = tl.load(G + offs_k, mask=k_mask, other=0)
+        g_lo = tl.min(tl.where(k_mask, g, 2147483647), 0)
+        g_hi = tl.max(tl.where(k_mask, g, -1), 0)
+        if g_lo == g_hi:
+            s = tl.load(S + g_lo * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + g_lo * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        else:
+            rows = g[:, None] * N + offs_n[None, :]
+            mask = k_mask[:, None] & n_mask[None, :]
+            s2 = tl.load(S + rows, mask=mask, other=0.0).to(tl.float32)
+            z2 = tl.load(Z + rows, mask=mask, other=0.0).to(tl.float32)
+            w = (q - z2) * s2
     return tl.where(k_mask[:, None], w, 0.0)
 
 
@@ -252,27 +296,45 @@ def _split_sum_kernel(Part, Bias, Y, N, SPLITS, stride_ym, ROWS: tl.constexpr,
 
 @triton.jit
 def _quant_gemm_kernel(X, QW, S, Z, G, Bias, Y, M, N, K, stride_xm, stride_ym,
-                       BITS: tl.constexpr, HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RNE_BF16: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (m tile, n tile): x[BLOCK_M rows] @ W[:, BLOCK_N channels], one dequantized
+    [BLOCK_K, BLOCK_N] tile of W a K step (GROUP: as _dequant_tile_group)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     dt = Y.dtype.element_ty
+    g0 = 0
+    if GROUP > 0:
+        g0 = tl.load(G)            # the rank's first group (row-parallel slices start later)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = cast(_dequant_tile(QW, S, Z, G, k0, offs_n, n_mask, K, N, BITS, BLOCK_K, BLOCK_N),
-                 dt, RNE_BF16)
+        w = cast(_dequant_tile_group(QW, S, Z, G, k0, g0, offs_n, n_mask, K, N, BITS, GROUP,
+                                     BLOCK_K, BLOCK_N), dt, RNE_BF16)
         acc = dot(x, w, acc, PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], cast(acc, dt, RNE_BF16),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_config(M: int) -> dict:
+    """The GEMM's tiles from M's bucket only (a row's sums never depend on its neighbours
+    within a bucket). Reasoned, unmeasured: see the module docstring."""
+    if M <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    if M <= 32:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+    if M <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def consecutive_group(g_idx: torch.Tensor) -> int:
@@ -325,10 +387,11 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         rne = INTERPRET_ENV and x.dtype == torch.bfloat16
         common = dict(BITS=bits, HAS_BIAS=bias is not None, RNE_BF16=rne)
         b = bias if bias is not None else scales
+        group = consecutive_group(g_idx) if group_size is None else group_size
+        group = max(group, 0)     # 0: the general path (bitwise the same sums, slower)
         if M <= min(GEMV_MAX_TOKENS, 4):   # the GEMV kernel's 4 row accumulators
-            group = consecutive_group(g_idx) if group_size is None else group_size
-            if group <= 0 or group % (32 // bits):
-                group = 0         # the general path (bitwise the same sums, slower)
+            if group % (32 // bits):
+                group = 0
             n_splits, k_split = gemv_splits(N, K, bits, splits)
             direct = n_splits == 1
             part = y if direct else torch.empty(n_splits, M, N, dtype=torch.float32,
@@ -342,9 +405,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     part, b, y, N, n_splits, y.stride(0), ROWS=M, HAS_BIAS=bias is not None,
                     RNE_BF16=rne, BLOCK=1024, num_warps=4)
         else:
-            block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-            _quant_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64))](
+            cfg = gemm_config(M)
+            _quant_gemm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))](
                 x2, qweight, scales, zeros, g_idx, b, y, M, N, K, x2.stride(0), y.stride(0),
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, **common)
+                GROUP=group, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                **cfg, **common)
     return y.reshape(*x.shape[:-1], N)

@@ -19,7 +19,7 @@ def random_layout(K: int, N: int, bits: int, group: int, act_order: bool, dtype,
     for i in range(per_word):
         words |= q[i::per_word].long() << (i * bits)
     qweight = (words - ((words >> 31) << 32)).to(torch.int32)     # two's complement
-    groups = K // group
+    groups = triton.cdiv(K, group)           # the last group may be partial
     scales = (torch.rand(groups, N, generator=gen) * 0.02 + 0.005).to(dtype)
     zeros = torch.randint(0, 1 << bits, (groups, N), generator=gen).to(dtype)
     g_idx = torch.arange(K, dtype=torch.int32) // group
@@ -152,3 +152,38 @@ def test_gemv_splits_come_from_shapes():
             chunk = GEMV_BLOCK_KW * 32 // bits
             assert k_split % (2 * chunk) == 0 and (splits - 1) * k_split < K <= splits * k_split
             assert splits * triton.cdiv(N, GEMV_BLOCK_N) >= GEMV_PROGRAMS // 2
+
+
+# --- the GEMM (more than GEMV_MAX_TOKENS rows) ----------------------------------------------
+
+@pytest.mark.parametrize("bits,group,act_order,offset", [
+    (4, 128, False, 3),   # g128 at a row-parallel rank's slice: one row of scales a K step
+    (4, 32, False, 0),    # groups smaller than BLOCK_K: each row's group computed
+    (8, 64, False, 1),    # one group a K step exactly
+    (8, 64, True, 0),     # act-order: the g_idx gathers
+], ids=["int4g128rank", "int4g32", "int8g64rank", "int8act"])
+def test_gemm_tiles_and_group_paths_match_reference(bits, group, act_order, offset):
+    """The M buckets past 32 rows (40: 64 x 128 tiles; 130: 128 x 128, its second m tile 2
+    rows), N over two 128-channel tiles, K of 3 steps (g128: two steps in group 0, one in
+    1), bias or not; and the constexpr group path gives bitwise the general path's y."""
+    K, N = 192, 136
+    _, qweight, scales, zeros, g_idx = random_layout(K + offset * group, N, bits, group,
+                                                     act_order, torch.bfloat16, seed=group)
+    skip = offset * group                    # the rank's first row: g_idx starts at `offset`
+    qweight, g_idx = qweight[skip // (32 // bits):].contiguous(), g_idx[skip:].contiguous()
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(130, K, generator=gen).to(torch.bfloat16)
+    b = torch.randn(N, generator=gen).to(torch.bfloat16)
+    group_size = consecutive_group(g_idx)
+    assert group_size == (0 if act_order else group)
+    for rows, bias in ((40, b), (130, None)):
+        ref = quant_linear_ref(x[:rows], qweight, scales, zeros, g_idx, bits, bias)
+        out = quant_linear(x[:rows], qweight, scales, zeros, g_idx, bits, bias,
+                           group_size=group_size)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, N)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2,
+                                   atol=1e-2 * ref.float().abs().max().item())
+        if group_size:
+            general = quant_linear(x[:rows], qweight, scales, zeros, g_idx, bits, bias,
+                                   group_size=0)
+            assert torch.equal(out, general)
