@@ -406,9 +406,11 @@ class Scheduler:
         return True
 
     def _expired(self, seq: Sequence) -> bool:
-        """Drop a never-started seq whose caller gives up before a step could answer it."""
+        """Drop a never-started seq whose caller gives up before a step could answer it:
+        the step in flight ends first, then its own (two steps from now). One step was the
+        bound before, and a drop then raced the caller's own deadline by at most a step."""
         if seq.num_completion_tokens or seq.usage_cached_tokens is not None \
-                or time.monotonic() + self._step_s < seq.sampling.deadline:
+                or time.monotonic() + 2 * self._step_s < seq.sampling.deadline:
             return False
         self._finish(seq, "deadline")
         self.errors.append((seq.seq_id, "DEADLINE_EXCEEDED",
