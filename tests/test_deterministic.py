@@ -10,7 +10,8 @@ could not fail).
 What the CPU proves: the rules (kernel_choice's GEMM, the attention backend's one kernel
 for every row, the sampler's one path) and the kernels' reduction order as the
 interpreter runs them (numpy's dot per tile). On a GPU host, NANOSERVE_GPU_TESTS=1 runs the
-same tests on CUDA with compiled kernels and CUDA graphs: not run yet (worker_service/README.md).
+same tests on CUDA with compiled kernels and CUDA graphs: on an H200, not all pass yet
+(worker_service/README.md).
 """
 from __future__ import annotations
 
