@@ -10,6 +10,11 @@
     python -m client.bench --target 127.0.0.1:50051 --request-rate 20
     # ... from 4 client processes (default: one per 4 cores of this host, 1 to 4)
     python -m client.bench --target 127.0.0.1:50051 --request-rate 20 --client-procs 4
+    # issue 67: embeddings/s; one query x 100 documents of 256 tokens through Score; an
+    # interactive stream beside an embedding flood (the server: --task embed, score, generate,embed)
+    python -m client.bench --target 127.0.0.1:50051 --embed --num-seqs 4096
+    python -m client.bench --target 127.0.0.1:50051 --score --runs 20
+    python -m client.bench --target 127.0.0.1:50051 --mixed --flood-kind embed --num-seqs 8192
     # what CI runs: a tiny workload
     python -m client.bench --target ... --num-seqs 6 --min-input-len 5 --max-input-len 20 \\
         --min-output-len 5 --max-output-len 15 --warmup 1
@@ -1081,7 +1086,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs must be >= 1")
     if args.connections < 1 or args.client_procs < 0:
         parser.error("--connections must be >= 1 and --client-procs >= 0")
-    if args.embed:
+    if sum(map(bool, (args.embed, args.score, args.mixed, args.multi_turn))) > 1:
+        parser.error("give at most one of --embed, --score, --mixed and --multi-turn")
+    if args.flood_kind != "generate" and not args.mixed:
+        parser.error("--flood-kind is for --mixed")
+    if min(args.score_docs, args.score_len, args.score_query_len) < 1:
+        parser.error("--score-docs, --score-len and --score-query-len must be >= 1")
+    if args.embed or args.score:
         from client import embed_bench
         return embed_bench.run(args, argv)
     if args.multi_turn:

@@ -47,10 +47,11 @@ def scheduler_port(model_dir):
 
 
 def run_bench(args: list[str], json_path: Path, env: dict | None = None,
-              check_no_torch: bool = False) -> dict:
+              check_no_torch: bool = False, workload: bool = True) -> dict:
     """python -m client.bench ARGS --json PATH; returns the JSON report.
 
-    check_no_torch: run main() under `python -c` and fail if torch got imported."""
+    check_no_torch: run main() under `python -c` and fail if torch got imported.
+    workload: the generation workload ran (its printed figures and progress bar checked)."""
     full = [*args, "--json", str(json_path)]
     if check_no_torch:
         code = ("import sys, client.bench as b; rc = b.main(sys.argv[1:]); "
@@ -61,8 +62,9 @@ def run_bench(args: list[str], json_path: Path, env: dict | None = None,
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, **(env or {})))
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
-    assert "output tok/s" in proc.stdout and "per decode step" in proc.stdout
-    assert "tok" in proc.stderr   # the progress bar
+    if workload:
+        assert "output tok/s" in proc.stdout and "per decode step" in proc.stdout
+        assert "tok" in proc.stderr   # the progress bar
     return json.loads(json_path.read_text())
 
 
@@ -93,6 +95,30 @@ def check_report(report: dict, mode: str) -> None:
     # Every measured decode step gives a measured request a token (the first one comes
     # from prefill), so warm-up steps leaking into the diff would likely break this.
     assert d["steps"] <= r["output_tokens"] - r["num_requests"]
+
+
+@pytest.mark.slow
+def test_bench_score_times_requests_and_shows_the_query_computed_once(tmp_path):
+    """--score (issue 67) on a null worker and the real control plane, no torch in the client:
+    one query x 4 documents of 16 tokens through Score, latency and the prefix cache's share.
+    One sequence at a time (--max-num-seqs 1), so each document finds the KV of those before
+    it: every document finds the system prompt's blocks (the warm-up computed them), and the
+    query's own blocks are computed by the first document alone."""
+    r = run_bench(["--null-worker", "--step-ms", "1", "--score", "--score-docs", "4",
+                   "--score-len", "16", "--score-query-len", "8", "--runs", "2", "--warmup", "1",
+                   "--scheduler-args", "--block-size 8 --max-num-seqs 1 --frontends 1"],
+                  tmp_path / "score.json", check_no_torch=True, workload=False)
+    assert r["task"] == "score" and r["documents"] == 4 and len(r["runs"]) == 2
+    assert 8 <= r["tokens_per_document"] <= 16 and 1 <= r["query_tokens"] <= 8
+    lat = r["latency_ms"]
+    assert 0 < lat["min"] <= lat["median"] <= lat["max"] and r["documents_per_s"]["median"] > 0
+    assert r["cached_tokens"] > 0 and r["computed_tokens"] > 0
+    assert r["prompt_tokens"] == r["cached_tokens"] + r["computed_tokens"]
+    assert 0 < r["shared_by_every_request_tokens"] < r["shared_prefix_tokens"]
+    assert r["query_block_tokens"] > 0 and r["query_computed_times"]["max"] == 1
+    every = r["shared_by_every_request_tokens"] // 8 * 8
+    for run in r["runs"]:   # each document: the common blocks; all but the first: the query's
+        assert run["cached_tokens"] == 4 * every + 3 * r["query_block_tokens"]
 
 
 @pytest.mark.slow

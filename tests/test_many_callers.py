@@ -389,6 +389,30 @@ def test_bench_mixed_mode_on_the_null_worker(tmp_path):
     assert r["priority"]["ttft_ms"]["p99"] < r["fcfs"]["ttft_ms"]["p99"]
 
 
+def test_bench_mixed_mode_beside_an_embedding_flood(tmp_path):
+    """client.bench --mixed --flood-kind embed (issue 67): the interactive stream alone and
+    beside a flood of Embed requests, on a null worker and scheduler serving generate,embed;
+    the flood's embeddings/s alone and beside."""
+    from client import bench
+    out = tmp_path / "mixed_embed.json"
+    assert bench.main(["--null-worker", "--step-ms", "2", "--mixed", "--flood-kind", "embed",
+                       "--num-seqs", "64", "--embed-len", "64", "--embed-batch", "4",
+                       "--embed-concurrency", "4", "--interactive-requests", "8",
+                       "--interactive-input-len", "32", "--interactive-output-len", "16",
+                       "--interactive-concurrency", "2", "--no-progress",
+                       "--scheduler-args", "--max-num-seqs 16 --frontends 1",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["flood_kind"] == "embed" and r["idle"]["requests"] == 8
+    assert r["idle"]["itl_ms"]["p99"] > 0
+    assert r["flood"]["embeddings_per_s"] > 0 and r["flood"]["failed"] == 0
+    for phase in ("priority", "fcfs"):
+        p = r[phase]
+        assert p["requests"] > 0 and p["failed"] == p["flood_failed"] == 0
+        assert p["itl_ms"]["p99"] > 0 and p["itl_p99_vs_idle"] > 0
+        assert p["flood_embeddings_per_s"] > 0 and p["flood_vs_alone"] > 0
+
+
 def test_preempted_outputs_equal_on_a_real_model(tmp_path_factory):
     """A tiny Qwen3 on a CPU worker: low-priority requests (greedy, and seeded sampling)
     preempted by high-priority ones give the tokens they give when nobody preempts them."""
