@@ -81,6 +81,7 @@ GEMV_BLOCK_N = 128    # output channels a GEMV program (512 B of int32 words a r
 GEMV_BLOCK_KW = 16    # packed words along K a chunk: 16 x 128 int32 = 8 KiB, two a loop
 GEMV_WARPS = 8
 GEMV_PROGRAMS = 512   # K splits aim at this many programs: ~4 a SM on a 132-SM H200
+GEMV_FACTOR = True    # one group a chunk: scale a chunk's sums, not each value (see _gemv_chunk)
 ON_CPU = False        # tests set it to run the model's quantized layers in the interpreter
 
 
@@ -177,7 +178,8 @@ def _gemv_words(QW, k0, k_end, offs_n, n_mask, N, PER_WORD: tl.constexpr,
 @triton.jit
 def _gemv_chunk(X, S, Z, G, words, k0, k_end, g0, offs_n, n_mask, N, stride_xm,
                 a0, a1, a2, a3, dt: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                ROWS: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_KW: tl.constexpr):
+                ROWS: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK_KW: tl.constexpr,
+                FACTOR: tl.constexpr):
     """a_m[w, n] += sum over the P rows k of word w of x[m, k] * W[k, n], W dequantized from
     `words` (rows k0 + w * P + j, j < P) and rounded to dt: every tile stays in the words'
     [BLOCK_KW, BLOCK_N] layout (value j of every word at once, no reshape), and the
@@ -197,6 +199,35 @@ def _gemv_chunk(X, S, Z, G, words, k0, k_end, g0, offs_n, n_mask, N, stride_xm,
             sz_mask = w_mask[:, None] & n_mask[None, :]
             s = tl.load(S + gw, mask=sz_mask, other=0.0).to(tl.float32)
             z = tl.load(Z + gw, mask=sz_mask, other=0.0).to(tl.float32)
+    if FACTOR and GROUP > 0 and GROUP % BLOCK_K == 0:
+        # one group a chunk: sum x * (q - z) over the chunk's rows, then times the group's
+        # scale once a chunk. A value costs a shift, a mask-or, one subtract (2^23 + q minus
+        # 2^23 + z: exact) and its FMA, against ~9 ALU ops dequantizing each value (the
+        # ALUs, not HBM, bound a batch-1 int4 GEMV at that count)
+        zf = z + 8388608.0
+        c0 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
+        c1 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
+        c2 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
+        c3 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
+        for j in tl.static_range(PER_WORD):
+            f = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(
+                tl.float32, bitcast=True) - zf
+            xk = X + rows0 + j
+            c0 += tl.load(xk, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
+            if ROWS > 1:
+                c1 += tl.load(xk + stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
+            if ROWS > 2:
+                c2 += tl.load(xk + 2 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
+            if ROWS > 3:
+                c3 += tl.load(xk + 3 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
+        a0 += c0 * s
+        if ROWS > 1:
+            a1 += c1 * s
+        if ROWS > 2:
+            a2 += c2 * s
+        if ROWS > 3:
+            a3 += c3 * s
+        return a0, a1, a2, a3
     for j in tl.static_range(PER_WORD):
         q = (words >> (j * BITS)) & ((1 << BITS) - 1)
         # float(q) as 2^23 + q (q's bits under float 2^23's exponent) minus 2^23: exact,
@@ -238,7 +269,7 @@ def _gemv_emit(acc, m, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask,
 def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Part, Y, N, K, K_SPLIT, stride_xm, stride_ym,
                        BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr, DIRECT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, FACTOR: tl.constexpr):
     """Program (n tile, split): all ROWS rows of x times rows [split * K_SPLIT, + K_SPLIT)
     of W for BLOCK_N channels; two chunks of BLOCK_KW words loaded per iteration."""
     pid_n = tl.program_id(0)
@@ -262,10 +293,10 @@ def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Part, Y, N, K, K_SPLIT, stride_xm, 
         wb = _gemv_words(QW, k0 + BLOCK_K, k_end, offs_n, n_mask, N, PER_WORD, BLOCK_KW)
         a0, a1, a2, a3 = _gemv_chunk(X, S, Z, G, wa, k0, k_end, g0, offs_n, n_mask, N,
                                      stride_xm, a0, a1, a2, a3, dt, BITS, GROUP, ROWS,
-                                     RNE_BF16, BLOCK_KW)
+                                     RNE_BF16, BLOCK_KW, FACTOR)
         a0, a1, a2, a3 = _gemv_chunk(X, S, Z, G, wb, k0 + BLOCK_K, k_end, g0, offs_n, n_mask,
                                      N, stride_xm, a0, a1, a2, a3, dt, BITS, GROUP, ROWS,
-                                     RNE_BF16, BLOCK_KW)
+                                     RNE_BF16, BLOCK_KW, FACTOR)
     _gemv_emit(a0, 0, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask, ROWS, HAS_BIAS,
                RNE_BF16, DIRECT)
     if ROWS > 1:
@@ -399,7 +430,8 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             _quant_gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N), n_splits)](
                 x2, qweight, scales, zeros, g_idx, b, part, y, N, K, k_split,
                 x2.stride(0), y.stride(0), GROUP=group, ROWS=M, DIRECT=direct,
-                BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=GEMV_BLOCK_KW, num_warps=GEMV_WARPS, **common)
+                BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=GEMV_BLOCK_KW, FACTOR=GEMV_FACTOR,
+                num_warps=GEMV_WARPS, **common)
             if not direct:
                 _split_sum_kernel[(triton.cdiv(N, 1024), M)](
                     part, b, y, N, n_splits, y.stride(0), ROWS=M, HAS_BIAS=bias is not None,
