@@ -21,9 +21,11 @@ once at HBM speed (issue 64; the first form, one program per 64 channels per row
   result does not depend on the rows beside it): enough for GEMV_PROGRAMS = 512 programs,
   ~4 per SM on a 132-SM H200 (Qwen3-8B int4: gate_up 192 tiles x 3 splits, down and o_proj 32 x
   16, qkv 48 x 8), each split a whole, even number of chunks. Each program writes its fp32
-  partial sums to [splits, M, N]; _split_sum_kernel adds them in split order (+ bias) and
-  rounds: no atomics, the same bits on every run (--deterministic holds). One split writes
-  y directly. No host sync, grid from shapes only: CUDA-graph safe.
+  partial sums to [splits, M, N] and counts itself on its tile's counter; the tile's last
+  split adds the partials in split order (+ bias) and rounds: the sums take no atomics,
+  the same bits on every run (--deterministic holds), and one launch (a second kernel for
+  the sums cost ~2-3 us a layer: 0.6B int8 ran 1.89 ms a token against bf16's 1.42 on an
+  H200). One split writes y directly. No host sync, grid from shapes only: graph safe.
 - Chunks: a loop iteration loads two chunks of GEMV_BLOCK_KW = 16 words x BLOCK_N = 128
   channels (2 x 8 KiB of int32, each warp row 512 contiguous bytes, 16-byte loads) before
   using either. A chunk stays in the words' own [16, 128] register layout: value j of every
@@ -200,26 +202,35 @@ def _gemv_chunk(X, S, Z, G, words, k0, k_end, g0, offs_n, n_mask, N, stride_xm,
             s = tl.load(S + gw, mask=sz_mask, other=0.0).to(tl.float32)
             z = tl.load(Z + gw, mask=sz_mask, other=0.0).to(tl.float32)
     if FACTOR and GROUP > 0 and GROUP % BLOCK_K == 0:
-        # one group a chunk: sum x * (q - z) over the chunk's rows, then times the group's
-        # scale once a chunk. A value costs a shift, a mask-or, one subtract (2^23 + q minus
-        # 2^23 + z: exact) and its FMA, against ~9 ALU ops dequantizing each value (the
-        # ALUs, not HBM, bound a batch-1 int4 GEMV at that count)
-        zf = z + 8388608.0
+        # One group a chunk: sum x * (q - z) over the chunk's rows, then times the group's
+        # scale once. Value j of a word is never shifted down: its bits masked in place
+        # under float 2^23's exponent are 2^23 + q * 2^(j * BITS) (exact while below 2^23:
+        # the word's low half; the high half is shifted by 16 once a word), minus
+        # 2^23 + z * 2^(j * BITS) is (q - z) * 2^(j * BITS) exactly, and x's row comes
+        # pre-scaled by 2^-(j * BITS). A value costs a mask-or (one LOP3), a subtract and
+        # its FMA, against ~9 ALU ops dequantizing it (where a batch-1 int4 GEMV is bound).
+        HALF: tl.constexpr = PER_WORD // 2
         c0 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
         c1 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
         c2 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
         c3 = tl.zeros([BLOCK_KW, words.shape[1]], dtype=tl.float32)
-        for j in tl.static_range(PER_WORD):
-            f = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(
-                tl.float32, bitcast=True) - zf
-            xk = X + rows0 + j
-            c0 += tl.load(xk, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
-            if ROWS > 1:
-                c1 += tl.load(xk + stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
-            if ROWS > 2:
-                c2 += tl.load(xk + 2 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
-            if ROWS > 3:
-                c3 += tl.load(xk + 3 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)[:, None] * f
+        for h in tl.static_range(2):
+            wh = words if h == 0 else words >> 16
+            for j in tl.static_range(HALF):
+                pos: tl.constexpr = 1 << (j * BITS)
+                f = ((wh & (((1 << BITS) - 1) * pos)) | 0x4B000000).to(
+                    tl.float32, bitcast=True) - (z * pos + 8388608.0)
+                xk = X + rows0 + h * HALF + j
+                c0 += (tl.load(xk, mask=w_mask, other=0.0).to(tl.float32) / pos)[:, None] * f
+                if ROWS > 1:
+                    c1 += (tl.load(xk + stride_xm, mask=w_mask, other=0.0).to(tl.float32)
+                           / pos)[:, None] * f
+                if ROWS > 2:
+                    c2 += (tl.load(xk + 2 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)
+                           / pos)[:, None] * f
+                if ROWS > 3:
+                    c3 += (tl.load(xk + 3 * stride_xm, mask=w_mask, other=0.0).to(tl.float32)
+                           / pos)[:, None] * f
         a0 += c0 * s
         if ROWS > 1:
             a1 += c1 * s
@@ -266,7 +277,7 @@ def _gemv_emit(acc, m, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask,
 
 
 @triton.jit
-def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Part, Y, N, K, K_SPLIT, stride_xm, stride_ym,
+def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Part, Count, Y, N, K, K_SPLIT, stride_xm, stride_ym,
                        BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr, DIRECT: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, FACTOR: tl.constexpr):
@@ -308,21 +319,37 @@ def _quant_gemv_kernel(X, QW, S, Z, G, Bias, Part, Y, N, K, K_SPLIT, stride_xm, 
     if ROWS > 3:
         _gemv_emit(a3, 3, split, Bias, Part, Y, N, stride_ym, offs_n, n_mask, ROWS, HAS_BIAS,
                    RNE_BF16, DIRECT)
+    if not DIRECT:
+        # The tile's last split to finish sums every split's partial in split order (+ bias)
+        # and resets the tile's counter: one launch, no atomics on the sums, the same bits
+        # whichever split ends last (counted after every thread's stores: release; read
+        # past L1: acquire, as kernels/persistent_decode.py's merges)
+        tl.debug_barrier()
+        splits = tl.num_programs(1)
+        if tl.atomic_add(Count + pid_n, 1, sem="acq_rel") == splits - 1:
+            for m in tl.static_range(ROWS):
+                r = tl.load(Part + m * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+                for sp in range(1, splits):
+                    r += tl.load(Part + (sp * ROWS + m) * N + offs_n, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
+                if HAS_BIAS:
+                    r += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(Y + m * stride_ym + offs_n, cast(r, Y.dtype.element_ty, RNE_BF16),
+                         mask=n_mask)
+            tl.atomic_xchg(Count + pid_n, 0)
 
 
-@triton.jit
-def _split_sum_kernel(Part, Bias, Y, N, SPLITS, stride_ym, ROWS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m] = ((partial[0] + partial[1]) + ...) (+ bias): the splits in index order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = tl.program_id(1)
-    mask = offs < N
-    acc = tl.load(Part + m * N + offs, mask=mask, other=0.0)
-    for s in range(1, SPLITS):
-        acc += tl.load(Part + (s * ROWS + m) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + m * stride_ym + offs, cast(acc, Y.dtype.element_ty, RNE_BF16), mask=mask)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, shared by every GEMV call on the device
+    (each call's last split resets its tiles' counters; calls run in stream order).
+    Allocated at the first (eager) call: a CUDA graph capture must find it made."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < tiles:
+        c = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return c
 
 
 @triton.jit
@@ -427,15 +454,13 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             direct = n_splits == 1
             part = y if direct else torch.empty(n_splits, M, N, dtype=torch.float32,
                                                 device=x.device)
-            _quant_gemv_kernel[(triton.cdiv(N, GEMV_BLOCK_N), n_splits)](
-                x2, qweight, scales, zeros, g_idx, b, part, y, N, K, k_split,
+            tiles = triton.cdiv(N, GEMV_BLOCK_N)
+            _quant_gemv_kernel[(tiles, n_splits)](
+                x2, qweight, scales, zeros, g_idx, b, part, _tile_counters(x.device, tiles), y,
+                N, K, k_split,
                 x2.stride(0), y.stride(0), GROUP=group, ROWS=M, DIRECT=direct,
                 BLOCK_N=GEMV_BLOCK_N, BLOCK_KW=GEMV_BLOCK_KW, FACTOR=GEMV_FACTOR,
                 num_warps=GEMV_WARPS, **common)
-            if not direct:
-                _split_sum_kernel[(triton.cdiv(N, 1024), M)](
-                    part, b, y, N, n_splits, y.stride(0), ROWS=M, HAS_BIAS=bias is not None,
-                    RNE_BF16=rne, BLOCK=1024, num_warps=4)
         else:
             cfg = gemm_config(M)
             _quant_gemm_kernel[(triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))](

@@ -51,12 +51,10 @@ class Captured:
             setattr(cls, fwd, forward)
             cls.load = load
 
-    def hook(self, name: str, t: torch.Tensor) -> bool:
-        """Keep a capture's output (True); eager ones are not ours."""
-        if not torch.cuda.is_current_stream_capturing():
-            return False
-        self.outs.setdefault(self.label, []).append((name, t.detach().clone()))
-        return True
+    def hook(self, name: str, t) -> None:
+        """Keep a capture's output; eager ones are not ours."""
+        if isinstance(t, torch.Tensor) and torch.cuda.is_current_stream_capturing():
+            self.outs.setdefault(self.label, []).append((name, t.detach().clone()))
 
 
 def runner(path: str, eager: bool, captured: Captured | None = None):
@@ -68,8 +66,9 @@ def runner(path: str, eager: bool, captured: Captured | None = None):
                                  deterministic=True, enforce_eager=eager, **GPU_LIMITS))
     if captured is not None:
         for name, m in r.model.named_modules():
-            m.register_forward_hook(lambda _m, _i, out, name=name or "model": captured.hook(
-                name, out[0] if isinstance(out, tuple) else out))
+            def keep(_m, _i, out, name=name or "model") -> None:   # (None: output kept)
+                captured.hook(name, out[0] if isinstance(out, tuple) else out)
+            m.register_forward_hook(keep)
     r.init_kv(96, BS)
     r.backend.split_len = SPLIT_LEN
     return r
