@@ -11,6 +11,8 @@ Rules that keep reuse correct:
   * A block is registered only after its KV is computed (`commit`), so a chunked
     prefill's still-empty blocks are never served to someone else.
   * A hit is verified exactly, never trusted to the hash alone (see `_lookup`).
+  * A sequence's block hashes are computed once (`block_hash`, kept on the sequence) and
+    shared by allocate, commit, the host tier and the scheduler's same-step check.
 
 Host tier (`num_host_blocks` > 0: the workers' --host-kv-cache-gb): a registered block
 is copied to a host slot when its last user frees it, and the host index (hash -> slot,
@@ -160,6 +162,38 @@ class BlockManager:
         """Conservative: ignores prefix hits (a hit on a free block still takes one)."""
         return seq.num_blocks(self.block_size) <= self.num_free_blocks
 
+    def block_hash(self, seq: Sequence, i: int) -> int:
+        """The chained hash of seq's full block i: the key its KV is (or would be) cached
+        under. Computed once per sequence and block, kept in `seq.block_hashes` (filled in
+        order; the blocks before i first): allocate, commit, the host tier and the
+        scheduler's same-step check all read it there. Valid for good, because a block is
+        hashed only once its tokens are known (never over an in-flight placeholder) and
+        known tokens never change."""
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            j = len(hashes)
+            hashes.append(compute_hash(tuple(seq.block_tokens(j, self.block_size)),
+                                       hashes[-1] if j else _root(seq)[0]))
+        return hashes[i]
+
+    def first_miss(self, seq: Sequence) -> tuple[int, int] | None:
+        """(i, hash) of seq's first full block (of those ending before its last token, the
+        ones allocate looks up) that the GPU tier does not hold, or None when it holds them
+        all: where seq's computing would start. Not verified like a hit (a collision only
+        misjudges this guess; allocate verifies)."""
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            h = self.block_hash(seq, i)
+            if h not in self.hash_to_block:
+                return i, h
+        return None
+
+    def hashes_to_commit(self, seq: Sequence, num_tokens: int, start: int, stop: int) -> list[int]:
+        """The hashes of seq's blocks start..stop-1 that are not registered yet and whose KV
+        is computed once seq's first num_tokens tokens are (full blocks): those of them
+        commit registers after a step that computes up to there."""
+        return [self.block_hash(seq, i) for i in range(max(seq.num_hashed_blocks, start),
+                                                       min(num_tokens // self.block_size, stop))]
+
     def allocate(self, seq: Sequence) -> None:
         """Build seq's block table over all its tokens, reusing cached leading blocks."""
         assert not seq.block_table, f"seq {seq.seq_id} already has blocks"
@@ -168,7 +202,8 @@ class BlockManager:
         root = _root(seq)
         num_hits = 0
         for i in range((seq.num_tokens - 1) // bs):  # full blocks ending before the last token
-            block = self._lookup(tuple(seq.block_tokens(i, bs)), parent, root)
+            block = self._lookup(self.block_hash(seq, i), tuple(seq.block_tokens(i, bs)),
+                                 parent.content_id if parent else root[1])
             if block is None:
                 break  # chained: after one miss nothing further can match
             if block.ref_count == 0 and block.block_id in self._saving:
@@ -223,10 +258,10 @@ class BlockManager:
             parent = self.blocks[seq.block_table[i - 1]] if i > 0 else None
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.block_tokens(i, bs))
-            twin = self._lookup(tokens, parent, root)  # a block already holding the same prefix
-            block.hash = compute_hash(tokens, parent.hash if parent else root[0])
-            block.token_ids = tokens
+            block.hash = self.block_hash(seq, i)
             block.parent_content_id = parent.content_id if parent else root[1]
+            twin = self._lookup(block.hash, tokens, block.parent_content_id)  # same prefix's KV
+            block.token_ids = tokens
             block.content_id = twin.content_id if twin else next(self._content_ids)
             block.parent_hash = parent.hash if parent else None
             if self.events is not None and block.hash not in self.hash_to_block:
@@ -308,11 +343,11 @@ class BlockManager:
         """The host tier's blocks continuing seq's prefix from its block `start` (after
         `parent`), verified like GPU hits (tokens + the parent's content), each made the
         most recently used."""
-        h, content = (parent.hash, parent.content_id) if parent else root
+        content = parent.content_id if parent else root[1]
         chain = []
         for i in range(start, (seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.block_tokens(i, self.block_size))
-            h = compute_hash(tokens, h)
+            h = self.block_hash(seq, i)
             held = self.host.get(h)
             if held is None or held.token_ids != tokens or held.parent_content_id != content:
                 break
@@ -337,20 +372,18 @@ class BlockManager:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _lookup(self, tokens: tuple[int, ...], parent: Block | None,
-                root: tuple[int | None, int | None] = (None, None)) -> Block | None:
-        """The registered block holding KV of exactly `parent`'s prefix + `tokens`, or None
-        (`root`: what stands before block 0, _root).
+    def _lookup(self, h: int, tokens: tuple[int, ...],
+                parent_content_id: int | None) -> Block | None:
+        """The registered block holding KV of exactly the prefix that ends in `tokens` and
+        hashes to `h` (block_hash), or None; `parent_content_id`: the previous block's
+        content_id (block 0: _root's).
 
         The hash finds a candidate; its stored tokens and its parent's content_id prove it.
         """
-        if len(tokens) < self.block_size:
-            return None
-        block_id = self.hash_to_block.get(compute_hash(tokens, parent.hash if parent else root[0]))
+        block_id = self.hash_to_block.get(h)
         if block_id is None:
             return None
         block = self.blocks[block_id]
-        parent_content_id = parent.content_id if parent else root[1]
         if block.token_ids != tokens or block.parent_content_id != parent_content_id:
             return None  # hash collision
         return block

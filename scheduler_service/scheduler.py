@@ -7,6 +7,15 @@ newest running sequence is preempted by recompute: its blocks are released and i
 re-prefilled later over all its tokens (prefix-cache hits make that cheap when its old
 blocks have not been reused yet).
 
+Same-step prefix sharing: a block is found in the prefix cache only once its KV is computed,
+so prompts sharing a prefix (a Score request's documents) admitted to one prefill step would
+each compute it. A waiting prompt whose first full block missing from the cache is one that a
+prompt already admitted to the step being built computes waits instead (SGLang's in-batch
+prefix caching): it keeps its place and runs in the next step, hitting those blocks. Never
+the step's first prompt (a step is never left empty), only where a whole block is shared, no
+more than the next step holds (max_num_seqs); a sharer aborted meanwhile leaves it to run as
+usual.
+
 Many callers (wait_queue.py): the waiting queue is ordered by priority class, then fair
 shares between API keys, then arrival. Where priorities differ, a waiting sequence that
 finds the batch (max_num_seqs) or the KV cache full preempts the running sequence of the
@@ -242,6 +251,12 @@ class Scheduler:
         # counts them; a chunked seq ends the loop (it used the whole budget).
         adapters: set[int] | None = None   # LoRA adapters running, looked at when needed
         fair = len(self._tenants) > 1
+        # Same-step prefix sharing: the hashes of the blocks 0..depth-1 that seqs[:hashed]
+        # compute in this step (not cached yet; more are added as deeper ones are asked
+        # about), and the seqs deferred for sharing one, out of `waiting` until the end.
+        computing: set[int] = set()
+        depth = hashed = 0
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting.head()
             if seq.sampling.deadline and not seq.block_table and self._expired(seq):
@@ -250,6 +265,30 @@ class Scheduler:
                 break   # one class a step (waiting is ordered by class: the rest is worse)
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
+            if seqs and not seq.block_table and (miss := bm.first_miss(seq)) is not None:
+                # Its first full block the cache lacks is one this step computes for a seq
+                # admitted before it: it waits a step and hits it then, instead of computing
+                # it again beside it (SGLang's in-batch prefix caching). Never the step's
+                # first seq, so a step is never left empty, and a deferred seq keeps its
+                # place: it runs next step. The hashes are the ones allocate and commit use
+                # (kept on the seqs), and only those up to the block asked about (chained:
+                # equal hashes are at equal places): looking costs next to no hashing.
+                i, h = miss
+                if i >= depth:
+                    for s in seqs[:hashed]:
+                        computing.update(bm.hashes_to_commit(
+                            s, s.num_computed_tokens + s.num_scheduled_tokens, depth, i + 1))
+                    depth = i + 1
+                for s in seqs[hashed:]:
+                    computing.update(bm.hashes_to_commit(
+                        s, s.num_computed_tokens + s.num_scheduled_tokens, 0, depth))
+                hashed = len(seqs)
+                if h in computing:
+                    if len(self.running) + len(deferred) >= cfg.max_num_seqs:
+                        break   # a batch of them deferred: the next step is full already
+                    self.waiting.remove(seq)
+                    deferred.append(seq)
+                    continue
             if len(self.running) >= cfg.max_num_seqs and not self._make_room(seq):
                 break
             if seq.sampling.adapter_id:   # a step uses at most max_loras adapters: admit
@@ -286,6 +325,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+        if deferred:
+            self.waiting.put_back(deferred)
         if not seqs:
             return None
         return Batch(seqs, is_prefill=True, sample=sample,   # nothing else to run: wait for it

@@ -88,6 +88,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (cached + computed)
     num_scheduled_tokens: int = 0  # tokens to compute in the current step
     num_hashed_blocks: int = 0    # leading full blocks registered in the hash table (BlockManager's)
+    # The chained hashes of its leading full blocks, as far as computed (BlockManager.block_hash)
+    block_hashes: list[int] = field(default_factory=list)
     num_pending_tokens: int = 0   # trailing PENDING_TOKEN placeholders (steps in flight)
     # Samples of steps in flight already known: fast-forward put the token its grammar
     # forces in their place (the worker samples that token); resolve skips them, oldest first.

@@ -62,6 +62,19 @@ class WaitQueue:
 
     appendleft = append
 
+    def put_back(self, seqs: list[Sequence]) -> None:
+        """Return seqs, taken from the head in that order (and waiting still: the scheduler
+        deferred them for a step), to their places. Their keys' counters are not lifted:
+        they never stopped waiting."""
+        for seq in reversed(seqs):
+            keys = self._classes.setdefault(seq.sampling.priority, {})
+            q = keys.setdefault(seq.sampling.tenant, deque())
+            if not q or q[0].order > seq.order:
+                q.appendleft(seq)
+            else:   # rare: an older sequence was preempted into the queue meanwhile
+                q.insert(next((i for i, s in enumerate(q) if s.order > seq.order), len(q)), seq)
+            self._len += 1
+
     def remove(self, seq: Sequence) -> None:
         keys = self._classes[seq.sampling.priority]
         q = keys[seq.sampling.tenant]

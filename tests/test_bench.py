@@ -101,12 +101,13 @@ def check_report(report: dict, mode: str) -> None:
 def test_bench_score_times_requests_and_shows_the_query_computed_once(tmp_path):
     """--score (issue 67) on a null worker and the real control plane, no torch in the client:
     one query x 4 documents of 16 tokens through Score, latency and the prefix cache's share.
-    One sequence at a time (--max-num-seqs 1), so each document finds the KV of those before
-    it: every document finds the system prompt's blocks (the warm-up computed them), and the
-    query's own blocks are computed by the first document alone."""
+    The 4 documents arrive together and would fit one prefill step: the scheduler admits the
+    first and defers the others a step (they share blocks it computes), so every document
+    finds the system prompt's blocks (the warm-up computed them), and the query's own blocks
+    are computed by the first document alone (not by every document of the step, as before)."""
     r = run_bench(["--null-worker", "--step-ms", "1", "--score", "--score-docs", "4",
                    "--score-len", "16", "--score-query-len", "8", "--runs", "2", "--warmup", "1",
-                   "--scheduler-args", "--block-size 8 --max-num-seqs 1 --frontends 1"],
+                   "--scheduler-args", "--block-size 8 --frontends 1"],
                   tmp_path / "score.json", check_no_torch=True, workload=False)
     assert r["task"] == "score" and r["documents"] == 4 and len(r["runs"]) == 2
     assert 8 <= r["tokens_per_document"] <= 16 and 1 <= r["query_tokens"] <= 8
@@ -119,6 +120,42 @@ def test_bench_score_times_requests_and_shows_the_query_computed_once(tmp_path):
     every = r["shared_by_every_request_tokens"] // 8 * 8
     for run in r["runs"]:   # each document: the common blocks; all but the first: the query's
         assert run["cached_tokens"] == 4 * every + 3 * r["query_block_tokens"]
+
+
+def test_score_documents_sharing_a_step_compute_the_query_once():
+    """A Score request whose documents reach the scheduler together, while another step is
+    in flight (null worker, 300 ms a step), so they wait for one prefill step together: the
+    first document computes the query's blocks and the others wait a step for them rather
+    than each computing them beside it (they did before: --max-num-seqs 1 hid it above).
+    Every document finds the system prompt's blocks (a request before computed them)."""
+    import asyncio
+
+    from client.client import AsyncClient
+    from client.embed_bench import _score, _shared_prefix
+    from client.null_stack import NullStack
+
+    docs = [f"{w} paged attention keeps keys and values in blocks" for w in
+            ("alpha", "bravo", "charlie", "delta")]
+    query = "which one of these keeps the keys and values of every token in fixed blocks"
+
+    async def measure(target: str) -> tuple[int, int, int]:
+        async with AsyncClient(target, timeout=30) as c:
+            within, across = await _shared_prefix(c, query, docs)
+            await _score(c, "a first query warms the system prompt", docs[:1])
+            busy = asyncio.ensure_future(_score(c, "a query keeping the worker busy", docs[:1]))
+            await asyncio.sleep(0.1)   # its step is in flight: the next request's documents
+            _, usage = await _score(c, query, docs)   # queue up behind it, together
+            await busy
+            return within, across, usage.cached_tokens
+
+    bs = 8
+    with NullStack(step_ms=300, scheduler_args=["--block-size", str(bs), "--frontends", "1",
+                                                "--task", "score", "--score-tokens", "y,n"],
+                   worker_args=["--task", "score"]) as stack:
+        within, across, cached = asyncio.run(measure(stack.target))
+    every, query_blocks = across // bs * bs, within // bs * bs - across // bs * bs
+    assert every > 0 and query_blocks >= 2 * bs
+    assert cached == 4 * every + 3 * query_blocks
 
 
 @pytest.mark.slow

@@ -45,7 +45,9 @@ def test_history_goes_with_full_sends_of_penalized_seqs_only():
     prompt = list(range(10, 21))
     engine.add_request(1 << 40 | 1, prompt, SamplingOptions(temperature=0.0, max_tokens=8,
                                                             repetition_penalty=1.2))
-    engine.add_request(1 << 40 | 2, prompt[:5], SamplingOptions(temperature=0.0, max_tokens=8))
+    # (a prompt of its own: one sharing the first's blocks would wait a step for them)
+    engine.add_request(1 << 40 | 2, list(range(40, 45)), SamplingOptions(temperature=0.0,
+                                                                        max_tokens=8))
     batch, req = _step(engine)
     pen, plain = req.seqs
     assert _i32(pen.prompt_ids_i32) == prompt and pen.output_ids_i32 == b""

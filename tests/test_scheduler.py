@@ -199,7 +199,8 @@ def test_chunked_prefill_over_several_steps_then_decode():
 
 
 def test_chunked_prefix_not_served_before_computed():
-    """b arrives while a is mid chunked prefill: it may hit only a's computed blocks."""
+    """b arrives while a is mid chunked prefill: it may hit only a's computed blocks, and
+    it waits a step where a's last chunk computes a block it shares (then hits it)."""
     s = make(num_kv_blocks=16, block_size=2, max_num_batched_tokens=4)
     a = seq(1, range(10))
     b = seq(2, list(range(10)) + [99])
@@ -211,13 +212,13 @@ def test_chunked_prefix_not_served_before_computed():
     batch = s.schedule()
     assert shape(batch) == [(1, 4, 4, False)]
     s.postprocess(batch, [])
-    batch = s.schedule()  # a's last chunk (blocks 0-3 computed, block 4 not) and b's first
-    assert shape(batch) == [(1, 8, 2, True), (2, 8, 2, False)]
-    assert b.num_cached_tokens == 8 and b.block_table[:4] == a.block_table[:4]
-    assert b.block_table[4] != a.block_table[4]
+    batch = s.schedule()  # a's last chunk (blocks 0-3 computed, block 4 not): b would
+    assert shape(batch) == [(1, 8, 2, True)]   # compute block 4 beside it, so it waits
+    assert b.block_table == [] and list(s.waiting) == [b]
     s.postprocess(batch, [7])
     batch = s.schedule()
-    assert shape(batch) == [(2, 10, 1, True)]
+    assert batch.is_prefill and shape(batch) == [(2, 10, 1, True)]
+    assert b.num_cached_tokens == 10 and b.block_table[:5] == a.block_table[:5]
 
 
 def test_max_num_seqs_in_prefill_and_decode():
@@ -266,6 +267,85 @@ def test_second_request_with_same_prefix_computes_only_the_rest():
     assert batch.is_prefill and shape(batch) == [(2, 12, 1, True)]
     assert b.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
     assert all(s.block_manager.blocks[i].ref_count == 2 for i in a.block_table[:3])
+
+
+# ---- same-step prefix sharing (sharers wait a step) ---------------------------------
+
+
+def test_same_step_sharers_wait_a_step_and_hit_the_shared_blocks():
+    """Prompts sharing a 2-block prefix (a reranker's documents) waiting for one prefill
+    step: the first computes the prefix, the others wait a step instead of computing it
+    again beside it, then find it cached. A prompt sharing nothing is admitted in the first
+    step all the same, and the deferred keep their place ahead of later arrivals."""
+    s = make(num_kv_blocks=64, block_size=4, max_num_batched_tokens=256)
+    prefix = list(range(100, 108))    # 2 full blocks
+    docs = [seq(i, prefix + [10 * i, 10 * i + 1, 10 * i + 2], max_tokens=2) for i in range(1, 5)]
+    other = seq(9, range(200, 211), max_tokens=2)
+    for x in (docs[0], docs[1], other, docs[2], docs[3]):
+        s.add(x)
+    first = s.schedule()
+    assert first.is_prefill and shape(first) == [(1, 0, 11, True), (9, 0, 11, True)]
+    assert list(s.waiting) == docs[1:] and all(not d.block_table for d in docs[1:])
+    computed = first.num_tokens - 11   # (other's 11)
+    s.postprocess(first, [5, 5])
+    late = seq(10, range(300, 305), max_tokens=2)
+    s.add(late)
+    second = s.schedule()
+    assert second.is_prefill
+    assert shape(second) == [(2, 8, 3, True), (3, 8, 3, True), (4, 8, 3, True), (10, 0, 5, True)]
+    computed += second.num_tokens - 5
+    for d in docs[1:]:
+        assert d.num_cached_tokens == d.usage_cached_tokens == 8
+        assert d.block_table[:2] == docs[0].block_table[:2]
+    assert computed == len(prefix) + 4 * 3   # the prefix once, then each suffix
+    s.postprocess(second, [5] * 4)
+    assert not s.waiting and [x.seq_id for x in s.running] == [1, 9, 2, 3, 4, 10]
+
+
+def test_no_wait_for_a_lone_prompt_or_less_than_a_block_shared():
+    s = make(block_size=4)
+    lone = seq(1, list(range(100, 108)) + [1, 2, 3])
+    s.add(lone)
+    assert shape(s.schedule()) == [(1, 0, 11, True)]
+    # 3 tokens in common (a block holds 4): nothing to share, both computed in one step
+    s = make(block_size=4)
+    a, b = seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 9]), seq(2, [1, 2, 3, 0, 5, 6, 7, 8, 9])
+    s.add(a)
+    s.add(b)
+    assert shape(s.schedule()) == [(1, 0, 9, True), (2, 0, 9, True)]
+    # exactly one full block in common: b waits for it
+    s = make(block_size=4)
+    a, b = seq(1, [1, 2, 3, 4, 5, 6, 7, 8, 9]), seq(2, [1, 2, 3, 4, 0, 6, 7, 8, 9])
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert shape(batch) == [(1, 0, 9, True)]
+    s.postprocess(batch, [5])
+    assert shape(s.schedule()) == [(2, 4, 5, True)]
+
+
+def test_a_deferred_prompt_whose_sharer_was_aborted_runs_normally():
+    s = make(block_size=4)
+    a, b = seq(1, range(20, 29)), seq(2, range(20, 30))
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert shape(batch) == [(1, 0, 9, True)] and list(s.waiting) == [b]
+    s.abort(1)                   # before its step's results: its blocks never registered
+    s.postprocess(batch, [5])
+    assert shape(s.schedule()) == [(2, 0, 10, True)] and b.num_cached_tokens == 0
+
+
+def test_deferrals_stop_at_a_batch_of_sequences():
+    """A step defers no more sharers than the next step could hold (max_num_seqs): the look
+    ahead stays bounded, and the rest wait their turn in order."""
+    s = make(num_kv_blocks=64, block_size=4, max_num_seqs=3)
+    docs = [seq(i, list(range(100, 108)) + [i]) for i in range(1, 7)]
+    other = seq(9, range(200, 205))
+    for x in (*docs, other):
+        s.add(x)
+    batch = s.schedule()   # 1 runs, 2 and 3 wait for its blocks: 3 is a batch, 4 ends the look
+    assert [x.seq_id for x in batch.seqs] == [1] and list(s.waiting) == [*docs[1:], other]
 
 
 # ---- preemption -------------------------------------------------------------------
@@ -369,7 +449,9 @@ def test_recompute_all_requeues_everything_for_re_prefill():
     """Workers lost their KV: running and waiting seqs go back to waiting in order, steps
     in flight are forgotten (placeholders dropped), nothing holds a block or a hash."""
     s = make(num_kv_blocks=16, block_size=4, max_num_batched_tokens=64)
-    a, b, c = (Sequence(i, list(range(1, 10)), SamplingOptions(max_tokens=8)) for i in range(3))
+    # (prompts sharing no block: none waits a step for another's, see test_same_step_sharers_...)
+    a, b, c = (Sequence(i, list(range(10 * i + 1, 10 * i + 10)), SamplingOptions(max_tokens=8))
+               for i in range(3))
     for seq in (a, b):
         s.add(seq)
     s.postprocess(s.schedule(), [5, 6])          # a, b prefilled: running, blocks hashed
@@ -381,7 +463,8 @@ def test_recompute_all_requeues_everything_for_re_prefill():
     assert s.block_manager.num_free_blocks == 16 and not s.block_manager.hash_to_block
     assert s.drain_released() == []
     for seq in (a, b):
-        assert seq.token_ids == list(range(1, 10)) + [5 if seq is a else 6]
+        assert seq.token_ids == list(range(10 * seq.seq_id + 1, 10 * seq.seq_id + 10)) + \
+            [5 if seq is a else 6]
         assert seq.num_pending_tokens == seq.num_computed_tokens == seq.num_cached_tokens == 0
         assert not seq.block_table and seq.status is SequenceStatus.WAITING
     batch = s.schedule()                          # re-prefill of every token, no stale hits

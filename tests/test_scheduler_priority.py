@@ -186,10 +186,37 @@ def test_a_prefill_step_holds_one_class():
     do not fill the rest of its token budget (they take the next step), and one class's
     prompts still share a step."""
     s = make(max_num_batched_tokens=64)
-    for x in [seq(1, range(10), 5), seq(2, range(10), 0), seq(3, range(10), 5),
-              seq(4, range(10), 0)]:
+    for x in [seq(1, range(10, 20), 5), seq(2, range(20, 30), 0), seq(3, range(30, 40), 5),
+              seq(4, range(40, 50), 0)]:   # (no shared prefix: none waits for another's blocks)
         s.add(x)
     first = step(s)
     assert first.is_prefill and [x.seq_id for x in first.seqs] == [2, 4]
     second = step(s)
     assert second.is_prefill and [x.seq_id for x in second.seqs] == [1, 3]
+
+
+def test_deferred_prompts_go_back_to_their_places_without_a_lift():
+    """WaitQueue.put_back (the scheduler's same-step deferrals): sequences taken from the
+    head return to their places, behind an older one queued meanwhile (a preemption) and
+    ahead of later arrivals, and their key's fair-share counter is not lifted (it never
+    stopped waiting), where a key getting new work is lifted to the least waiting one's."""
+    from scheduler_service.wait_queue import WaitQueue
+    q = WaitQueue()
+    old, x, y, later = (seq(i, [i], tenant="a") for i in (1, 2, 3, 4))
+    other = seq(5, [5], tenant="b")
+    for i, s in enumerate((old, x, y, later, other)):
+        s.order = i + 1
+    for s in (other, x, y):
+        q.append(s)
+    taken = [q.popleft(), q.popleft()]   # (equal counters: by arrival)
+    assert taken == [x, y] and list(q) == [other]
+    q.charge("b", 10)                     # b: 10, a: 0, a has nothing waiting
+    q.put_back(taken)
+    assert list(q) == [x, y, other] and q.counters.get("a", 0.0) == 0.0
+    assert q.popleft() is x and q.popleft() is y
+    q.append(old)                         # preempted meanwhile: older than both
+    assert q.counters["a"] == 10          # (a key getting work again is lifted)
+    q.append(later)
+    q.put_back([x, y])
+    assert list(q) == [old, x, y, later, other]
+    assert [q.popleft() for _ in range(5)] == [old, x, y, later, other]
