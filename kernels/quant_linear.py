@@ -217,7 +217,7 @@ def _gemv_chunk(X, S, Z, G, words, k0, k_end, g0, offs_n, n_mask, N, stride_xm,
         for h in tl.static_range(2):
             wh = words if h == 0 else words >> 16
             for j in tl.static_range(HALF):
-                pos: tl.constexpr = 1 << (j * BITS)
+                pos = 1 << (j * BITS)   # (a constexpr: j is static)
                 f = ((wh & (((1 << BITS) - 1) * pos)) | 0x4B000000).to(
                     tl.float32, bitcast=True) - (z * pos + 8388608.0)
                 xk = X + rows0 + h * HALF + j

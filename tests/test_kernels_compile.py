@@ -200,11 +200,14 @@ def direct_calls() -> None:
     from test_kernels_quant_linear import random_layout
     bf16, gen = torch.bfloat16, torch.Generator().manual_seed(0)
     rand = lambda *shape, dtype=bf16: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
-    # W4A16 / W8A16 (GPTQ/AWQ checkpoints): the GEMV (1 row) and the GEMM (21 rows)
-    for bits, act_order in ((4, True), (8, False)):
-        _, qweight, scales, zeros, g_idx = random_layout(128, 64, bits, 32, act_order, bf16)
-        for rows in (1, 21):
-            quant_linear(rand(rows, 128), qweight, scales, zeros, g_idx, bits, rand(64))
+    # W4A16 / W8A16 (GPTQ/AWQ checkpoints): the GEMV (1 row) and the GEMM (21 rows); g128
+    # as the checkpoints come: the GEMV's one-group-a-chunk path, K split in two (the last
+    # split's sums), at 1 and 4 rows
+    for bits, act_order, group, k in ((4, True, 32, 128), (8, False, 32, 128),
+                                      (4, False, 128, 512), (8, False, 128, 512)):
+        _, qweight, scales, zeros, g_idx = random_layout(k, 64, bits, group, act_order, bf16)
+        for rows in (1, 21) if group == 32 else (1, 4):
+            quant_linear(rand(rows, k), qweight, scales, zeros, g_idx, bits, rand(64))
     # rotary + KV store (models without q/k norm: Llama, Qwen2), bf16 and fp8 caches
     q, k, v = rand(3, 4, 16), rand(3, 2, 16), rand(3, 2, 16)
     positions = torch.arange(3, dtype=torch.int64)
