@@ -9,6 +9,7 @@ scales that keep the dequantized weights near N(0, 0.02).
     python tests/gpu/quant_checkpoint.py DIR Qwen3-8B awq          # AutoAWQ GEMM int4, g128
     python tests/gpu/quant_checkpoint.py DIR Qwen3-0.6B gptq8      # GPTQ int8, g128
     python tests/gpu/quant_checkpoint.py DIR Qwen3-30B-A3B gptq4   # GPTQ int4 experts too
+    python tests/gpu/quant_checkpoint.py DIR Qwen3-8B bf16         # plain bf16, same writer
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import torch  # noqa: E402
 
 GROUP = 128
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # (CPU: to check the layout here)
-FORMATS = {"awq": ("awq", 4), "gptq4": ("gptq", 4), "gptq8": ("gptq", 8)}
+FORMATS = {"awq": ("awq", 4), "gptq4": ("gptq", 4), "gptq8": ("gptq", 8),
+           "bf16": ("none", 16)}   # (the same writer, plain weights: a reference in seconds)
 
 
 def shapes(name: str) -> tuple[dict, str]:
@@ -74,9 +76,10 @@ def write(path: pathlib.Path, name: str, fmt: str, seed: int = 0) -> pathlib.Pat
           if method == "gptq" else
           {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
            "version": "gemm", "modules_to_not_convert": None})
-    c = json.loads((path / "config.json").read_text())
-    c["quantization_config"] = qc
-    (path / "config.json").write_text(json.dumps(c, indent=2))
+    if method != "none":
+        c = json.loads((path / "config.json").read_text())
+        c["quantization_config"] = qc
+        (path / "config.json").write_text(json.dumps(c, indent=2))
     make_tokenizer(320).save_pretrained(path)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     H, V, hd = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
@@ -89,6 +92,9 @@ def write(path: pathlib.Path, name: str, fmt: str, seed: int = 0) -> pathlib.Pat
         return torch.ones(n, dtype=torch.bfloat16)
 
     def proj(t: dict, prefix: str, n: int, k: int) -> None:
+        if method == "none":
+            t[f"{prefix}.weight"] = rand(n, k)
+            return
         t.update({f"{prefix}.{kind}": v for kind, v in quantized(method, bits, n, k, gen).items()})
 
     weight_map: dict[str, str] = {}
