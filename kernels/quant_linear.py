@@ -41,11 +41,11 @@ once at HBM speed (issue 64; the first form, one program per 64 channels per row
   row's scales through g_idx; both paths give bitwise the same sums. quant_linear takes
   group_size from its caller (the model's layer decides it once, models/linear.py) or, when
   None, reads g_idx on the host to decide it (tests, benchmarks: a sync a call).
-Compiled for sm_90 (bf16, no spills): int4 g128 1 row 80 registers, 4 rows 254 (the x loads
-of both chunks hoisted: one 8-warp program an SM then); int8 g128 1 row 64. All of this is
-reasoned, not measured: the sizes (BLOCK_N, BLOCK_KW, 8 warps, GEMV_PROGRAMS) are unmeasured
-on a GPU, and at full HBM speed the int4 dequantization (~8 + M float32 / integer ops a
-value) may bound the kernel on the ALUs instead; tests/gpu/bench_quant_linear.py measures it.
+Measured on an H200 (tests/gpu/RESULTS.md, "int4 / int8 weights"): 8B gate_up int4 at 1 token
+40.1 us (28% of HBM; bf16 52.8), down 23.7 (24%); int8 takes the same time for twice the bytes,
+so the int4 kernel is bound by the values it handles, not by HBM; the sizes (--sweep of
+BLOCK_N, BLOCK_KW, warps, programs) move it by < 10%. At 4 rows it is 2.5x its 1-row time
+(254 registers, one program an SM): slower than bf16 there.
 
 The GEMM (prefill, more rows) dequantizes one [BLOCK_K, BLOCK_N] tile of W a K step into
 the activation dtype (_dequant_tile_group; kernels/fused_moe.py's experts take its general
@@ -60,13 +60,10 @@ at 256 tokens on an H200 (int4 gate_up 546 us vs cuBLAS 75; down 281 vs 44). Per
 - float(q) by the 2^23 bit trick (as the GEMV) instead of an int -> float conversion.
 - Tiles by M bucket only (gemm_config): up to 16 and 32 rows as before (BLOCK_N 64, 4 warps);
   33-128 rows 64 x 128, above 128 x 128, both 8 warps; BLOCK_K 64 and 3 stages everywhere.
-  Reasoned, unmeasured: at 128 rows a tile, each dequantized W value serves twice the rows
-  of the old 64 (the dequantization, ~5 ALU ops a value, is paid once per m tile); BLOCK_K
-  128 was rejected because the 128 x 128 x 128 tile spilled (352 B) on sm_90. Compiled for
-  sm_90 (bf16, ptxas -v): 128 x 128 and 64 x 128 use wgmma, 186-255 registers (one 8-warp
-  program an SM), no spills; 16 / 32 rows mma.sync, 96-152 registers. Known gap: at 256
-  tokens the down projection (N 4096) is only 2 x 32 = 64 programs for 132 SMs (split-K or
-  a smaller BLOCK_N there is the next step); tests/gpu/bench_quant_linear.py measures it.
+  BLOCK_K 128 spilled (352 B) on sm_90. Measured on an H200 (8B, bf16 cuBLAS against this):
+  16 tokens gate_up 58.2 vs 76.7 us, down 30.7 vs 138.7 (N 4096: 64 programs for 132 SMs);
+  256 tokens 74.8 vs 199.4 and 46.4 vs 260.4. The gap to bf16 at prefill and large batches
+  is open (split-K for narrow N, a Marlin-style dequantization feeding the MMA).
 """
 from __future__ import annotations
 
@@ -385,7 +382,7 @@ def _quant_gemm_kernel(X, QW, S, Z, G, Bias, Y, M, N, K, stride_xm, stride_ym,
 
 def gemm_config(M: int) -> dict:
     """The GEMM's tiles from M's bucket only (a row's sums never depend on its neighbours
-    within a bucket). Reasoned, unmeasured: see the module docstring."""
+    within a bucket). Measured: see the module docstring."""
     if M <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
     if M <= 32:
