@@ -68,6 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "newest running request of the lowest class, if that class's value is "
                         "at least N above its own (the preempted one is recomputed later, its "
                         "output unchanged; >= 1: equal classes never preempt each other)")
+    p.add_argument("--max-background-prefill-tokens", type=int, default=0, metavar="N",
+                   help="latency for the better priority classes against throughput for the "
+                        "worse: a class below one with requests alive (or seen in the last 2 s) "
+                        "prefills at most N prompt tokens a step, each such step followed by a "
+                        "decode step, so a better class's new request waits for one short step "
+                        "and its streams for no two prefill steps in a row (null worker, 5 ms "
+                        "steps + 4 us a prefill token, an embedding flood: N 1024 TTFT p99 3.4x "
+                        "-> 1.3x idle, ITL p99 5.6-6.9x -> 2.6x, the flood 0.87x -> 0.40x its rate "
+                        "alone; 4096: 2.2x, 3.6x, 0.75x); 0 (default): off")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="completion length when a request sets no max_tokens")
     p.add_argument("--max-message-mb", type=int, default=16,
@@ -207,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stream-deltas-per-turn must be >= 0")
     if args.http_request_timeout < 0:
         p.error("--http-request-timeout must be >= 0")
+    if args.max_background_prefill_tokens < 0:
+        p.error("--max-background-prefill-tokens must be >= 0")
     if args.priority_preemption_gap < 1:
         p.error("--priority-preemption-gap must be >= 1")
     if args.task != "auto":
@@ -261,6 +272,7 @@ class ControlPlane:
             worker_tls_key=args.worker_tls_key, worker_secret=args.worker_secret,
             adapters=tuple(args.adapters), api_keys=args.api_keys,
             priority_preemption_gap=args.priority_preemption_gap, task=args.task,
+            max_background_prefill_tokens=args.max_background_prefill_tokens,
             kv_events=args.kv_events_config, served_model_name=args.served_model_name)
         self.frontend_configs = [FrontendConfig(
             index=i, model=args.model, ipc_dir=self.ipc_dir, host=args.host, port=args.port,

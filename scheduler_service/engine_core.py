@@ -64,6 +64,7 @@ class EngineCoreConfig:
     adapters: tuple[tuple[str, str], ...] = ()   # --lora-modules: (name, path) each
     api_keys: str | None = None          # --api-keys FILE: per-key quotas (api_keys.py)
     priority_preemption_gap: int = 1     # --priority-preemption-gap (scheduler.py)
+    max_background_prefill_tokens: int = 0   # --max-background-prefill-tokens (scheduler.py)
     task: str = "auto"                   # --task: what the APIs serve (nanoserve/model_task.py)
     kv_events: str = ""                  # --kv-events-config JSON (kv_events.py), "": off
     served_model_name: str = ""          # vLLM-named metrics' model_name ("": the model's dir)
@@ -98,7 +99,8 @@ class EngineCore:
                                 max_model_len=max_model_len, eos_token_id=info.eos_token_id,
                                 max_loras=info.max_loras,
                                 num_host_kv_blocks=info.num_host_kv_blocks,
-                                priority_preemption_gap=cfg.priority_preemption_gap)
+                                priority_preemption_gap=cfg.priority_preemption_gap,
+                                max_background_prefill_tokens=cfg.max_background_prefill_tokens)
         self.group = group
         self.info = {**dataclasses.asdict(info), "max_model_len": max_model_len,
                      "adapters": self._adapter_names(), "task": ",".join(tasks)}

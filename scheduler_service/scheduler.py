@@ -22,7 +22,13 @@ finds the batch (max_num_seqs) or the KV cache full preempts the running sequenc
 lowest class, if that class is at least `priority_preemption_gap` below its own (so equal
 classes never preempt each other), and the KV pressure of decode preempts the lowest
 class first. A prefill step holds one class: a better class's prompt is not made to wait
-for a worse class's prompts filling the rest of the token budget. A preempted sequence
+for a worse class's prompts filling the rest of the token budget. With
+`max_background_prefill_tokens` set (off by default: it trades the background's throughput
+for the better class's latency), a background class (one below a class with requests alive,
+or seen in the last `background_hold_s`) prefills at most that many tokens a step, and a
+decode step follows each of its prefill steps: a better class's new prompt waits for one
+short step, not a full one, and its streams are not held up by two prefill steps in a row
+(without mixed prefill + decode steps, a prefill step stalls every decode). A preempted sequence
 keeps its tokens and its place: its output is what it would have been. A sequence whose caller's deadline cannot be met any more is dropped
 before its prefill (`drain_errors`: DEADLINE_EXCEEDED).
 
@@ -71,6 +77,11 @@ class SchedulerConfig:
     # A waiting sequence preempts a running one only if the runner's priority value is at
     # least this much larger (>= 1: equal classes never preempt each other).
     priority_preemption_gap: int = 1
+    # Prefill tokens a step for a background class (0: off, the full budget and no decode
+    # step between), and how long a better class counts as present after its last request
+    # arrived or ended.
+    max_background_prefill_tokens: int = 0
+    background_hold_s: float = 2.0
 
     @property
     def max_decode_rows(self) -> int:
@@ -121,6 +132,8 @@ class Scheduler:
         self.num_deadline_drops = 0
         self._order = itertools.count(1)
         self._priorities: set[int] = set()   # classes seen: preemption by class once 2+
+        self._class_live: dict[int, int] = {}      # live requests of each class
+        self._class_seen: dict[int, float] = {}    # when each class last arrived or ended
         self._tenants: set[str] = set()      # keys seen: fair-share counting once 2+
         self.errors: list[tuple[int, str, str]] = []   # (seq_id, status code, message)
         self._step_s = 0.0     # smoothed time between schedule() calls (deadline checks)
@@ -128,7 +141,7 @@ class Scheduler:
         self.num_fast_forward_mismatches = 0   # in-flight samples that were not the forced token
         self._live: dict[int, Sequence] = {}  # seq_id -> seq, for abort
         self._released: list[int] = []
-        self._pooled_last = False   # the last step was a prefill of pooling sequences only
+        self._yield_last = False   # the last step was a prefill that a decode step follows
 
     # ---- queue management ---------------------------------------------------------
 
@@ -157,6 +170,8 @@ class Scheduler:
         self._live[seq.seq_id] = seq
         seq.order = next(self._order)
         self._priorities.add(opts.priority)
+        self._class_live[opts.priority] = self._class_live.get(opts.priority, 0) + 1
+        self._class_seen[opts.priority] = time.monotonic()
         self._tenants.add(opts.tenant)
         self.waiting.append(seq)
         if self.speculator is not None:
@@ -173,11 +188,24 @@ class Scheduler:
         """End a live seq now: out of its queue, blocks freed; a step in flight for it is
         ignored when its result arrives (resolve skips finished seqs)."""
         del self._live[seq.seq_id]
+        self._ended(seq)
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self._release(seq)
         seq.num_scheduled_tokens = 0
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _ended(self, seq: Sequence) -> None:
+        c = seq.sampling.priority
+        self._class_live[c] -= 1
+        self._class_seen[c] = time.monotonic()
+
+    def _background(self, priority: int, now: float) -> bool:
+        """Whether a better class than `priority` is present: requests of it alive, or one
+        arrived or ended within background_hold_s (a caller's next request is on its way)."""
+        hold = self.config.background_hold_s
+        return any(c < priority and (self._class_live[c] or now - self._class_seen[c] < hold)
+                   for c in self._priorities)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -226,10 +254,10 @@ class Scheduler:
         if gap < 1.0:   # busy: a step's time, smoothed (an idle gap is not a step)
             self._step_s += (0.1 if self._step_s else 1.0) * (gap - self._step_s)
         batch = None
-        if self._pooled_last and self.running:
+        if self._yield_last and self.running:
             # A flood of pooling requests (embeddings, scores) ends each prefill and leaves
-            # nothing running to bound it: one decode step between its prefills, so
-            # generations beside it are not starved.
+            # nothing running to bound it, and a background class's prompts would hold up a
+            # better class's streams: one decode step between such prefills.
             batch = self._schedule_decode()
         if batch is None:
             batch = self._schedule_prefill()
@@ -238,8 +266,10 @@ class Scheduler:
         if batch is None:
             # Decode preempted everything it looked at: those seqs wait, re-prefill them.
             batch = self._schedule_prefill()
-        self._pooled_last = (batch is not None and batch.is_prefill
-                             and all(s.sampling.pooling for s in batch.seqs))
+        self._yield_last = batch is not None and batch.is_prefill and (
+            all(s.sampling.pooling for s in batch.seqs)
+            or (self.config.max_background_prefill_tokens > 0 and len(self._priorities) > 1
+                and self._background(batch.seqs[0].sampling.priority, now)))
         return batch
 
     def _schedule_prefill(self) -> Batch | None:
@@ -263,6 +293,9 @@ class Scheduler:
                 continue
             if seqs and seq.sampling.priority != seqs[0].sampling.priority:
                 break   # one class a step (waiting is ordered by class: the rest is worse)
+            if (not seqs and cfg.max_background_prefill_tokens and len(self._priorities) > 1
+                    and self._background(seq.sampling.priority, time.monotonic())):
+                budget = min(budget, cfg.max_background_prefill_tokens)
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
             if seqs and not seq.block_table and (miss := bm.first_miss(seq)) is not None:
@@ -553,6 +586,7 @@ class Scheduler:
         del seq.token_ids[pos + 1:]
         seq.num_pending_tokens = 0
         del self._live[seq.seq_id]
+        self._ended(seq)
         self._release(seq)
         if seq.status is SequenceStatus.WAITING:   # preempted with its last token in flight
             self.waiting.remove(seq)

@@ -220,3 +220,48 @@ def test_deferred_prompts_go_back_to_their_places_without_a_lift():
     q.put_back([x, y])
     assert list(q) == [old, x, y, later, other]
     assert [q.popleft() for _ in range(5)] == [old, x, y, later, other]
+
+
+def test_a_background_class_prefills_short_steps_each_followed_by_a_decode():
+    """While a better class has a request alive, a worse class's prompts prefill at most
+    max_background_prefill_tokens a step (chunked), and a decode step follows each such
+    prefill: the better class's stream is never held up by two prefill steps in a row.
+    Once the better class has been gone for background_hold_s, the full budget is back."""
+    s = make(max_num_batched_tokens=64, max_background_prefill_tokens=8,
+             background_hold_s=0.0)
+    interactive = seq(1, range(100, 104), 0, max_tokens=12)
+    s.add(interactive)
+    assert step(s).is_prefill
+    for i in range(4):   # 4 x 10 tokens, no shared prefix
+        s.add(seq(10 + i, range(200 + 10 * i, 210 + 10 * i), 5, max_tokens=40))
+    steps = []   # (is_prefill, tokens) of each step while the interactive one runs
+    while interactive.status is not F:
+        b = s.schedule()
+        steps.append((b.is_prefill, b.num_tokens))
+        s.postprocess(b, [model(x.token_ids) for x, smp in zip(b.seqs, b.sample) if smp])
+    prefills = [n for p, n in steps if p]
+    assert prefills and max(prefills) <= 8
+    assert sum(prefills) == 40     # every flood prompt got in
+    assert all(not b[0] for a, b in zip(steps, steps[1:]) if a[0])
+    # the better class is gone (hold 0): a new flood prompt takes the whole budget
+    late = seq(20, range(300, 340), 5)
+    s.add(late)
+    b = s.schedule()
+    while not (b.is_prefill and late in b.seqs):
+        s.postprocess(b, [model(x.token_ids) for x, smp in zip(b.seqs, b.sample) if smp])
+        b = s.schedule()
+    assert late.num_scheduled_tokens == 40 and b.num_tokens == 40
+
+
+def test_one_class_or_the_cap_off_keeps_full_prefill_steps():
+    """The mutants: with one class, or max_background_prefill_tokens 0, a prompt of the
+    worse class fills the whole budget in one step."""
+    for cap, better in ((8, None), (0, 0)):
+        s = make(max_num_batched_tokens=64, max_background_prefill_tokens=cap)
+        if better is not None:
+            s.add(seq(1, range(100, 104), better, max_tokens=12))
+            step(s)
+        x = seq(2, range(200, 240), 5)
+        s.add(x)
+        b = s.schedule()
+        assert b.is_prefill and x in b.seqs and b.num_tokens == 40
