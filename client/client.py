@@ -257,6 +257,7 @@ class Stats:
     num_priority_preemptions: int = 0       # of num_preemptions, for a higher priority
     num_deadline_drops: int = 0             # dropped before prefill: deadline unmeetable
     deterministic: bool = False             # batch-invariant workers (--deterministic)
+    num_mixed_steps: int = 0                # prompt chunks beside decode rows (background class)
 
 
 # ---------------------------------------------------------------------------- conversions

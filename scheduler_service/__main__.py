@@ -70,13 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "output unchanged; >= 1: equal classes never preempt each other)")
     p.add_argument("--max-background-prefill-tokens", type=int, default=0, metavar="N",
                    help="latency for the better priority classes against throughput for the "
-                        "worse: a class below one with requests alive (or seen in the last 2 s) "
-                        "prefills at most N prompt tokens a step, each such step followed by a "
-                        "decode step, so a better class's new request waits for one short step "
-                        "and its streams for no two prefill steps in a row (null worker, 5 ms "
-                        "steps + 4 us a prefill token, an embedding flood: N 1024 TTFT p99 3.4x "
-                        "-> 1.3x idle, ITL p99 5.6-6.9x -> 2.6x, the flood 0.87x -> 0.40x its rate "
-                        "alone; 4096: 2.2x, 3.6x, 0.75x); 0 (default): off")
+                        "worse: while a better class has requests alive (or had one in the last "
+                        "2 s), a worse class's prompts go in at most N tokens a step, beside the "
+                        "running sequences' decode rows (mixed steps), so a better class's new "
+                        "request waits for one short step and its streams get a token every step "
+                        "(null worker, 5 ms steps + 4 us a prefill token, beside an embedding "
+                        "flood: N 1024 TTFT p99 3.4x -> 1.2x idle, ITL p99 5.6-6.9x -> 1.8x, the "
+                        "flood 0.87x -> 0.61x its rate alone; N 256: 1.3x, 1.05x, 0.26x); 0 "
+                        "(default): off")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="completion length when a request sets no max_tokens")
     p.add_argument("--max-message-mb", type=int, default=16,

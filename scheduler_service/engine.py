@@ -77,6 +77,7 @@ class EngineStats:
     num_spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed for verify
     num_spec_accepted_tokens: int = 0  # of those, accepted
     num_verify_steps: int = 0          # decode steps that carried proposals
+    num_mixed_steps: int = 0           # decode steps that carried prompt chunks too
     num_spec_runs: int = 0             # (seq, step) pairs with proposals
     spec_accepted_runs: dict[int, int] = field(default_factory=dict)   # accepted -> times
     # Decode-step time breakdown (ms, summed): what the benchmark's idle analysis reads.
@@ -239,7 +240,7 @@ class Engine:
             if batch is not None:
                 request = self._build_step(batch)
                 self.scheduler.advance(batch)
-                if self._held and batch.is_prefill:
+                if self._held and (batch.is_prefill or batch.num_prefill):
                     self._release_held()
                 self._chained = self.pipeline.depth > 2 and self._may_chain(batch)
                 t_sent = time.perf_counter()
@@ -263,8 +264,11 @@ class Engine:
             t2 = time.perf_counter()
             outputs = self._finish_step(oldest, resp)
             t3 = time.perf_counter()
+            if oldest.num_prefill:
+                self.stats.num_mixed_steps += 1
             if not oldest.is_prefill:   # counted before clients hear of the step
-                if self.speculator is not None and self._plain_rows(oldest):
+                if self.speculator is not None and not oldest.num_prefill \
+                        and self._plain_rows(oldest):
                     self.speculator.cost.observe(oldest.num_rows, resp.gpu_ms or resp.step_ms)
                 s = self.stats
                 s.num_decode_steps += 1
@@ -296,7 +300,8 @@ class Engine:
         decode step wait for their samples first). Not with proposals or drafts (verify
         steps settle how far a sequence got) nor grammars (fast-forward and the masks
         want each token known a step after its sample, as DESIGN.md plans)."""
-        return (not batch.is_prefill and batch.proposals is None and batch.drafts is None
+        return (not batch.is_prefill and not batch.num_prefill and batch.proposals is None
+                and batch.drafts is None
                 and len(batch.seqs) == len(self.scheduler.running)
                 and not any(s.sampling.grammar for s in batch.seqs))
 
@@ -314,10 +319,15 @@ class Engine:
             known.difference_update(released)
             req.drop_seq_ids.extend(released)
         if not batch.is_prefill:
-            seqs = batch.seqs
-            batch.seq_ids = [s.seq_id for s in seqs]
-            req.decode.seq_ids_u64 = array("Q", batch.seq_ids).tobytes()
-            if batch.num_tokens == len(seqs):
+            if batch.num_prefill:   # a mixed step: prompt chunks beside the decode rows
+                self._add_prefill(req, batch.seqs[:batch.num_prefill],
+                                  batch.sample[:batch.num_prefill])
+            seqs = batch.seqs[batch.num_prefill:]
+            ids = [s.seq_id for s in seqs]
+            # (the outputs' fast path reads seq_ids as every sampling seq in order)
+            batch.seq_ids = None if batch.num_prefill else ids
+            req.decode.seq_ids_u64 = array("Q", ids).tobytes()
+            if batch.num_rows == len(seqs):
                 inputs = array("i", [s.token_ids[-1] for s in seqs])
             else:   # fast-forward / proposals: a sequence's uncomputed tokens, each a decode row
                 inputs = array("i", [t for s in seqs for t in s.token_ids[s.num_computed_tokens:]
@@ -339,9 +349,17 @@ class Engine:
                 req.decode.new_blocks_i32 = array("i", [x for pair in batch.new_blocks
                                                         for x in pair]).tobytes()
             return req
+        self._add_prefill(req, batch.seqs, batch.sample)
+        return req
+
+    def _add_prefill(self, req: worker_pb2.StepRequest, seqs: list[Sequence],
+                     sample: list[bool]) -> None:
+        """The step's prompt chunks: each seq's tokens, and its table and sampling the
+        first time the workers see it."""
+        known = self._known
         tokens = array("i")
         now = time.monotonic()
-        for seq, samples in zip(batch.seqs, batch.sample):
+        for seq, samples in zip(seqs, sample):
             if seq.arrival_time:
                 self.queue_times.append(now - seq.arrival_time)
                 seq.queue_ms = (now - seq.arrival_time) * 1e3
@@ -388,7 +406,6 @@ class Engine:
                     work.sampling.banned_ids_i32 = array("i", sorted(seq.stop_ids)).tobytes()
                     work.sampling.banned_until = p + s.min_tokens
         req.token_ids_i32 = tokens.tobytes()
-        return req
 
     def _finish_step(self, batch: Batch, resp: worker_pb2.StepResponse) -> StepOutputs:
         """Fold the step's ids in; the outputs for clients (posted by the caller)."""

@@ -1,8 +1,9 @@
 """Continuous batching: decides what runs each step and folds the sampled tokens back in.
 
 One step is either a prefill batch (new, chunked or resumed sequences: many tokens each)
-or a decode batch (running sequences: one token each). Prefill goes first so new
-requests join the running batch quickly. When the KV cache runs out during decode, the
+or a decode batch (running sequences: one token each), or, for a background priority class
+(below), a decode batch with prompt chunks beside its rows (a mixed step). Prefill goes
+first so new requests join the running batch quickly. When the KV cache runs out during decode, the
 newest running sequence is preempted by recompute: its blocks are released and it is
 re-prefilled later over all its tokens (prefix-cache hits make that cheap when its old
 blocks have not been reused yet).
@@ -25,10 +26,11 @@ class first. A prefill step holds one class: a better class's prompt is not made
 for a worse class's prompts filling the rest of the token budget. With
 `max_background_prefill_tokens` set (off by default: it trades the background's throughput
 for the better class's latency), a background class (one below a class with requests alive,
-or seen in the last `background_hold_s`) prefills at most that many tokens a step, and a
-decode step follows each of its prefill steps: a better class's new prompt waits for one
-short step, not a full one, and its streams are not held up by two prefill steps in a row
-(without mixed prefill + decode steps, a prefill step stalls every decode). A preempted sequence
+or seen in the last `background_hold_s`) prefills at most that many tokens a step: beside
+the running sequences' decode rows (a mixed step; not beside verify rows, nor with a draft
+model), so their streams get a token every step, or, with nothing running, in a prefill step
+of its own that a decode step follows. A better class's new prompt waits for
+one short step, not a full one. A preempted sequence
 keeps its tokens and its place: its output is what it would have been. A sequence whose caller's deadline cannot be met any more is dropped
 before its prefill (`drain_errors`: DEADLINE_EXCEEDED).
 
@@ -110,6 +112,9 @@ class Batch:
     # next step's proposals; speculation.py), None when none asked.
     drafts: list[int] | None = None
     num_rows: int = 0   # decode: rows of the step (a sequence each, more for run-ahead tokens)
+    # A mixed step (decode, is_prefill False): its first num_prefill seqs are prompt chunks
+    # computed beside the decode rows (new_blocks, num_rows, seq_ids: of the decode part)
+    num_prefill: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +147,7 @@ class Scheduler:
         self._live: dict[int, Sequence] = {}  # seq_id -> seq, for abort
         self._released: list[int] = []
         self._yield_last = False   # the last step was a prefill that a decode step follows
+        self._verify_last = False  # a mixed step's decode part came back a verify step
 
     # ---- queue management ---------------------------------------------------------
 
@@ -254,7 +260,11 @@ class Scheduler:
         if gap < 1.0:   # busy: a step's time, smoothed (an idle gap is not a step)
             self._step_s += (0.1 if self._step_s else 1.0) * (gap - self._step_s)
         batch = None
-        if self._yield_last and self.running:
+        cap = self.config.max_background_prefill_tokens
+        if (cap and self.running and self.waiting and len(self._priorities) > 1
+                and self._background(self.waiting.head().sampling.priority, now)):
+            batch = self._schedule_mixed(cap)
+        if batch is None and self._yield_last and self.running:
             # A flood of pooling requests (embeddings, scores) ends each prefill and leaves
             # nothing running to bound it, and a background class's prompts would hold up a
             # better class's streams: one decode step between such prefills.
@@ -272,11 +282,37 @@ class Scheduler:
                 and self._background(batch.seqs[0].sampling.priority, now)))
         return batch
 
-    def _schedule_prefill(self) -> Batch | None:
+    def _schedule_mixed(self, cap: int) -> Batch | None:
+        """A decode step of the running sequences with up to `cap` prompt tokens of the
+        waiting background class beside them: the better class's streams get a token each
+        step while the background's prompts go in (a GPU computes a few hundred prompt
+        tokens beside a decode step for little more than the step). The prompts may not
+        preempt: the decode part holds the running sequences' blocks."""
+        spec = self.speculator
+        if spec is not None and spec.config.method == "draft":
+            return None   # (the workers' draft model catches up on prompts in steps of their own)
+        if self._verify_last:   # the last one was a verify step: the prompts' turn, alone
+            self._verify_last = False
+            return None
+        dec = self._schedule_decode()
+        if dec is None or dec.proposals is not None or dec.drafts is not None:
+            # (a verify step settles how far each sequence got: nothing beside it)
+            self._verify_last = dec is not None
+            return dec
+        pre = self._schedule_prefill(budget=cap, preempt=False)
+        if pre is None:
+            return dec
+        return Batch(pre.seqs + dec.seqs, is_prefill=False, sample=pre.sample + dec.sample,
+                     new_blocks=dec.new_blocks, sync_transfers=pre.sync_transfers,
+                     num_rows=dec.num_rows, num_prefill=len(pre.seqs))
+
+    def _schedule_prefill(self, budget: int = 0, preempt: bool = True) -> Batch | None:
+        """A prefill step of up to `budget` prompt tokens (0: max_num_batched_tokens);
+        preempt False: admit only what fits beside the running sequences."""
         cfg, bm = self.config, self.block_manager
         seqs: list[Sequence] = []
         sample: list[bool] = []
-        budget = cfg.max_num_batched_tokens
+        budget = budget or cfg.max_num_batched_tokens
         # Seqs whose last chunk is scheduled join `running` at once, so len(running)
         # counts them; a chunked seq ends the loop (it used the whole budget).
         adapters: set[int] | None = None   # LoRA adapters running, looked at when needed
@@ -322,7 +358,7 @@ class Scheduler:
                     self.waiting.remove(seq)
                     deferred.append(seq)
                     continue
-            if len(self.running) >= cfg.max_num_seqs and not self._make_room(seq):
+            if len(self.running) >= cfg.max_num_seqs and not (preempt and self._make_room(seq)):
                 break
             if seq.sampling.adapter_id:   # a step uses at most max_loras adapters: admit
                 if adapters is None:      # only while its adapter fits beside the running ones
@@ -332,7 +368,7 @@ class Scheduler:
                 adapters.add(seq.sampling.adapter_id)
             if not seq.block_table:  # not mid chunked prefill: needs its blocks first
                 while not bm.can_allocate(seq):
-                    if not self._make_room(seq):
+                    if not (preempt and self._make_room(seq)):
                         break
                 else:
                     bm.allocate(seq)
