@@ -277,3 +277,27 @@ def test_one_class_or_the_cap_off_keeps_full_prefill_steps():
         s.add(x)
         b = s.schedule()
         assert b.is_prefill and x in b.seqs and b.num_tokens == 40
+
+
+def test_after_a_verify_step_the_background_prompts_get_a_step_of_their_own():
+    """A decode part that came back a verify step (proposals) carries no prompt chunk: the
+    next step is the background's capped prefill step, so proposals every step cannot
+    starve the background class."""
+    s = make(max_num_batched_tokens=64, max_background_prefill_tokens=8)
+    hi = seq(1, range(100, 104), 0, max_tokens=50)
+    s.add(hi)
+    step(s)
+    lo = seq(10, range(200, 210), 5)
+    s.add(lo)
+    plain = s._schedule_decode
+
+    def verify():   # the speculator proposed (nothing) for every running sequence
+        b = plain()
+        b.proposals = [[] for _ in b.seqs]
+        return b
+    s._schedule_decode = verify
+    first = s.schedule()
+    assert first.proposals is not None and first.num_prefill == 0 and lo.status is W
+    s.postprocess(first, [model(x.token_ids) for x in first.seqs])
+    second = s.schedule()
+    assert second.is_prefill and second.seqs == [lo] and second.num_tokens == 8
