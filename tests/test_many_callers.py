@@ -5,6 +5,7 @@ running, fair shares between keys."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import threading
 import time
@@ -413,73 +414,67 @@ def test_bench_mixed_mode_beside_an_embedding_flood(tmp_path):
         assert p["flood_embeddings_per_s"] > 0 and p["flood_vs_alone"] > 0
 
 
-def test_preempted_outputs_equal_on_a_real_model(tmp_path_factory):
-    """A tiny Qwen3 on a CPU worker: low-priority requests (greedy, and seeded sampling)
-    preempted by high-priority ones give the tokens they give when nobody preempts them."""
+@contextlib.contextmanager
+def tiny_model_services(tmp_path_factory, *scheduler_flags: str):
+    """A tiny Qwen3 on a CPU worker behind a scheduler (8-token blocks, one frontend) with
+    these flags: a stub to it, everything stopped after."""
     from services import start_worker
     from tiny_checkpoint import tiny_qwen3_dir
     model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=3)
     worker = start_worker(model_dir)
     sched = start_scheduler(model_dir, [worker.port], block_size=8,
-                            extra=["--max-num-seqs", "2", "--frontends", "1"])
+                            extra=["--frontends", "1", *scheduler_flags])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
-            stub = generate_pb2_grpc.GenerationStub(ch)
-
-            def low(i: int, priority: int | None = 5) -> generate_pb2.GenerateRequest:
-                req = request([11 + i, 7, 3 * i + 1], 48, priority=priority)
-                if i:   # the second one samples, seeded
-                    req.sampling.temperature, req.sampling.seed = 0.9, 1234
-                return req
-
-            alone = [ids_of(stub.Generate(low(i), timeout=120)) for i in range(2)]
-            streams = [stub.Generate(low(i), timeout=120) for i in range(2)]
-            heads = [next(s) for s in streams]
-            highs = [ids_of(stub.Generate(request([50 + j, 2], 4, priority=0), timeout=120))
-                     for j in range(3)]
-            got = [ids_of([h, *s]) for h, s in zip(heads, streams)]
-            stats = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
-        assert all(len(h) == 4 for h in highs)
-        assert stats.num_preemptions >= 1
-        assert got == alone
+            yield generate_pb2_grpc.GenerationStub(ch)
     finally:
         sched.stop()
         worker.stop()
+
+
+def test_preempted_outputs_equal_on_a_real_model(tmp_path_factory):
+    """A tiny Qwen3 on a CPU worker: low-priority requests (greedy, and seeded sampling)
+    preempted by high-priority ones give the tokens they give when nobody preempts them."""
+    with tiny_model_services(tmp_path_factory, "--max-num-seqs", "2") as stub:
+        def low(i: int, priority: int | None = 5) -> generate_pb2.GenerateRequest:
+            req = request([11 + i, 7, 3 * i + 1], 48, priority=priority)
+            if i:   # the second one samples, seeded
+                req.sampling.temperature, req.sampling.seed = 0.9, 1234
+            return req
+
+        alone = [ids_of(stub.Generate(low(i), timeout=120)) for i in range(2)]
+        streams = [stub.Generate(low(i), timeout=120) for i in range(2)]
+        heads = [next(s) for s in streams]
+        highs = [ids_of(stub.Generate(request([50 + j, 2], 4, priority=0), timeout=120))
+                 for j in range(3)]
+        got = [ids_of([h, *s]) for h, s in zip(heads, streams)]
+        stats = stub.GetStats(generate_pb2.StatsRequest(), timeout=10)
+    assert all(len(h) == 4 for h in highs)
+    assert stats.num_preemptions >= 1
+    assert got == alone
 
 
 def test_background_prompts_beside_decodes_on_a_real_model(tmp_path_factory):
     """--max-background-prefill-tokens on a tiny Qwen3 CPU worker: low-priority prompts go
     in 8 tokens a step beside a high-priority stream's decode rows (mixed steps, counted in
     GetStats), and every output, greedy and seeded, equals the one it gives alone."""
-    from services import start_worker
-    from tiny_checkpoint import tiny_qwen3_dir
-    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=3)
-    worker = start_worker(model_dir)
-    sched = start_scheduler(model_dir, [worker.port], block_size=8,
-                            extra=["--frontends", "1", "--max-background-prefill-tokens", "8"])
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{sched.port}") as ch:
-            stub = generate_pb2_grpc.GenerationStub(ch)
+    with tiny_model_services(tmp_path_factory, "--max-background-prefill-tokens", "8") as stub:
+        def low(i: int) -> generate_pb2.GenerateRequest:
+            req = request([11 + i, 7, 3 * i + 1] * 10, 12, priority=5)   # 30 tokens
+            if i == 1:   # seeded sampling
+                req.sampling.temperature, req.sampling.seed = 0.9, 1234
+            return req
 
-            def low(i: int) -> generate_pb2.GenerateRequest:
-                req = request([11 + i, 7, 3 * i + 1] * 10, 12, priority=5)   # 30 tokens
-                if i == 1:   # seeded sampling
-                    req.sampling.temperature, req.sampling.seed = 0.9, 1234
-                return req
-
-            high = request([50, 2, 9], 160, priority=0)
-            alone = [ids_of(stub.Generate(low(i), timeout=120)) for i in range(3)]
-            high_alone = ids_of(stub.Generate(high, timeout=120))
-            before = stub.GetStats(generate_pb2.StatsRequest(), timeout=10).num_mixed_steps
-            stream = stub.Generate(high, timeout=120)
-            head = next(stream)
-            with cf.ThreadPoolExecutor(3) as pool:
-                beside = list(pool.map(lambda i: ids_of(stub.Generate(low(i), timeout=120)),
-                                       range(3)))
-            got_high = ids_of([head, *stream])
-            mixed = stub.GetStats(generate_pb2.StatsRequest(), timeout=10).num_mixed_steps
-        assert beside == alone and got_high == high_alone
-        assert mixed - before >= 3   # (30-token prompts, 8 tokens a step)
-    finally:
-        sched.stop()
-        worker.stop()
+        high = request([50, 2, 9], 160, priority=0)
+        alone = [ids_of(stub.Generate(low(i), timeout=120)) for i in range(3)]
+        high_alone = ids_of(stub.Generate(high, timeout=120))
+        before = stub.GetStats(generate_pb2.StatsRequest(), timeout=10).num_mixed_steps
+        stream = stub.Generate(high, timeout=120)
+        head = next(stream)
+        with cf.ThreadPoolExecutor(3) as pool:
+            beside = list(pool.map(lambda i: ids_of(stub.Generate(low(i), timeout=120)),
+                                   range(3)))
+        got_high = ids_of([head, *stream])
+        mixed = stub.GetStats(generate_pb2.StatsRequest(), timeout=10).num_mixed_steps
+    assert beside == alone and got_high == high_alone
+    assert mixed - before >= 3   # (30-token prompts, 8 tokens a step)
