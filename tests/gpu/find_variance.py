@@ -7,7 +7,9 @@ tests/test_deterministic.py (its tiny float32 checkpoint, its Stepper):
    compared (torch.equal) in the order the modules ran, step by step from the last step
    back (a prefill step's rows against the same prompt positions alone); prints the first
    modules that differ;
-3. on CUDA, the sequence alone replayed from CUDA graphs against the same steps eager,
+3. on CUDA, the sequence alone replayed from CUDA graphs against the same steps eager (and
+   the K/V it left in the cache, layer by layer: the fused q/k norm + rotary + store runs
+   inside the attention module),
    module by module: hooks registered before the capture clone each module's output
    inside the graph, so every replay refreshes those copies.
 
@@ -147,6 +149,8 @@ def modules_check(r, names: list[str], graphs=None, captured: Captured | None = 
     ref = traced(r, alone)
     runs = ([("alone replayed from graphs", traced(graphs, alone, captured))] if graphs
             else [(f"{name} (eager)", traced(r, SCENARIOS[name])) for name in names])
+    if graphs:
+        kv_check(r, graphs)
     for label, got in runs:
         print(f"== {label}: modules, from the last step back")
         for back, ((_f, n_ref, a_mods), (first, n, b_mods)) in enumerate(zip(ref[::-1], got[::-1])):
@@ -166,6 +170,25 @@ def modules_check(r, names: list[str], graphs=None, captured: Captured | None = 
                         break
             if not bad:
                 print(f"  step -{back + 1} (row {first}, {n} rows): every module equal")
+
+
+def kv_check(eager, graphs) -> None:
+    """The sequence alone left its K/V in the same blocks of both runners (Blocks(0)):
+    the first layer whose cached K or V differ (the fused q/k norm + rotary + store runs
+    inside the attention module, so the hooks cannot see it apart)."""
+    from test_deterministic import BS, PROMPT_LEN, Blocks
+    blocks = Blocks(0).take(PROMPT_LEN + 3)
+    n = PROMPT_LEN + 3
+    for i, (a, b) in enumerate(zip(eager.attn_layers, graphs.attn_layers)):
+        for name in ("k_cache", "v_cache"):
+            x = getattr(a, name)[blocks].flatten(0, 1)[:n]
+            y = getattr(b, name)[blocks].flatten(0, 1)[:n]
+            if not torch.equal(x, y):
+                rows = (x != y).flatten(1).any(1).nonzero().flatten().tolist()
+                print(f"== KV: layer {i} {name} differs at positions {rows[:8]}{'...' if len(rows) > 8 else ''}"
+                      f" (max |d| {(x.float() - y.float()).abs().max().item():.3g}; block size {BS})")
+                return
+    print("== KV: every layer's cached K and V equal (a difference is the attention kernel's)")
 
 
 def main() -> None:
