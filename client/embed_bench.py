@@ -183,6 +183,19 @@ def _common(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def query_computed_times(documents: int, cached: int, every_request: int,
+                         query_blocks: int) -> tuple[float | None, bool]:
+    """(how many of a request's documents computed the query's own full blocks, whether
+    documents also hit blocks of each other's). The cache hits past the part every request
+    shares are the query's blocks, found by all documents but those that computed them;
+    more hits than documents - 1 can make are documents sharing blocks of their own (random
+    texts may begin alike), and then the count is known only to be at least 1."""
+    if not query_blocks:
+        return None, False
+    times = documents - max(cached - documents * every_request, 0) / query_blocks
+    return max(times, 1.0), times < 1
+
+
 async def _measure_score(client: Any, args: argparse.Namespace) -> dict:
     info = await client.model_info()
     rng = random.Random(args.seed)
@@ -203,12 +216,10 @@ async def _measure_score(client: Any, args: argparse.Namespace) -> dict:
         scores, usage = await _score(client, query, docs)
         latency = time.perf_counter() - t
         assert len(scores) == d and all(0.0 <= s <= 1.0 for s in scores), scores[:4]
-        query_hits = max(usage.cached_tokens - d * every_request, 0) / query_blocks \
-            if query_blocks else None
+        times, shared = query_computed_times(d, usage.cached_tokens, every_request, query_blocks)
         runs.append({"latency_ms": latency * 1e3, "documents_per_s": d / latency,
                      "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
-                     # documents that computed the query's blocks (1: once a request)
-                     "query_computed_times": None if query_hits is None else d - query_hits})
+                     "query_computed_times": times, "documents_shared_blocks": shared})
 
     def spread(key: str) -> dict[str, float]:
         values = [r[key] for r in runs]
@@ -225,6 +236,7 @@ async def _measure_score(client: Any, args: argparse.Namespace) -> dict:
             "shared_prefix_tokens": within, "shared_by_every_request_tokens": across,
             "query_block_tokens": query_blocks,
             "query_computed_times": spread("query_computed_times") if query_blocks else None,
+            "documents_shared_blocks": any(r["documents_shared_blocks"] for r in runs),
             "runs": runs}
 
 
@@ -232,7 +244,9 @@ def _describe_score(r: dict) -> str:
     lat, dps, times = r["latency_ms"], r["documents_per_s"], r["query_computed_times"]
     shared = (f"the {r['query_block_tokens']} tokens of the query's own full "
               f"{r['block_size']}-token blocks computed by {times['median']:.1f} of the "
-              f"{r['documents']} documents (median; 1 = once a request)" if times else
+              f"{r['documents']} documents (median; 1 = once a request"
+              + ("; documents also hit each other's blocks: 1 is a lower bound)"
+                 if r.get("documents_shared_blocks") else ")") if times else
               f"no full {r['block_size']}-token block of the query's own to share "
               "(scheduler --block-size)")
     return "\n".join([

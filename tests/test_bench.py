@@ -419,3 +419,15 @@ def test_null_model_takes_another_models_tokenizer(model_dir, tmp_path):
     eos = json.loads((model_dir / "tokenizer_config.json").read_text())["eos_token"]
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     assert json.loads((path / "config.json").read_text())["eos_token_id"] == tok.token_to_id(eos)
+
+
+def test_score_query_count_from_cache_hits():
+    """client.bench --score's count of the documents that computed the query's blocks, from
+    a request's cached tokens: 100 documents, 192 tokens every request shares, 32 of the
+    query's own: all but one document hit them -> 1; two computed them -> 2; more hits than
+    99 documents can make (documents sharing blocks of their own) -> at least 1, flagged."""
+    from client.embed_bench import query_computed_times
+    assert query_computed_times(100, 100 * 192 + 99 * 32, 192, 32) == (1.0, False)
+    assert query_computed_times(100, 100 * 192 + 98 * 32, 192, 32) == (2.0, False)
+    assert query_computed_times(100, 100 * 192 + 99 * 32 + 510, 192, 32) == (1.0, True)
+    assert query_computed_times(100, 5000, 192, 0) == (None, False)
