@@ -207,10 +207,14 @@ class Scheduler:
         self._class_seen[c] = time.monotonic()
 
     def _background(self, priority: int, now: float) -> bool:
-        """Whether a better class than `priority` is present: requests of it alive, or one
-        arrived or ended within background_hold_s (a caller's next request is on its way)."""
-        hold = self.config.background_hold_s
-        return any(c < priority and (self._class_live[c] or now - self._class_seen[c] < hold)
+        """Whether `priority` is a background class now: max_background_prefill_tokens is
+        set and a better class is present (requests of it alive, or one arrived or ended
+        within background_hold_s: a caller's next request is on its way)."""
+        cfg = self.config
+        if not cfg.max_background_prefill_tokens or len(self._priorities) < 2:
+            return False
+        return any(c < priority and (self._class_live[c]
+                                     or now - self._class_seen[c] < cfg.background_hold_s)
                    for c in self._priorities)
 
     def has_work(self) -> bool:
@@ -260,10 +264,9 @@ class Scheduler:
         if gap < 1.0:   # busy: a step's time, smoothed (an idle gap is not a step)
             self._step_s += (0.1 if self._step_s else 1.0) * (gap - self._step_s)
         batch = None
-        cap = self.config.max_background_prefill_tokens
-        if (cap and self.running and self.waiting and len(self._priorities) > 1
+        if (self.running and self.waiting
                 and self._background(self.waiting.head().sampling.priority, now)):
-            batch = self._schedule_mixed(cap)
+            batch = self._schedule_mixed(self.config.max_background_prefill_tokens)
         if batch is None and self._yield_last and self.running:
             # A flood of pooling requests (embeddings, scores) ends each prefill and leaves
             # nothing running to bound it, and a background class's prompts would hold up a
@@ -278,8 +281,7 @@ class Scheduler:
             batch = self._schedule_prefill()
         self._yield_last = batch is not None and batch.is_prefill and (
             all(s.sampling.pooling for s in batch.seqs)
-            or (self.config.max_background_prefill_tokens > 0 and len(self._priorities) > 1
-                and self._background(batch.seqs[0].sampling.priority, now)))
+            or self._background(batch.seqs[0].sampling.priority, now))
         return batch
 
     def _schedule_mixed(self, cap: int) -> Batch | None:
@@ -329,8 +331,7 @@ class Scheduler:
                 continue
             if seqs and seq.sampling.priority != seqs[0].sampling.priority:
                 break   # one class a step (waiting is ordered by class: the rest is worse)
-            if (not seqs and cfg.max_background_prefill_tokens and len(self._priorities) > 1
-                    and self._background(seq.sampling.priority, time.monotonic())):
+            if not seqs and self._background(seq.sampling.priority, time.monotonic()):
                 budget = min(budget, cfg.max_background_prefill_tokens)
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: re-prefill once it is known
