@@ -24,8 +24,9 @@ once at HBM speed (issue 64; the first form, one program per 64 channels per row
   partial sums to [splits, M, N] and counts itself on its tile's counter; the tile's last
   split adds the partials in split order (+ bias) and rounds: the sums take no atomics,
   the same bits on every run (--deterministic holds), and one launch (a second kernel for
-  the sums cost ~2-3 us a layer: 0.6B int8 ran 1.89 ms a token against bf16's 1.42 on an
-  H200). One split writes y directly. No host sync, grid from shapes only: graph safe.
+  the sums cost ~2-3 us a layer, reasoned: with it 0.6B int8 ran 1.78 ms a token against
+  bf16's 1.42 in one H200 lease; in one lease without it, 1.68 against 1.76). One split
+  writes y directly. No host sync, grid from shapes only: graph safe.
 - Chunks: a loop iteration loads two chunks of GEMV_BLOCK_KW = 16 words x BLOCK_N = 128
   channels (2 x 8 KiB of int32, each warp row 512 contiguous bytes, 16-byte loads) before
   using either. A chunk stays in the words' own [16, 128] register layout: value j of every
