@@ -48,8 +48,8 @@ def runner(tmp_path_factory):
     r = ModelRunner(RunnerConfig(model_dir=str(path), device=DEVICE, dtype="float32",
                                  attention_backend="auto", kv_cache_gb=0.01,
                                  max_model_len=256, deterministic=True, **GPU_LIMITS))
+    r.backend.split_len = SPLIT_LEN   # before init_kv: CUDA graphs freeze it at capture
     r.init_kv(96, BS)
-    r.backend.split_len = SPLIT_LEN
     yield r
     loading.set_deterministic(False, TPGroup())   # the process-wide switch: leave it off
 
@@ -250,8 +250,8 @@ def bf16_runner(tmp_path_factory, quantization: str) -> ModelRunner:
                                  kv_cache_dtype="fp8", quantization=quantization,
                                  attention_backend="auto", kv_cache_gb=0.01, max_model_len=256,
                                  deterministic=True, **GPU_LIMITS))
+    r.backend.split_len = SPLIT_LEN   # before init_kv: CUDA graphs freeze it at capture
     r.init_kv(96, BS)
-    r.backend.split_len = SPLIT_LEN
     return r
 
 

@@ -179,9 +179,9 @@ def serve(path: Path, prompt: int = 20, split_len: int | None = None, **config) 
     r = ModelRunner(RunnerConfig(model_dir=str(path), device="cpu", dtype="bfloat16",
                                  attention_backend="triton", kv_cache_gb=0.01,
                                  max_model_len=128, **config))
-    r.init_kv(32, BS)
     if split_len:
-        r.backend.split_len = split_len
+        r.backend.split_len = split_len   # before init_kv: CUDA graphs freeze it at capture
+    r.init_kv(32, BS)
     _prefill(r, 1, {1: prompt, 2: 3})
     _decode(r, 2, [1, 2])
     _decode(r, 3, [1])

@@ -71,8 +71,8 @@ def runner(path: str, eager: bool, captured: Captured | None = None):
             def keep(_m, _i, out, name=name or "model") -> None:   # (None: output kept)
                 captured.hook(name, out[0] if isinstance(out, tuple) else out)
             m.register_forward_hook(keep)
+    r.backend.split_len = SPLIT_LEN   # before init_kv: CUDA graphs freeze it at capture
     r.init_kv(96, BS)
-    r.backend.split_len = SPLIT_LEN
     return r
 
 
