@@ -1,0 +1,89 @@
+"""The batch-invariant GEMM's tiles (kernels/batch_invariant.py, --deterministic): each candidate
+config's time against cuBLAS at decode and prefill row counts, and whether it keeps a row's
+bits whatever the rows beside it (on this GPU: the MMA instruction a tile shape compiles to is
+the compiler's choice, so invariance is checked, not assumed).
+
+Per shape (Qwen3-0.6B and 8B projections, the 8B LM head) and M, LAYERS weight copies are
+multiplied back to back from one CUDA graph, so weights stream from HBM as in a step; us per
+call. Invariance: rows 0..m-1 of a 300-row batch against the same rows computed in batches of
+1, 7, 64, 65 and 300 rows, and with the rows shifted by 5 places (another place in the tile).
+
+    python tests/gpu/bench_invariant_linear.py [--m 1,8,64,256,2048] [--configs all]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_decode_attention import gpu_time_ms  # noqa: E402
+from kernels.batch_invariant import _matmul_kernel, invariant_linear  # noqa: E402
+
+SHAPES = {  # name: (N, K, copies)
+    "0.6B qkv": (4096, 1024, 28), "0.6B o": (1024, 2048, 28),
+    "0.6B gate_up": (6144, 1024, 28), "0.6B down": (1024, 3072, 28),
+    "8B qkv": (6144, 4096, 12), "8B o": (4096, 4096, 12),
+    "8B gate_up": (24576, 4096, 6), "8B down": (4096, 12288, 6), "8B lm_head": (151936, 4096, 1),
+}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); None = kernels/batch_invariant's rule
+CONFIGS = [None, (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
+           (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 32, 128, 4, 5), (64, 64, 256, 4, 3),
+           (64, 256, 64, 8, 3)]
+
+
+def run(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
+    if cfg is None:
+        return invariant_linear(x, w)
+    bm, bn, bk, warps, stages = cfg
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x, w, y, y, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        HAS_SCALE=False, HAS_BIAS=False, PRECISION="tf32", RNE_BF16=False,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y
+
+
+def invariant(w: torch.Tensor, cfg) -> bool:
+    x = torch.randn(305, w.shape[1], dtype=w.dtype, device=w.device)
+    full = run(x[:300], w, cfg)
+    for m in (1, 7, 64, 65, 300):
+        if not torch.equal(run(x[:m], w, cfg), full[:m]):
+            return False
+    return torch.equal(run(x[5:305], w, cfg)[:295], run(x[5:300], w, cfg))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="1,8,64,256,2048")
+    ap.add_argument("--shapes", default="all")
+    args = ap.parse_args()
+    ms = [int(m) for m in args.m.split(",")]
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}, bf16; us per call (cuBLAS | configs: "
+          f"{', '.join(str(c) for c in CONFIGS)}); 'x' = not batch-invariant\n")
+    for name in names:
+        N, K, copies = SHAPES[name]
+        ws = [torch.randn(N, K, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(copies)]
+        ok = {str(c): invariant(ws[0], c) for c in CONFIGS}
+        for m in ms:
+            x = torch.randn(m, K, dtype=torch.bfloat16, device=dev)
+            row = [gpu_time_ms(lambda: [F.linear(x, w) for w in ws], reps=10) * 1e3 / copies]
+            for c in CONFIGS:
+                row.append(gpu_time_ms(lambda: [run(x, w, c) for w in ws], reps=10) * 1e3 / copies)
+            gbs = N * K * 2 / (min(row[1:]) * 1e-6) / 1e9
+            cells = " | ".join(f"{t:.1f}{'' if ok[str(c)] else 'x'}" for t, c in zip(row[1:], CONFIGS))
+            print(f"| {name} | {m} | {row[0]:.1f} | {cells} | best {gbs:.0f} GB/s |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
