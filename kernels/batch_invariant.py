@@ -4,17 +4,19 @@ function of that row alone, whatever the number of rows (--deterministic, issue 
 Why a kernel of its own: cuBLAS picks its algorithm (tile shape, split-K, stream-K) from
 M, so one token's logits change with the batch beside it; the GEMV (kernels/gemv.py) that
 serves one row and the GEMM that serves more are two reduction orders by construction.
-Here one program owns a BLOCK_M x BLOCK_N output tile and walks K from 0 in BLOCK_K
-steps, accumulating in float32 with tl.dot; the tile sizes are constants, never chosen
-from M, K is never split and nothing is atomic. An output element's sum is then the same
-sequence of the same dots for every M: the row's place in its tile does not change an
-MMA's per-element order (nor BLAS's in the interpreter), and other rows only fill other
-lanes. The alternative, cuBLAS on the batch padded to one fixed bucket, keeps cuBLAS's
-speed at that bucket only: a decode batch padded to 256 rows, or a prefill cut into
-256-row slices that each re-read the weights, costs more than fixed tiles at both ends,
-and which algorithm cuBLAS runs inside the bucket is still its own choice per GPU and
-library version. The tiles are a function of N and K only (allowed: they are the layer's,
-not the batch's); their GPU cost is unmeasured (README: deterministic mode).
+Here one program owns a BLOCK_M x BLOCK_N output tile and walks K from 0, accumulating in
+float32 with tl.dot; K is never split and nothing is atomic. An output element's sum is then
+the same sequence of the same products for every M: on the GPU every tl.dot is a chain of
+16-wide MMAs (or FMAs for fp32) accumulated into the running tile in K order, so neither
+the row's place in its tile, nor the tile's shape, nor BLOCK_K changes an element's order,
+and the tiles may follow the row count (`tiles`: narrow, deep-pipelined tiles for a decode
+step's few rows, which are bound by the weights' bandwidth; 128 x 128 for prefill, bound by
+the MMAs). tests/gpu/bench_invariant_linear.py checks that on the GPU (every config against
+every other, bit for bit) and times them against cuBLAS. The interpreter's tl.dot is a
+numpy matmul added to the accumulator, so there BLOCK_K groups the sum: it runs one fixed
+tile. The alternative, cuBLAS on the batch padded to one fixed bucket, keeps cuBLAS's
+speed at that bucket only, and which algorithm cuBLAS runs inside it is still its own
+choice per GPU and library version.
 
 W may be bf16 / fp16 / fp32, or e4m3 with one float32 scale per output channel: widened
 to x's dtype in the tile (exact), weight-only (x is not quantized), so the values are
@@ -29,14 +31,29 @@ import triton.language as tl
 from kernels.gemv import linear_rows
 from kernels.interpret import INTERPRET, INTERPRET_ENV, cast
 
-BLOCK_M = 64    # rows per tile: fixed, the rule (never from the row count)
+BLOCK_M = 64    # the interpreter's one tile (see above): BLOCK_M x block_n(N) x BLOCK_K
 BLOCK_K = 64
 
 
 def block_n(n: int) -> int:
-    """Output channels per tile: 64, or 32 for narrow layers (more programs for a decode
-    step's few rows). A function of the layer, never of the row count."""
+    """The interpreter's output channels per tile: 64, or 32 for narrow layers."""
     return 32 if n <= 2048 else 64
+
+
+def tiles(m: int, n: int, wide: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) on the GPU for m rows of an n-channel layer:
+    the fastest invariant config of tests/gpu/bench_invariant_linear.py on an H200 (bf16,
+    Qwen3-0.6B / 8B shapes) per row range. Up to 64 rows the weights' bandwidth decides:
+    enough programs to cover the SMs and deep pipelines (8B down 85.6 -> 35.3 us at 1 row,
+    cuBLAS 30.1); past 512 the MMAs do (8B gate_up at 2048 rows 1174 -> 767 us). wide
+    (float32 operands): half the BLOCK_K, so the stages still fit in shared memory."""
+    if m <= 64:
+        t = (64, 32, 128, 4, 5) if n <= 4096 else (64, 64, 256, 4, 3)
+    elif m <= 512 and n < 16384:
+        t = (64, 128, 128, 8, 3)
+    else:
+        t = (128, 128, 64, 8, 3)
+    return (t[0], t[1], t[2] // 2, t[3], t[4]) if wide else t
 
 
 def invariant_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -96,13 +113,14 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | Non
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        bn = block_n(N)
+        bm, bn, bk, warps, stages = ((BLOCK_M, block_n(N), BLOCK_K, 4, 3) if INTERPRET_ENV
+                                     else tiles(M, N, x.dtype == torch.float32))
         sc = scale.reshape(-1).contiguous() if scale is not None else None
-        _matmul_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, bn))](
+        _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
             M, N, K, x2.stride(0), w.stride(0), y.stride(0),
             HAS_SCALE=sc is not None, HAS_BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
-            BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y.reshape(*shape[:-1], N)

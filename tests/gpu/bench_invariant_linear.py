@@ -7,8 +7,10 @@ Per shape (Qwen3-0.6B and 8B projections, the 8B LM head) and M, LAYERS weight c
 multiplied back to back from one CUDA graph, so weights stream from HBM as in a step; us per
 call. Invariance: rows 0..m-1 of a 300-row batch against the same rows computed in batches of
 1, 7, 64, 65 and 300 rows, and with the rows shifted by 5 places (another place in the tile).
+--cross: only whether every config gives the bits of every other (kernels/batch_invariant.py's
+`tiles` follows the row count on that ground), bf16 and fp32, a line per shape.
 
-    python tests/gpu/bench_invariant_linear.py [--m 1,8,64,256,2048] [--configs all]
+    python tests/gpu/bench_invariant_linear.py [--m 1,8,64,256,2048] [--shapes all] [--cross]
 """
 from __future__ import annotations
 
@@ -38,16 +40,17 @@ CONFIGS = [None, (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
            (64, 256, 64, 8, 3)]
 
 
-def run(x: torch.Tensor, w: torch.Tensor, cfg) -> torch.Tensor:
+def run(x: torch.Tensor, w: torch.Tensor, cfg, precision: str = "tf32") -> torch.Tensor:
     if cfg is None:
         return invariant_linear(x, w)
     bm, bn, bk, warps, stages = cfg
+    bk = bk // 2 if x.dtype == torch.float32 else bk   # (as batch_invariant.tiles)
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x, w, y, y, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        HAS_SCALE=False, HAS_BIAS=False, PRECISION="tf32", RNE_BF16=False,
+        HAS_SCALE=False, HAS_BIAS=False, PRECISION=precision, RNE_BF16=False,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y
 
@@ -61,14 +64,38 @@ def invariant(w: torch.Tensor, cfg) -> bool:
     return torch.equal(run(x[5:305], w, cfg)[:295], run(x[5:300], w, cfg))
 
 
+def cross(w: torch.Tensor) -> list[str]:
+    """The configs whose bits differ from the first's (300 rows), bf16 and fp32."""
+    bad = []
+    for dtype, prec in ((torch.bfloat16, "tf32"), (torch.float32, "ieee")):
+        wd = w.to(dtype)
+        x = torch.randn(300, w.shape[1], dtype=dtype, device=w.device)
+        ref = None
+        for c in CONFIGS[1:] + [None]:
+            y = invariant_linear(x, wd) if c is None else run(x, wd, c, prec)
+            if ref is None:
+                ref = y
+            elif not torch.equal(y, ref):
+                bad.append(f"{dtype} {c}: max |d| {(y.float() - ref.float()).abs().max().item():.3g}")
+    return bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,8,64,256,2048")
     ap.add_argument("--shapes", default="all")
+    ap.add_argument("--cross", action="store_true", help="only: every config's bits against every other's")
     args = ap.parse_args()
     ms = [int(m) for m in args.m.split(",")]
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     dev = torch.device("cuda")
+    if args.cross:
+        for name in names:
+            N, K, _ = SHAPES[name]
+            bad = cross(torch.randn(N, K, dtype=torch.float32, device=dev) * 0.02)
+            print(f"{name}: {'every config the same bits' if not bad else 'DIFFER ' + '; '.join(bad)}",
+                  flush=True)
+        return
     print(f"{torch.cuda.get_device_name()}, bf16; us per call (cuBLAS | configs: "
           f"{', '.join(str(c) for c in CONFIGS)}); 'x' = not batch-invariant\n")
     for name in names:
