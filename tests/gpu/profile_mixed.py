@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cprofile", action="store_true", help="also the mixed step's host time under cProfile")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -77,6 +78,15 @@ def main() -> None:
     timed(f"decode {args.decode} rows", lambda: dict(decodes=decode_rows()))
     timed(f"prefill {args.chunks} x {args.chunk_len}", lambda: dict(prefills=chunk()))
     timed(f"mixed: both", lambda: dict(prefills=chunk(), decodes=decode_rows()))
+    if args.cprofile:
+        import cProfile
+        import pstats
+        kw = [dict(prefills=chunk(), decodes=decode_rows()) for _ in range(3)]
+        with cProfile.Profile() as cp:
+            for k in kw:
+                s(**k)
+                sync()
+        pstats.Stats(cp).sort_stats("cumulative").print_stats(30)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         s(prefills=chunk(), decodes=decode_rows())
