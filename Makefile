@@ -54,7 +54,7 @@ $(STUBS) &: $(PROTOS) | $(PINS)
 		--grpc_python_out=protos $(PROTOS)
 
 test: $(VENV)/.installed-test proto
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # Build the images and run docker-compose.yml + docker-compose.cpu.yml for real (tests/compose_check.py):
 # starts dockerd if none answers (../shared/CONTAINERS.md), streams through the published ports,
