@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 from nanoserve import cli
 from scheduler_service.supervision import RestartPolicy
 
+# A worker that refuses its configuration exits with this (sysexits EX_CONFIG; the planes do
+# not import each other, tests/test_supervision.py checks it equals the worker's): a restart
+# would only repeat the refusal, so the launcher stops with the worker's reason on its stderr.
+EXIT_CONFIG = 78
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -254,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             delay = u.policy.next_delay(now)
             which = (f"rank {u.procs.index(dead)} " if len(u.procs) > 1 else "")
+            if dead.returncode == EXIT_CONFIG:
+                log(f"the {u.name} {which}refused its configuration (exit status {EXIT_CONFIG}, "
+                    "the reason is above): not restarting, stopping")
+                stopping, code = True, 1
+                break
             if delay is None:
                 log(f"the {u.name} {which}exited ({_describe(dead)}) more than "
                     f"{args.max_restarts} times in {args.restart_window:g}s: crash loop, stopping")

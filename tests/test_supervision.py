@@ -240,6 +240,27 @@ def test_restarted_group_starts_from_spares_that_did_their_imports(tmp_path_fact
         assert launcher.stop(signal.SIGTERM, timeout=60) == 0, launcher.output()
 
 
+def test_a_refused_configuration_stops_the_launcher_without_restarts(tmp_path_factory):
+    """A worker that refuses its flags (here --deterministic beside --small-batch-kernel
+    persistent) exits EX_CONFIG with its reason; the launcher does not restart it (the
+    refusal would only repeat) and exits 1 at once."""
+    from scheduler_service import launch
+    from worker_service import __main__ as worker_main
+    assert launch.EXIT_CONFIG == worker_main.EXIT_CONFIG
+    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=VOCAB, num_heads=4, num_kv_heads=2,
+                               seed=25)
+    launcher = Proc("launcher", [
+        "scheduler_service.launch", "--model", str(model_dir), "--device", "cpu",
+        "--port", str(free_port()), "--worker-base-port", str(free_port()), "--deterministic",
+        "--worker-args", "--small-batch-kernel persistent --kv-cache-gb 0.05"]).launch()
+    code = launcher.wait_exit(120)
+    out = launcher.output()
+    launcher.stop(signal.SIGKILL)
+    assert code == 1, out
+    assert "configuration error" in out and "small-batch-kernel" in out, out
+    assert "refused its configuration" in out and "; restarting" not in out, out
+
+
 def test_crash_loop_stops_the_launcher_with_status_1(tmp_path):
     """A group that keeps exiting is not restarted forever: after --max-restarts exits
     within --restart-window the launcher stops everything and exits 1."""

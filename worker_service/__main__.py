@@ -13,6 +13,8 @@ import time
 from nanoserve import cli, model_task, process
 
 EXIT_GROUP_BROKEN = 69   # == worker_service.distributed.EXIT_GROUP_BROKEN (not imported: no torch for --help)
+EXIT_CONFIG = 78         # sysexits EX_CONFIG: the model, the host and the flags cannot go together
+                         # (a restart would only repeat it); the launcher does not restart on it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -20,6 +22,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m worker_service",
         description="nanoserve worker: owns the model weights and the KV cache of one "
                     "tensor-parallel rank and executes the Step batches a scheduler sends.",
+        epilog=f"Exit status {EXIT_CONFIG}: the model, the host and the flags cannot go together "
+               "(the reason on stderr; a restart would repeat it, so the launcher stops); "
+               f"{EXIT_GROUP_BROKEN}: the TP group broke (restart the group); 2: bad flags.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory (config.json + *.safetensors); required "
@@ -303,8 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         max_loras=args.max_loras,
         host_kv_cache_gb=args.host_kv_cache_gb,
         max_lora_rank=args.max_lora_rank, tasks=args.tasks)
-    runner = (distributed.TPModelRunner(runner_config, group) if group is not None
-              else ModelRunner(runner_config))
+    try:
+        runner = (distributed.TPModelRunner(runner_config, group) if group is not None
+                  else ModelRunner(runner_config))
+    except ValueError as e:   # a refused configuration (the loader's and the modes' checks)
+        print(f"nanoserve worker rank {args.rank}: configuration error: {e}", file=sys.stderr,
+              flush=True)
+        return EXIT_CONFIG
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
                          args.port, args.secret, args.credentials)
     serve_metrics(args)
