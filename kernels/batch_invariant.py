@@ -40,20 +40,21 @@ def block_n(n: int) -> int:
     return 32 if n <= 2048 else 64
 
 
-def tiles(m: int, n: int, wide: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) on the GPU for m rows of an n-channel layer:
-    the fastest invariant config of tests/gpu/bench_invariant_linear.py on an H200 (bf16,
-    Qwen3-0.6B / 8B shapes) per row range. Up to 64 rows the weights' bandwidth decides:
-    enough programs to cover the SMs and deep pipelines (8B down 85.6 -> 35.3 us at 1 row,
-    cuBLAS 30.1); past 512 the MMAs do (8B gate_up at 2048 rows 1174 -> 767 us). wide
-    (float32 operands): half the BLOCK_K, so the stages still fit in shared memory."""
+def tiles(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for m rows of an n-channel layer (16-bit
+    operands; invariant_linear halves BLOCK_K for float32 on a GPU). The interpreter: its
+    one tile. A GPU: the fastest invariant config of tests/gpu/bench_invariant_linear.py on
+    an H200 (bf16, Qwen3-0.6B / 8B shapes) per row range. Up to 64 rows the weights'
+    bandwidth decides: enough programs to cover the SMs and deep pipelines (8B down 85.6 ->
+    35.3 us at 1 row, cuBLAS 30.1); past 512 the MMAs do (8B gate_up at 2048 rows 1174 ->
+    767 us)."""
+    if INTERPRET_ENV:
+        return BLOCK_M, block_n(n), BLOCK_K, 4, 3
     if m <= 64:
-        t = (64, 32, 128, 4, 5) if n <= 4096 else (64, 64, 256, 4, 3)
-    elif m <= 512 and n < 16384:
-        t = (64, 128, 128, 8, 3)
-    else:
-        t = (128, 128, 64, 8, 3)
-    return (t[0], t[1], t[2] // 2, t[3], t[4]) if wide else t
+        return (64, 32, 128, 4, 5) if n <= 4096 else (64, 64, 256, 4, 3)
+    if m <= 512 and n < 16384:
+        return 64, 128, 128, 8, 3
+    return 128, 128, 64, 8, 3
 
 
 def invariant_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -103,18 +104,22 @@ def _matmul_kernel(X, W, Scale, Bias, Y, M, N, K, stride_xm, stride_wn, stride_y
 
 
 def invariant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None,
+                     config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """invariant_linear_ref's values, each row's bits independent of the other rows:
     x [..., K] (bf16 / fp16 / fp32), w [N, K] (rows contiguous; e4m3 needs scale [N, 1]
-    float32), bias [N] or None -> [..., N] in x's dtype. No host sync: CUDA-graph safe."""
+    float32), bias [N] or None -> [..., N] in x's dtype. No host sync: CUDA-graph safe.
+    config: a tile instead of `tiles`' choice (tests/gpu/bench_invariant_linear.py times
+    the candidates; every one gives the same bits on a GPU)."""
     shape = x.shape
     x2, N = linear_rows(x, w, scale, bias)
     K = shape[-1]
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        bm, bn, bk, warps, stages = ((BLOCK_M, block_n(N), BLOCK_K, 4, 3) if INTERPRET_ENV
-                                     else tiles(M, N, x.dtype == torch.float32))
+        bm, bn, bk, warps, stages = config or tiles(M, N)
+        if x.dtype == torch.float32 and not INTERPRET_ENV:
+            bk //= 2   # float32 operands: the stages still fit in shared memory
         sc = scale.reshape(-1).contiguous() if scale is not None else None
         _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,

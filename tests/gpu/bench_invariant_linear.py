@@ -20,13 +20,12 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_decode_attention import gpu_time_ms  # noqa: E402
-from kernels.batch_invariant import _matmul_kernel, invariant_linear  # noqa: E402
+from kernels.batch_invariant import invariant_linear  # noqa: E402
 
 SHAPES = {  # name: (N, K, copies)
     "0.6B qkv": (4096, 1024, 28), "0.6B o": (1024, 2048, 28),
@@ -34,45 +33,32 @@ SHAPES = {  # name: (N, K, copies)
     "8B qkv": (6144, 4096, 12), "8B o": (4096, 4096, 12),
     "8B gate_up": (24576, 4096, 6), "8B down": (4096, 12288, 6), "8B lm_head": (151936, 4096, 1),
 }
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); None = kernels/batch_invariant's rule
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for invariant_linear's `config`; None =
+# kernels/batch_invariant's rule
 CONFIGS = [None, (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
            (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 32, 128, 4, 5), (64, 64, 256, 4, 3),
            (64, 256, 64, 8, 3)]
 
 
-def run(x: torch.Tensor, w: torch.Tensor, cfg, precision: str = "tf32") -> torch.Tensor:
-    if cfg is None:
-        return invariant_linear(x, w)
-    bm, bn, bk, warps, stages = cfg
-    bk = bk // 2 if x.dtype == torch.float32 else bk   # (as batch_invariant.tiles)
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, w, y, y, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        HAS_SCALE=False, HAS_BIAS=False, PRECISION=precision, RNE_BF16=False,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return y
-
-
 def invariant(w: torch.Tensor, cfg) -> bool:
     x = torch.randn(305, w.shape[1], dtype=w.dtype, device=w.device)
-    full = run(x[:300], w, cfg)
+    full = invariant_linear(x[:300], w, config=cfg)
     for m in (1, 7, 64, 65, 300):
-        if not torch.equal(run(x[:m], w, cfg), full[:m]):
+        if not torch.equal(invariant_linear(x[:m], w, config=cfg), full[:m]):
             return False
-    return torch.equal(run(x[5:305], w, cfg)[:295], run(x[5:300], w, cfg))
+    return torch.equal(invariant_linear(x[5:305], w, config=cfg)[:295],
+                       invariant_linear(x[5:300], w, config=cfg))
 
 
 def cross(w: torch.Tensor) -> list[str]:
     """The configs whose bits differ from the first's (300 rows), bf16 and fp32."""
     bad = []
-    for dtype, prec in ((torch.bfloat16, "tf32"), (torch.float32, "ieee")):
+    for dtype in (torch.bfloat16, torch.float32):
         wd = w.to(dtype)
         x = torch.randn(300, w.shape[1], dtype=dtype, device=w.device)
         ref = None
         for c in CONFIGS[1:] + [None]:
-            y = invariant_linear(x, wd) if c is None else run(x, wd, c, prec)
+            y = invariant_linear(x, wd, config=c)
             if ref is None:
                 ref = y
             elif not torch.equal(y, ref):
@@ -106,7 +92,7 @@ def main() -> None:
             x = torch.randn(m, K, dtype=torch.bfloat16, device=dev)
             row = [gpu_time_ms(lambda: [F.linear(x, w) for w in ws], reps=10) * 1e3 / copies]
             for c in CONFIGS:
-                row.append(gpu_time_ms(lambda: [run(x, w, c) for w in ws], reps=10) * 1e3 / copies)
+                row.append(gpu_time_ms(lambda: [invariant_linear(x, w, config=c) for w in ws], reps=10) * 1e3 / copies)
             gbs = N * K * 2 / (min(row[1:]) * 1e-6) / 1e9
             cells = " | ".join(f"{t:.1f}{'' if ok[str(c)] else 'x'}" for t, c in zip(row[1:], CONFIGS))
             print(f"| {name} | {m} | {row[0]:.1f} | {cells} | best {gbs:.0f} GB/s |", flush=True)
