@@ -257,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             if dead is None:
                 u.keep_spares()
                 continue
-            delay = u.policy.next_delay(now)
             which = (f"rank {u.procs.index(dead)} " if len(u.procs) > 1 else "")
             if dead.returncode == EXIT_CONFIG:
                 log(f"the {u.name} {which}refused its configuration (exit status {EXIT_CONFIG}, "
                     "the reason is above): not restarting, stopping")
                 stopping, code = True, 1
                 break
+            delay = u.policy.next_delay(now)
             if delay is None:
                 log(f"the {u.name} {which}exited ({_describe(dead)}) more than "
                     f"{args.max_restarts} times in {args.restart_window:g}s: crash loop, stopping")
