@@ -341,7 +341,7 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
     """The CUDA graphs' computation (DecodeGraphs.load + _forward, PrefillGraphs.load +
     forward: what a replay runs) with adapter slots in their static buffer gives the eager
     step's logits, padding rows included (slot -1); with every slot -1 it does not."""
-    from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs
+    from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, rows_out
     from worker_service.executors import StepInputs
     runner = _runner(model_dir, adapters, max_loras=2)
     store = runner.adapters
@@ -376,7 +376,7 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
         eager = runner.forward(plan).out
         slots = store.slots(runner.table.adapter[plan.rows], plan.num_tokens)
         pg = PrefillGraphs(runner.model, 64, runner.max_model_len, 8, runner.device, store.ctx, 2)
-        padded = pg.forward(pg.load(StepInputs(plan, lora=slots), 0))
+        padded = rows_out(plan, *pg.forward(pg.load(StepInputs(plan, lora=slots)))).out
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
 
 

@@ -2,8 +2,9 @@
 
 A graph replays what `PrefillGraphs.forward(bucket)` (`DecodeGraphs._forward(bucket)`)
 computes on its static inputs, so this runs that computation without a graph (CPU,
-Triton interpreter) and checks that a sequence's prefill padded to its bucket gives the
-eager step's logits and writes the same KV slots and no others, and that a decode step
+Triton interpreter) and checks that a step's rows padded to its bucket (one sequence,
+several, prompt chunks beside decode rows, pooling rows) give the eager step's logits and
+pooled states and write the same KV slots and no others, and that a decode step
 with fast-forward rows, loaded with its runs, gives what the rows give one by one. The
 graphs themselves: tests/gpu/test_model_gpu.py.
 """
@@ -17,7 +18,7 @@ from nanoserve.v1 import worker_pb2
 from tiny_checkpoint import tiny_qwen3_dir
 from kernels.attention import decode_runs
 from worker_service import step_meta
-from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
+from worker_service.cuda_graphs import ROWS, DecodeGraphs, PrefillGraphs, rows_out, token_buckets
 from worker_service.executors import StepInputs
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -54,6 +55,11 @@ def prefill(step_id, seq_id, tokens, start, table=None, sample=True):
     return req
 
 
+def replayed(pg, step):
+    """What PrefillGraphs.run gives, computed without a graph (load + forward)."""
+    return rows_out(step.plan, *pg.forward(pg.load(step)))
+
+
 def padded_matches_eager(runner, pg, plan):
     """Eager logits == padded logits; the padded run writes only the plan's slots, and the
     same values there."""
@@ -61,7 +67,7 @@ def padded_matches_eager(runner, pg, plan):
     eager = runner.forward(plan).out
     after_eager = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
-    padded = pg.forward(pg.load(StepInputs(plan)))
+    padded = replayed(pg, StepInputs(plan)).out
     torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
     slots = torch.from_numpy(plan.slot_mapping.astype(np.int64))
@@ -114,11 +120,11 @@ def several(step_id, rows):
     return req
 
 
-def test_a_few_sequences_replay_one_bucket_each(runner):
-    """Rows of a several-sequence prefill step, each padded to its own bucket in turn,
-    give the eager batch's logits for the rows that sample."""
+def test_a_few_sequences_share_one_replay(runner):
+    """Rows of a several-sequence prefill step, padded together to one bucket, give the
+    eager batch's logits for the rows that sample."""
     runner.kv_cache.zero_()
-    pg = PrefillGraphs(runner.model, 192, runner.max_model_len, BS, runner.device)
+    pg = PrefillGraphs(runner.model, 256, runner.max_model_len, BS, runner.device)
     gen = torch.Generator().manual_seed(11)
     tok = lambda n: torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
     head = tok(30)
@@ -128,22 +134,68 @@ def test_a_few_sequences_replay_one_bucket_each(runner):
                                          (22, tok(9), 0, [9], False),        # a first chunk
                                          (23, tok(130), 0, list(range(10, 19)), True)]))
     assert pg.fits(StepInputs(plan)) and plan.num_samples == 3
+    padded_matches_eager(runner, pg, plan)
+
+
+def test_chunks_beside_decode_rows_share_one_replay(runner):
+    """A mixed step (a prompt chunk after its cached prefix, a new prompt, two decode rows
+    whose input is the last step's sample, a placeholder filled on the device): one replay
+    gives the eager step's logits and KV."""
+    runner.kv_cache.zero_()
+    pg = PrefillGraphs(runner.model, 128, runner.max_model_len, BS, runner.device)
+    gen = torch.Generator().manual_seed(12)
+    tok = lambda n: torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+    first = runner.table.plan(several(1, [(31, tok(20), 0, [50, 51], True),
+                                          (32, tok(5), 0, [52], True),
+                                          (33, tok(40), 0, [53, 54, 55, 56], False)]))
+    runner.forward(first)
+    runner.table.commit(first)
+    req = several(2, [(33, tok(24), 40, None, True), (34, tok(17), 0, [57, 58], True)])
+    req.decode.seq_ids_u64 = np.array([31, 32], "<u8").tobytes()
+    req.decode.token_ids_i32 = np.array([-1, 7], "<i4").tobytes()   # 31's: last step's sample
+    plan = runner.table.plan(req)
+    assert not plan.is_decode and len(plan.rows) == 4 and plan.fill is not None
+    sample = torch.tensor([11, 12, 13], dtype=torch.int64)   # the last step's samples (rows)
+    fill = (torch.from_numpy(plan.fill[0]), sample[torch.from_numpy(plan.fill[1])])
+    step = StepInputs(plan, fill=fill)
+    assert pg.fits(step)
     before = runner.kv_cache.clone()
-    eager = runner.forward(plan).out
+    eager = runner.executors[-1].run(step).out
     after_eager = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
-    padded = [pg.forward(pg.load(StepInputs(plan), row)) for row in range(4)]
-    torch.testing.assert_close(torch.cat([padded[i] for i in (0, 1, 3)]), eager,
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(replayed(pg, step).out, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_pooling_rows_share_one_replay(runner, monkeypatch):
+    """An embedding request's documents (pooling rows) beside a sampling row: one replay
+    gives the eager step's pooled hidden states and logits."""
+    monkeypatch.setattr(runner.table, "tasks", frozenset())   # (every task: generate + embed)
+    runner.kv_cache.zero_()
+    pg = PrefillGraphs(runner.model, 128, runner.max_model_len, BS, runner.device)
+    gen = torch.Generator().manual_seed(13)
+    tok = lambda n: torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+    req = several(1, [(41, tok(30), 0, [20, 21], True), (42, tok(12), 0, [22], True),
+                      (43, tok(50), 0, [23, 24, 25, 26], True)])
+    for w in (req.seqs[0], req.seqs[2]):
+        w.pooling.kind = worker_pb2.WorkerPooling.KIND_EMBED
+    plan = runner.table.plan(req)
+    assert plan.pool.tolist() == [True, False, True] and plan.num_samples == 1
+    step = StepInputs(plan)
+    assert pg.fits(step)
+    eager = runner.executors[-1].run(step)
+    got = replayed(pg, step)
+    torch.testing.assert_close(got.pooled, eager.pooled, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.out, eager.out, rtol=1e-4, atol=1e-4)
 
 
 def test_what_fits(runner):
     pg = PrefillGraphs(runner.model, 128, runner.max_model_len, BS, runner.device)
     rows = lambda k, n: several(1, [(s, list(range(n)), 0, [s], True) for s in range(1, k + 1)])
     fits = lambda plan: pg.fits(StepInputs(plan))
-    assert fits(runner.table.plan(rows(4, 3)))
-    assert not fits(runner.table.plan(rows(5, 3)))                         # eager beats 5 replays
+    assert fits(runner.table.plan(rows(ROWS, 8)))                           # 128 tokens in all
+    assert not fits(runner.table.plan(rows(ROWS, 9)))                       # 144: past the largest
+    assert not fits(runner.table.plan(rows(ROWS + 1, 2)))                   # one row too many
     assert not fits(runner.table.plan(prefill(1, 3, [5], 0, [4])))         # one token: decode
     assert not fits(runner.table.plan(prefill(1, 4, list(range(129)), 0, list(range(9)))))
 

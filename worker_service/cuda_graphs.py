@@ -11,11 +11,11 @@ padded (slot -1: nothing stored).
   Rows that are one sequence's fast-forward tokens come with their runs
   (kernels.attention_metadata.decode_runs), which the Triton decode kernel reads from a
   buffer like every other input: a step with runs replays the same graph.
-* PrefillGraphs: prefills of one sequence (online serving's usual prefill step: one new
-  prompt, or one chunk of one), bucketed by token count; padding tokens belong to no
-  sequence (attention skips them) and only the last real token's logits are computed.
-  A prefill step of a few sequences replays one graph per sequence; larger batches stay
-  eager: their launches are spread over many prompts' tokens.
+* PrefillGraphs: every other step of up to ROWS rows (prompts, prompt chunks, and decode
+  rows beside them: a mixed step; pooling rows), bucketed by the step's token count;
+  padding tokens belong to no row and padding rows have no tokens (attention skips both),
+  and only each row's last token's logits and hidden state are computed. Larger steps
+  stay eager: their launches are spread over many prompts' tokens.
 
 With LoRA adapters (models/lora.py) each token's adapter slot is one more static input
 (-1 for padding and the base model): the graph groups the rows by slot itself
@@ -235,17 +235,21 @@ def token_buckets(max_tokens: int) -> list[int]:
     return small + list(range(640, max_tokens + 1, 128))
 
 
-# A replay costs ~2 ms of GPU time even for a few tokens (every weight is read), an eager
-# prefill step ~14 ms of launches (H100 host, Qwen3-0.6B: tests/gpu/RESULTS.md): past a
-# few sequences, one eager step beats a replay per sequence.
-MAX_ROWS = 4
+# Rows (sequences) one prefill replay holds. A replay costs ~2 ms of GPU time even for a
+# few tokens (every weight is read) and an eager step of Qwen3-0.6B 15-25 ms of host
+# launches (H200 host: tests/gpu/RESULTS.md), so a step's rows share one replay: prompt
+# chunks beside decode rows (a mixed step), an embedding request's documents.
+ROWS = 16
 
 
 class PrefillGraphs:
-    """Prefill steps of up to MAX_ROWS sequences of up to `max_tokens` tokens each, cached
-    prefix or not, one replay per sequence. Attention must be the Triton paged prefill:
-    its grid is sized by the bucket and its programs past the sequence's own tokens return
-    at once."""
+    """Steps of up to ROWS rows and `max_tokens` tokens in all that are not pure decode
+    steps (prompt chunks, cached prefix or not, beside decode rows or not), one replay
+    each, padded to a token bucket. Attention must be the Triton paged prefill: its grid
+    is sized by (bucket, ROWS) and its programs past a row's own tokens return at once
+    (padding rows have no tokens and no context). Returns each row's last token's logits
+    and hidden state: the sampling rows' logits and the pooling rows' vectors."""
+    pools = True   # returns the pooling rows' hidden states (Forward.pooled)
 
     def __init__(self, model, max_tokens: int, max_model_len: int, block_size: int,
                  device: torch.device, lora=None, num_slots: int = 0) -> None:
@@ -262,54 +266,61 @@ class PrefillGraphs:
         self.input_ids = torch.zeros(t, **i64)
         self.positions = torch.zeros(t, **i64)
         self.slot_mapping = torch.full((t,), -1, **i32)
-        self.last = torch.zeros(1, **i64)                 # row of the last real token
-        self.context_lens = torch.zeros(1, **i32)
-        self.cu_seqlens_q = torch.zeros(2, **i32)
-        self.cu_seqlens_k = torch.zeros(2, **i32)
-        self.block_tables = torch.zeros(1, mb, **i32)
+        self.last = torch.zeros(ROWS, **i64)              # each row's last token
+        self.context_lens = torch.zeros(ROWS, **i32)
+        self.cu_seqlens_q = torch.zeros(ROWS + 1, **i32)
+        self.cu_seqlens_k = torch.zeros(ROWS + 1, **i32)
+        self.block_tables = torch.zeros(ROWS, mb, **i32)
         self.lora_slot = torch.full((t,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
-        # padding tokens store nothing and belong to no sequence
+        # padding tokens store nothing and belong to no row; padding rows have no tokens
         parts = [("input_ids", self.input_ids, 0), ("positions", self.positions, 0),
                  ("slot_mapping", self.slot_mapping, -1), ("last", self.last, 0),
-                 ("context_lens", self.context_lens, 0), ("cu_q", self.cu_seqlens_q[1:], 0),
-                 ("cu_k", self.cu_seqlens_k[1:], 0), ("block_table", self.block_tables[0], 0)]
+                 ("context_lens", self.context_lens, 0), ("cu_q", self.cu_seqlens_q[1:], -1),
+                 ("cu_k", self.cu_seqlens_k[1:], -1)]
         if lora is not None:
             parts.append(("lora_slot", self.lora_slot, -1))
-        self.static = StaticLoad(parts)
+        self.static = StaticLoad(parts)   # (+ the step's block tables, in the same copy)
 
     def fits(self, step: StepInputs) -> bool:
         plan = step.plan
         return (step.logits and step.ids is None and step.hidden is None
-                and len(plan.rows) <= MAX_ROWS and not plan.is_decode and plan.fill is None
-                and int(plan.num_tokens.max()) <= self.max_tokens
+                and len(plan.rows) <= ROWS and not plan.is_decode
+                and int(plan.num_tokens.sum()) <= self.max_tokens
                 and plan.block_tables.shape[1] <= self.max_blocks)
 
-    def load(self, step: StepInputs, row: int = 0) -> int:
-        """Copy one row (sequence) of a fitting step into the static inputs, padded;
-        returns its bucket."""
+    def load(self, step: StepInputs) -> int:
+        """Copy a fitting step into the static inputs, padded to the smallest bucket that
+        holds its tokens; returns that bucket."""
         plan = step.plan
-        n = int(plan.num_tokens[row])
-        first = int(plan.num_tokens[:row].sum())   # the row's tokens in the plan's arrays
-        rows = slice(first, first + n)
+        n, r = int(plan.num_tokens.sum()), len(plan.rows)
         bucket = next(b for b in self.buckets if b >= n)
-        ctx = int(plan.start_pos[row]) + n
+        ctx = plan.start_pos + plan.num_tokens
         load = self.static
         host = load.host()
-        load.part(host, "input_ids")[:n] = plan.token_ids[rows]
-        load.part(host, "positions")[:n] = plan.positions[rows]
-        load.part(host, "slot_mapping")[:n] = plan.slot_mapping[rows]
-        for name, value in (("last", n - 1), ("context_lens", ctx), ("cu_q", n), ("cu_k", ctx)):
-            load.part(host, name)[0] = value
-        load.part(host, "block_table")[:plan.block_tables.shape[1]] = plan.block_tables[row]
+        load.part(host, "input_ids")[:n] = np.where(plan.token_ids < 0, 0, plan.token_ids)
+        load.part(host, "positions")[:n] = plan.positions
+        load.part(host, "slot_mapping")[:n] = (plan.slot_mapping if step.slot_mapping is None
+                                               else step.slot_mapping)
+        cu_q = np.cumsum(plan.num_tokens)
+        load.part(host, "last")[:r] = cu_q - 1
+        load.part(host, "context_lens")[:r] = ctx
+        load.part(host, "cu_q")[:] = n        # padding rows: empty, after the last real one
+        load.part(host, "cu_q")[:r] = cu_q
+        load.part(host, "cu_k")[:] = ctx.sum()
+        load.part(host, "cu_k")[:r] = np.cumsum(ctx)
         if self.lora is not None and step.lora is not None:
-            load.part(host, "lora_slot")[:n] = step.lora[rows]
-        load.copy(host, self.device)
+            load.part(host, "lora_slot")[:n] = step.lora
+        w = plan.block_tables.shape[1]
+        load.copy(host, self.device, (self.block_tables[:r, :w], plan.block_tables))
+        if step.fill is not None:   # decode rows' placeholders: last step's samples
+            self.input_ids[step.fill[0]] = step.fill[1]
         return bucket
 
-    def forward(self, bucket: int) -> torch.Tensor:
-        """The captured computation: the first `bucket` static tokens -> logits [1, vocab]."""
+    def forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured computation: the first `bucket` static tokens -> (logits [ROWS,
+        vocab], hidden [ROWS, hidden]) of each row's last token."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables,
             context_lens=self.context_lens, cu_seqlens_q=self.cu_seqlens_q,
@@ -318,7 +329,8 @@ class PrefillGraphs:
         if self.lora is not None:
             self.lora.rows = lora_rows(self.lora_slot[:bucket], self.num_slots)
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
-        return self.model.compute_logits(hidden.index_select(0, self.last))
+        last = hidden.index_select(0, self.last)
+        return self.model.compute_logits(last), last
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -330,18 +342,21 @@ class PrefillGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, step: StepInputs) -> Forward:
-        """A fitting step's prefill -> logits [sampling rows, vocab] of each sampling row's
-        last token (None: none samples). Each replay's logits are copied out before the
-        next load (stream order)."""
-        plan, out = step.plan, []
-        for row in range(len(plan.rows)):
-            g = self.graphs[self.load(step, row)]
-            g.graph.replay()
-            if plan.sample[row]:
-                out.append(g.out if len(plan.rows) == 1 else g.out.clone())
-        if not out:
-            return Forward(None)
-        return Forward(out[0] if len(out) == 1 else torch.cat(out))
+        g = self.graphs[self.load(step)]
+        g.graph.replay()
+        return rows_out(step.plan, *g.out)
+
+
+def rows_out(plan, logits: torch.Tensor, hidden: torch.Tensor) -> Forward:
+    """A prefill replay's per-row outputs -> the step's: the sampling rows' logits (None:
+    none samples) and the pooling rows' hidden states, each in row order."""
+    r = len(plan.rows)
+    pooled = None
+    if plan.pool is not None:
+        pooled = hidden[:r].index_select(0, to_device(np.flatnonzero(plan.pool), hidden.device))
+    if not plan.num_samples:
+        return Forward(None, None, pooled)
+    return Forward(_sampling_rows(logits[:r], plan), None, pooled)
 
 
 class HeadGraphs(DecodeGraphs):

@@ -122,10 +122,8 @@ def traced(r, scenario, captured: Captured | None = None) -> Trace:
         out = call(self, prefills, decodes, drop)
         step = seen
         if captured is not None and captured.replayed is not None:
-            kind, rows = captured.replayed
+            kind, rows = captured.replayed   # (a replay's rows: the step's, then padding)
             step = captured.outs[captured.replayed]
-            if kind == "prefill":   # a prefill graph holds one sequence from its row 0
-                first = 0
         if first is not None:
             mods = [(nm, t[first:first + n].clone()) for nm, t in step
                     if t.dim() and t.shape[0] == rows]
