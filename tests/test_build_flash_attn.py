@@ -248,6 +248,20 @@ def test_auto_uses_triton_untimed_when_the_build_does_not_cover_the_model(
         select_backend("flash_attn", "cuda", shapes=shapes)
 
 
+def test_auto_takes_triton_untimed_where_prefill_graphs_will_be_captured(fake_gpu_with_flash,
+                                                                        caplog):
+    from worker_service.loading import prefill_graphs_wanted
+    from worker_service.model_runner import RunnerConfig
+    fake_gpu_with_flash.result = {"flash_attn": 1e-4, "triton": 2e-4}
+    with caplog.at_level(logging.INFO, logger="nanoserve.attention"):
+        assert select_backend("auto", "cuda", shapes=QWEN3, prefill_graphs=True).name == "triton"
+    assert fake_gpu_with_flash.timed == [] and "prefill CUDA graphs need" in caplog.text
+    assert select_backend("flash_attn", "cuda", shapes=QWEN3, prefill_graphs=True).name == "flash_attn"
+    assert prefill_graphs_wanted(RunnerConfig(model_dir=""))
+    assert not prefill_graphs_wanted(RunnerConfig(model_dir="", enforce_eager=True))
+    assert not prefill_graphs_wanted(RunnerConfig(model_dir="", max_prefill_graph_tokens=0))
+
+
 def test_auto_falls_back_to_triton_when_timing_fails(fake_gpu_with_flash, monkeypatch, caplog):
     def broken(*_):
         raise RuntimeError("flash-attn (nanoserve trimmed build): no kernels for bf16")

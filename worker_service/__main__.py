@@ -38,9 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weight and KV dtype (auto = the checkpoint's torch_dtype)")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash_attn", "triton", "torch"],
-                   help="auto on GPU: flash_attn when its build covers the model (head dim, "
-                        "dtype, GPU arch; `make flash-attn`) and it measures faster than triton "
-                        "at the model's shapes, else triton (logged); torch on CPU")
+                   help="auto on GPU: triton where the prefill CUDA graphs will be captured "
+                        "(they need its paged prefill; without them a prompt chunk beside "
+                        "decode rows runs eager, ~10x its kernels' time in launches); else "
+                        "flash_attn when its build covers the model (head dim, dtype, GPU arch; "
+                        "`make flash-attn`) and it measures faster than triton at the model's "
+                        "shapes, else triton (logged); torch on CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto = the model's dtype; fp8 = e4m3 with one scale per token "
                         "(about twice the KV blocks; triton or torch backend, sm_89+ GPUs)")

@@ -18,6 +18,7 @@ from models.parallel import TPGroup
 from models.qwen3 import _head_dim
 from nanoserve.grammar_tokenizer import load_tokenizer
 from worker_service.adapters import AdapterStore
+from worker_service.cuda_graphs import token_buckets
 from worker_service.phases import phase
 from worker_service.proposer import Proposer, load_proposer
 
@@ -70,13 +71,22 @@ def set_deterministic(on: bool, tp: TPGroup, small_batch_kernel: str = "off") ->
     kernel_choice.DETERMINISTIC = on
 
 
+def prefill_graphs_wanted(config) -> bool:
+    """Whether the runner means to capture prefill CUDA graphs (model_runner: graphs on and
+    a bucket at all; an EAGLE-3 head, found later, still turns them off)."""
+    return (not config.enforce_eager
+            and bool(token_buckets(min(config.max_prefill_graph_tokens,
+                                       config.max_num_batched_tokens))))
+
+
 def load(config, tp: TPGroup, kv_fp8: bool, phases: dict[str, float]) -> Loaded:
     """Everything of RunnerConfig `config` a rank loads before its profile run."""
     set_deterministic(config.deterministic, tp, config.small_batch_kernel)
     device = open_device(config.device, phases)
     dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
     # auto times flash_attn (when its build covers the model) and triton on this
-    # rank's attention shapes and keeps the faster: kernels/backend_choice.py.
+    # rank's attention shapes and keeps the faster (kernels/backend_choice.py), unless the
+    # prefill CUDA graphs will be captured: they need triton.
     with phase(phases, "config"):
         hf = load_config(config.model_dir, config.hf_overrides)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -85,7 +95,8 @@ def load(config, tp: TPGroup, kv_fp8: bool, phases: dict[str, float]) -> Loaded:
                              head_dim=_head_dim(hf), dtype=dtype or config_dtype(hf))
     with phase(phases, "attention backend"):
         backend = select_backend(config.attention_backend, device, shapes=shapes, kv_fp8=kv_fp8,
-                                 deterministic=config.deterministic)
+                                 deterministic=config.deterministic,
+                                 prefill_graphs=prefill_graphs_wanted(config))
     log.info("attention backend: %s", backend.name)
     model, hf_config = load_model(config.model_dir, tp=tp, dtype=dtype, device=device,
                                   attn_backend=backend, quantization=config.quantization,
