@@ -393,9 +393,10 @@ def test_scheduler_refuses_draft_without_a_draft_model(target_dir):
         worker.stop()
 
 
-def test_plan_without_rows_keeps_the_rest_and_its_placeholders():
+def test_plan_subset_keeps_its_rows_and_their_placeholders():
     """The mirror's sub-plan: the kept rows' tokens, positions, slots and tables, the
-    placeholders re-pointed at their new places, nothing sampled."""
+    placeholders re-pointed at their new places, nothing sampled; sampled (SplitGraphs'
+    halves): the kept rows' sampling too."""
     from worker_service.step_plan import SeqTable
     table = SeqTable(num_blocks=8, block_size=4, vocab_size=50, max_model_len=32)
     req = worker_pb2.StepRequest(step_id=1)
@@ -412,12 +413,16 @@ def test_plan_without_rows_keeps_the_rest_and_its_placeholders():
     d.num_tokens_i32 = np.array([3, 1], "<i4").tobytes()
     d.num_samples_i32 = np.array([3, 1], "<i4").tobytes()
     plan = table.plan(req)
-    sub = plan.without(np.array([True, True, False, False]))
+    sub = plan.subset(np.array([False, False, True, True]), sampled=False)
     assert sub.seq_ids == [1, 2] and sub.token_ids.tolist() == [11, -1]
     assert sub.positions.tolist() == [5, 2] and sub.slot_mapping.tolist() == [13, 18]
     assert sub.fill[0].tolist() == [1] and sub.fill[1].tolist() == [1] and not sub.sample.any()
     assert sub.block_tables.tolist() == [[2, 3], [4, 5]]
-    assert plan.without(np.ones(4, bool)) is None
+    assert plan.subset(np.zeros(4, bool)) is None
+    kept = plan.subset(np.array([False, True, False, True]))
+    assert kept.sample.tolist() == [plan.sample[1], plan.sample[3]]
+    assert kept.sampling == [p for p, k in zip(plan.sampling, [False, True, False, True])
+                             if k] and len(kept.sampling) == kept.num_samples == 2
 
 
 def test_launcher_gives_every_worker_the_draft_and_the_scheduler_draft_speculation():

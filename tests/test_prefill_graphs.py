@@ -4,7 +4,8 @@ A graph replays what `PrefillGraphs.forward(bucket)` (`DecodeGraphs._forward(buc
 computes on its static inputs, so this runs that computation without a graph (CPU,
 Triton interpreter) and checks that a step's rows padded to its bucket (one sequence,
 several, prompt chunks beside decode rows, pooling rows) give the eager step's logits and
-pooled states and write the same KV slots and no others, and that a decode step
+pooled states and write the same KV slots and no others, that a mixed step of more rows
+split over a decode and a prefill replay gives the eager step's, and that a decode step
 with fast-forward rows, loaded with its runs, gives what the rows give one by one. The
 graphs themselves: tests/gpu/test_model_gpu.py.
 """
@@ -18,7 +19,10 @@ from nanoserve.v1 import worker_pb2
 from tiny_checkpoint import tiny_qwen3_dir
 from kernels.attention import decode_runs
 from worker_service import step_meta
-from worker_service.cuda_graphs import ROWS, DecodeGraphs, PrefillGraphs, rows_out, token_buckets
+from types import SimpleNamespace
+
+from worker_service.cuda_graphs import (ROWS, DecodeGraphs, PrefillGraphs, SplitGraphs, _Graph,
+                                        rows_out, token_buckets)
 from worker_service.executors import StepInputs
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -187,6 +191,64 @@ def test_pooling_rows_share_one_replay(runner, monkeypatch):
     got = replayed(pg, step)
     torch.testing.assert_close(got.pooled, eager.pooled, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.out, eager.out, rtol=1e-4, atol=1e-4)
+
+
+def without_graphs(g, forward) -> None:
+    """Give executor `g` a stand-in graph per bucket whose replay runs `forward(bucket)` (the
+    captured computation) into the bucket's output buffers, so `g.run` works on CPU."""
+    for b in g.buckets:
+        out = forward(b)
+        def replay(b=b, out=out):
+            for dst, src in zip(out if isinstance(out, tuple) else (out,),
+                                (lambda o: o if isinstance(o, tuple) else (o,))(forward(b))):
+                dst.copy_(src)
+        g.graphs[b] = _Graph(SimpleNamespace(replay=replay), out)
+
+
+def test_a_mixed_step_of_many_rows_splits_over_a_decode_and_a_prefill_replay(runner, monkeypatch):
+    """22 rows: a one-token prompt (a decode-graph row), a 40-token prompt, two pooled
+    documents (one of one token: it stays with the prefill replay), then 18 decode rows, one
+    a placeholder: too many rows for one prefill replay, so SplitGraphs runs the decode
+    rows through DecodeGraphs and the rest through PrefillGraphs; the logits (in the step's
+    sampling order, which the two replays interleave), pooled states and KV equal eager's."""
+    monkeypatch.setattr(runner.table, "tasks", frozenset())   # (every task: generate + embed)
+    runner.kv_cache.zero_()
+    dg = DecodeGraphs(runner.model, runner.backend, 32, runner.max_model_len, BS,
+                      runner.num_kv_heads, runner.device)
+    pg = PrefillGraphs(runner.model, 128, runner.max_model_len, BS, runner.device)
+    without_graphs(dg, lambda b: dg._forward(b).out)
+    without_graphs(pg, pg.forward)
+    gen = torch.Generator().manual_seed(14)
+    tok = lambda n: torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+    running = list(range(61, 79))
+    first = runner.table.plan(several(1, [(s, tok(3), 0, [s - 31], True) for s in running]))
+    runner.forward(first)
+    runner.table.commit(first)
+    req = several(2, [(80, tok(1), 0, [48], True), (81, tok(40), 0, [49, 50, 51], True),
+                      (82, tok(12), 0, [52], True), (83, tok(1), 0, [53], True)])
+    for w in (req.seqs[2], req.seqs[3]):
+        w.pooling.kind = worker_pb2.WorkerPooling.KIND_EMBED
+    req.decode.seq_ids_u64 = np.array(running, "<u8").tobytes()
+    req.decode.token_ids_i32 = np.array([-1] + tok(17), "<i4").tobytes()   # 61's: last sample
+    plan = runner.table.plan(req)
+    assert len(plan.rows) == 22 and plan.num_samples == 20 and plan.fill is not None
+    last = torch.arange(100, 118, dtype=torch.int64)   # the last step's samples (rows)
+    step = StepInputs(plan, fill=(torch.from_numpy(plan.fill[0]),
+                                  last[torch.from_numpy(plan.fill[1])]))
+    split = SplitGraphs(dg, pg)
+    assert not pg.fits(step) and split.fits(step)
+    before = runner.kv_cache.clone()
+    eager = runner.executors[-1].run(step)
+    after_eager = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    got = split.run(step)
+    torch.testing.assert_close(got.out, eager.out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.pooled, eager.pooled, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runner.kv_cache, after_eager, rtol=1e-5, atol=1e-5)
+    # what does not fit: more prompt rows than one prefill replay holds, or no decode row
+    many = runner.table.plan(several(3, [(s, tok(2), 0, [s - 90], True) for s in range(90, 107)]
+                                     ))
+    assert not split.fits(StepInputs(many)) and not split.fits(StepInputs(plan.subset(~split.decode_rows(plan))))
 
 
 def test_what_fits(runner):

@@ -14,8 +14,11 @@ padded (slot -1: nothing stored).
 * PrefillGraphs: every other step of up to ROWS rows (prompts, prompt chunks, and decode
   rows beside them: a mixed step; pooling rows), bucketed by the step's token count;
   padding tokens belong to no row and padding rows have no tokens (attention skips both),
-  and only each row's last token's logits and hidden state are computed. Larger steps
-  stay eager: their launches are spread over many prompts' tokens.
+  and only each row's last token's logits and hidden state are computed.
+* SplitGraphs: a mixed step with more rows than that (a few prompt chunks beside a large
+  running batch, --max-background-prefill-tokens's steps) as two replays: its decode rows
+  through DecodeGraphs, the rest through PrefillGraphs. Larger prefill steps stay eager:
+  their launches are spread over many prompts' tokens.
 
 With LoRA adapters (models/lora.py) each token's adapter slot is one more static input
 (-1 for padding and the base model): the graph groups the rows by slot itself
@@ -384,3 +387,46 @@ class HeadGraphs(DecodeGraphs):
         g = self.graphs[bs]
         g.graph.replay()
         return Forward(g.out[:n], g.features[:n])
+
+
+class SplitGraphs:
+    """Mixed steps PrefillGraphs cannot hold in one replay for their many decode rows: the
+    decode rows (a token each, not pooled) replay their DecodeGraphs bucket and the other
+    rows a PrefillGraphs bucket. The rows are distinct sequences, so neither replay reads
+    what the other writes; the logits come back in the step's sampling order. Two replays
+    cost the GPU about what one eager step does, without its ~250 launches from Python."""
+    pools = True   # the pooling rows go through PrefillGraphs, which returns them
+
+    def __init__(self, decode: DecodeGraphs, prefill: PrefillGraphs) -> None:
+        self.decode, self.prefill = decode, prefill
+
+    @staticmethod
+    def decode_rows(plan) -> np.ndarray:
+        rows = plan.num_tokens == 1
+        return rows if plan.pool is None else rows & ~plan.pool
+
+    def fits(self, step: StepInputs) -> bool:
+        plan = step.plan
+        if not step.logits or step.ids is not None or step.hidden is not None or plan.is_decode:
+            return False
+        dec = self.decode_rows(plan)
+        n_dec = int(dec.sum())
+        return (0 < n_dec <= self.decode.max_batch and 0 < len(dec) - n_dec <= ROWS
+                and int(plan.num_tokens[~dec].sum()) <= self.prefill.max_tokens
+                and plan.block_tables.shape[1] <= min(self.decode.max_blocks,
+                                                      self.prefill.max_blocks))
+
+    def run(self, step: StepInputs) -> Forward:
+        plan = step.plan
+        dec = self.decode_rows(plan)
+        first = self.prefill.run(step.subset(~dec))
+        second = self.decode.run(step.subset(dec))
+        outs = [f.out for f in (first, second) if f.out is not None]
+        if not outs:
+            return Forward(None, None, first.pooled)
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        order = np.concatenate([np.flatnonzero(plan.sample & ~dec), np.flatnonzero(plan.sample & dec)])
+        if (np.diff(order) < 0).any():   # back to the step's row order
+            out = out.index_select(0, to_device(np.argsort(order), out.device))
+        return Forward(out, None, first.pooled)
+

@@ -163,7 +163,7 @@ class Drafter:
             return
         if self.behind:
             self._catch_up(table, plan)
-        rest = replace(step, logits=False) if skip is None else step.without(skip)
+        rest = replace(step, logits=False) if skip is None else step.subset(~skip, sampled=False)
         if rest is not None:
             run(self.executors, rest)
 

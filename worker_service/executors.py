@@ -33,20 +33,24 @@ class StepInputs:
     hidden: torch.Tensor | None = None  # [T, H] an EAGLE-3 head's input hidden states
     slot_mapping: np.ndarray | None = None   # in place of the plan's (-1: store nothing)
 
-    def without(self, drop: np.ndarray) -> "StepInputs | None":
-        """The step minus the decode rows `drop` marks, sampling nothing (a draft model's
-        mirror of what it has not computed yet); None where nothing is left."""
-        plan = self.plan.without(drop)
+    def subset(self, keep: np.ndarray, sampled: bool = True) -> "StepInputs | None":
+        """The step's rows `keep` marks (StepPlan.subset): their placeholders, adapter slots
+        and slots with them; with `sampled` their logits, else none (a draft model's mirror
+        of what it has not computed yet). None where nothing is left."""
+        plan = self.plan.subset(keep, sampled)
         if plan is None:
             return None
+        tokens = np.repeat(keep, self.plan.num_tokens)
         fill = None
         if plan.fill is not None:   # the placeholders of the rows kept, in order
-            at = self.plan.fill[0]
-            kept = np.repeat(~drop, self.plan.num_tokens)[at]
+            kept = tokens[self.plan.fill[0]]
             fill = (to_device(plan.fill[0], self.fill[1].device),
                     self.fill[1].index_select(0, to_device(np.flatnonzero(kept),
                                                            self.fill[1].device)))
-        return StepInputs(plan, fill=fill, logits=False)
+        return StepInputs(plan, fill=fill, logits=sampled and self.logits,
+                          lora=None if self.lora is None else self.lora[tokens],
+                          slot_mapping=None if self.slot_mapping is None
+                          else self.slot_mapping[tokens])
 
 
 @dataclass

@@ -248,8 +248,9 @@ class ModelRunner:
     def _capture_graphs(self, block_size: int, phases: dict[str, float]) -> None:
         """Capture every step graph (the target's, the proposer's), timed into `phases`
         (the Init log line); the target's executors become [decode graphs, prefill
-        graphs (where they can be), eager]."""
-        from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, token_buckets
+        graphs and the two split (where they can be), eager]."""
+        from worker_service.cuda_graphs import (DecodeGraphs, PrefillGraphs, SplitGraphs,
+                                                token_buckets)
         cfg = self.config
         lora = self.adapters.ctx if self.adapters is not None else None
         features = self.drafter.feature_layers if self.drafter is not None else ()
@@ -276,7 +277,7 @@ class ModelRunner:
         with phase(phases, f"{len(prefill.buckets)} prefill graphs "
                            f"(<= {prefill.max_tokens} tokens)"):
             prefill.capture()
-        self.executors.insert(1, prefill)
+        self.executors[1:1] = [prefill, SplitGraphs(graphs, prefill)]
 
     def _bind_device(self) -> None:
         """Make this runner's GPU the calling thread's current device. gRPC calls arrive on

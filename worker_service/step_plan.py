@@ -212,10 +212,10 @@ class StepPlan:
         """Index into token_ids of each sampling row's last token."""
         return (np.cumsum(self.num_tokens) - 1)[self.sample]
 
-    def without(self, drop: np.ndarray) -> "StepPlan | None":
-        """The plan's forward minus the rows `drop` marks (decode rows, a token each), with
-        no sampling (what the drafter's mirror runs); None where nothing is left."""
-        keep = ~drop
+    def subset(self, keep: np.ndarray, sampled: bool = True) -> "StepPlan | None":
+        """The plan's forward for the rows `keep` marks, in order (their tokens, slots and
+        placeholders); with `sampled` their sampling and pooling too, else nothing sampled
+        (what the drafter's mirror runs). None where nothing is left."""
         if not keep.any():
             return None
         tokens = np.repeat(keep, self.num_tokens)
@@ -225,12 +225,20 @@ class StepPlan:
             kept = tokens[at]
             if kept.any():
                 fill = ((np.cumsum(tokens) - 1)[at[kept]], src[kept])
+        sample, sampling = np.zeros(int(keep.sum()), bool), []
+        pool, pooling = None, []
+        if sampled:
+            sample = self.sample[keep]
+            sampling = [p for p, k in zip(self.sampling, keep[self.sample].tolist()) if k]
+            if self.pool is not None and self.pool[keep].any():
+                pool = self.pool[keep]
+                pooling = [p for p, k in zip(self.pooling, keep[self.pool].tolist()) if k]
         return StepPlan(step_id=self.step_id, seq_ids=[s for s, k in zip(self.seq_ids, keep) if k],
                         rows=self.rows[keep], num_tokens=self.num_tokens[keep],
                         start_pos=self.start_pos[keep], token_ids=self.token_ids[tokens],
                         positions=self.positions[tokens], slot_mapping=self.slot_mapping[tokens],
-                        block_tables=self.block_tables[keep], sample=np.zeros(int(keep.sum()), bool),
-                        fill=fill)
+                        block_tables=self.block_tables[keep], sample=sample, fill=fill,
+                        sampling=sampling, pool=pool, pooling=pooling)
 
 
 class SeqTable:

@@ -240,6 +240,31 @@ def prefill_graph_check(path, kv_fp8: bool = False, reps: int = 7) -> list[dict]
     rows.append({"what": "517 + 64 (not sampled) + 1200", "rel": rel(graph, eager),
                  "argmax_same": bool((graph.argmax(-1) == eager.argmax(-1)).all()),
                  "eager_ms": float("nan"), "graph_ms": float("nan")})
+    runner.table.commit(plan)
+    # a mixed step of more rows than one prefill replay holds: 20 decode rows beside a
+    # 300-token prompt, through SplitGraphs (a decode replay and a prefill replay)
+    from worker_service.cuda_graphs import SplitGraphs
+    split = next(e for e in executors if isinstance(e, SplitGraphs))
+    running = list(range(910001, 910021))
+    start = worker_pb2.StepRequest(step_id=next(seq))
+    for i, sid in enumerate(running):
+        w = start.seqs.add(seq_id=sid, num_tokens=10, start_pos=0, sample=True,
+                           reset_block_table=True, block_table_i32=np.array([i], "<i4").tobytes())
+        w.sampling.temperature = 0.0
+    start.token_ids_i32 = torch.randint(0, 10000, (200,), generator=gen).numpy().astype("<i4").tobytes()
+    _, plan = logits(start, False)
+    runner.table.commit(plan)
+    mixed = request(300, table=range(20, 22))
+    mixed.decode.seq_ids_u64 = np.array(running, "<u8").tobytes()
+    mixed.decode.token_ids_i32 = torch.randint(0, 10000, (20,), generator=gen
+                                               ).numpy().astype("<i4").tobytes()
+    eager, plan = logits(mixed, False)
+    graph, _ = logits(mixed, True)
+    assert split.fits(StepInputs(plan)) and not graphs.fits(StepInputs(plan))
+    assert graph.shape == eager.shape == (21, runner.vocab_size)
+    rows.append({"what": "300 beside 20 decode rows (split)", "rel": rel(graph, eager),
+                 "argmax_same": bool((graph.argmax(-1) == eager.argmax(-1)).all()),
+                 "eager_ms": float("nan"), "graph_ms": float("nan")})
     del runner
     torch.cuda.empty_cache()
     return rows
