@@ -76,10 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "request waits for one short step and its streams get a token every step "
                         "(null worker, 5 ms steps + 4 us a prefill token, beside an embedding "
                         "flood: N 1024 TTFT p99 3.4x -> 1.2x idle, ITL p99 5.6-6.9x -> 1.8x, the "
-                        "flood 0.87x -> 0.61x its rate alone; N 256: 1.3x, 1.05x, 0.26x). On a "
-                        "GPU today a mixed step runs eager, not from a CUDA graph, and the knob "
-                        "made ITL worse (H200, Qwen3-0.6B, ITL p99 beside a generation flood "
-                        "3.35x -> 7.70x idle with N 1024: tests/gpu/RESULTS.md); 0 (default): off")
+                        "flood 0.87x -> 0.61x its rate alone; N 256: 1.3x, 1.05x, 0.26x). On "
+                        "an H200 (Qwen3-0.6B, mixed steps from CUDA graphs) beside an embedding "
+                        "flood: N 1024 ITL p99 8-20x -> 1.3-2.0x idle, the flood ~0.8x; beside a "
+                        "generation flood little changes (its decode rows share every step): "
+                        "tests/gpu/RESULTS.md; 0 (default): off")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="completion length when a request sets no max_tokens")
     p.add_argument("--max-message-mb", type=int, default=16,
