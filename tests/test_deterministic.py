@@ -8,10 +8,9 @@ same scenarios without the mode must differ somewhere (the mutant checks: else t
 could not fail).
 
 What the CPU proves: the rules (kernel_choice's GEMM, the attention backend's one kernel
-for every row, the sampler's one path) and the kernels' reduction order as the
-interpreter runs them (numpy's dot per tile). On a GPU host, NANOSERVE_GPU_TESTS=1 runs the
-same tests on CUDA with compiled kernels and CUDA graphs: on an H200, not all pass yet
-(worker_service/README.md).
+for every row) and the kernels' reduction order as the interpreter runs them (numpy's dot
+per tile). On a GPU host, NANOSERVE_GPU_TESTS=1 runs the same tests on CUDA with compiled
+kernels and CUDA graphs (tests/gpu/RESULTS.md: all pass on an H200).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Sampler vs torch: greedy, filters, distribution, seeds, logprobs."""
+import pytest
 import torch
 
 from worker_service.sampler import SamplingBatch, SamplingParams, sample
@@ -84,13 +85,16 @@ def test_fused_path_agrees_with_the_torch_path():
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_seeded_rows_token_does_not_follow_its_neighbours_filters(monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_seeded_rows_token_does_not_follow_its_neighbours_filters(monkeypatch, deterministic):
     """Where the fused kernel runs (a GPU; here the interpreter), a seeded row without
     filters draws the fused kernel's noise whether its neighbours ask for top-k or not (the
     batch is split by each row's own path), so its token is the one it gets alone. With one
-    path chosen for the whole batch, a top-k neighbour moved it to the torch race's noise."""
+    path chosen for the whole batch, a top-k neighbour moved it to the torch race's noise.
+    The same under --deterministic (no path of its own there)."""
     from models import kernel_choice
     monkeypatch.setattr(kernel_choice, "FUSED_ON_CPU", True)
+    monkeypatch.setattr(kernel_choice, "DETERMINISTIC", deterministic)
     logits = torch.randn(2, V)
     moved = 0
     for seed in range(12):

@@ -62,7 +62,7 @@ class SamplingBatch:
         # the interpreter), so a seeded row's noise never follows its neighbours' filters
         cuda = torch.device(device).type == "cuda" or kernel_choice.FUSED_ON_CPU
         split = None
-        if cuda and filtered and len(filtered) < len(params) and not kernel_choice.DETERMINISTIC:
+        if cuda and filtered and len(filtered) < len(params):
             split = ([i for i in range(len(params)) if i not in set(filtered)], filtered)
         row_seeds = [_mix(p.seed, pos) & 0x7FFFFFFF if p.seed is not None else random.getrandbits(31)
                      for p, pos in zip(params, positions)]
@@ -73,9 +73,9 @@ class SamplingBatch:
             min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
             seeded_rows=seeded,
             seeds=torch.tensor(row_seeds, dtype=torch.int32).to(device, non_blocking=True),
-            # one path for every batch under --deterministic: which path a row took would
-            # otherwise follow its neighbours' filters (and each breaks ties its own way)
-            fused=cuda and not filtered and not kernel_choice.DETERMINISTIC,
+            # a row's path follows its own parameters alone (the split above), so under
+            # --deterministic too a row samples the same way beside any neighbours
+            fused=cuda and not filtered,
             all_greedy=not sampled_rows,
             need_top_k_or_p=need_top_k_or_p,
             need_min_p=need_min_p,

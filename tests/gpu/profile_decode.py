@@ -13,7 +13,8 @@ The floor is (weight bytes + the batch's KV bytes, of the variant's KV dtype) / 
 Each variant also replays the step from a CUDA graph (as the worker does) and prints its
 wall time beside the kernels' sum: the difference is what launches and tails cost.
 --variants picks them: "+"-joined words from fused (else unfused), fp8kv, gemv (the decode
-GEMV of kernels/gemv.py for <= its token limit; without it, cuBLAS / fp8_linear). A second
+GEMV of kernels/gemv.py for <= its token limit; without it, cuBLAS / fp8_linear), det (the
+worker's --deterministic: batch-invariant GEMMs and split-length attention). A second
 table per variant charges the GPU time to modules (each projection, attention, norms, LM
 head; CUDA events around each in eager steps) with the bytes each must read: weights, or
 the batch's KV for attention, and the bandwidth that achieves.
@@ -94,9 +95,9 @@ def run_variants(args, tp=None) -> None:
     from models.parallel import TPGroup
     from paged_kv import PagedKV
     from test_model_gpu import main_checkpoint
+    backend = select_backend("triton", "cuda")
     model, _ = load_model(args.model or str(main_checkpoint()), tp=tp or TPGroup(),
-                          dtype=torch.bfloat16, device="cuda",
-                          attn_backend=select_backend("triton", "cuda"),
+                          dtype=torch.bfloat16, device="cuda", attn_backend=backend,
                           quantization=args.quantization)
     labels, module_events = _label_modules(model)
     gemv_limit = kernels.gemv.GEMV_MAX_TOKENS
@@ -114,6 +115,8 @@ def run_variants(args, tp=None) -> None:
         words = set(name.split("+"))
         fused, fp8 = "fused" in words, "fp8kv" in words
         kernels.gemv.GEMV_MAX_TOKENS = gemv_limit if "gemv" in words else 0
+        # det: the worker's --deterministic (batch-invariant GEMMs, split-length attention)
+        models.kernel_choice.DETERMINISTIC = backend.invariant = "det" in words
         kv = PagedKV(model, ctx, block_size=256, fp8=fp8)
         if fp8:
             kv.kv.copy_(torch.randn(kv.kv.shape, device="cuda").to(kv.kv.dtype))

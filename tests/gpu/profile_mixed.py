@@ -33,12 +33,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cprofile", action="store_true", help="also the mixed step's host time under cProfile")
+    ap.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="also the decode step's kernels (torch profiler), not only the mixed one")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     r = ModelRunner(RunnerConfig(model_dir=args.model, device=args.device,
                                  dtype="bfloat16" if cuda else "float32",
-                                 max_model_len=4096 if cuda else 512, kv_cache_gb=8))
+                                 max_model_len=4096 if cuda else 512, kv_cache_gb=8,
+                                 deterministic=args.deterministic))
     r.init_kv(2048 if cuda else 64, BS)
     s = Stepper(r)
     blocks = itertools.count()
@@ -88,10 +92,16 @@ def main() -> None:
                 sync()
         pstats.Stats(cp).sort_stats("cumulative").print_stats(30)
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        s(prefills=chunk(), decodes=decode_rows())
-        sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12))
+    steps = [("mixed", lambda: dict(prefills=chunk(), decodes=decode_rows()))]
+    if args.profile_decode:
+        steps.insert(0, ("decode", lambda: dict(decodes=decode_rows())))
+    for label, make in steps:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            s(**make())
+            sync()
+        print(f"{label} step:")
+        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                        row_limit=12))
 
 
 if __name__ == "__main__":
