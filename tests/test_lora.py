@@ -340,7 +340,8 @@ def test_tp2_equals_peft(model_dir, adapters):
 def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
     """The CUDA graphs' computation (DecodeGraphs.load + _forward, PrefillGraphs.load +
     forward: what a replay runs) with adapter slots in their static buffer gives the eager
-    step's logits, padding rows included (slot -1); with every slot -1 it does not."""
+    step's logits, padding rows included (slot -1); with every slot -1 it does not. A mixed
+    step split over both (SplitGraphs) keeps each row's slots."""
     from worker_service.cuda_graphs import DecodeGraphs, PrefillGraphs, rows_out
     from worker_service.executors import StepInputs
     runner = _runner(model_dir, adapters, max_loras=2)
@@ -378,6 +379,27 @@ def test_graph_inputs_carry_adapter_slots(model_dir, adapters):
         pg = PrefillGraphs(runner.model, 64, runner.max_model_len, 8, runner.device, store.ctx, 2)
         padded = rows_out(plan, *pg.forward(pg.load(StepInputs(plan, lora=slots)))).out
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+        # a prompt beside the three decode rows through SplitGraphs (its decode replay and
+        # its prefill replay): each half carries its own rows' adapter slots
+        from test_prefill_graphs import without_graphs
+        from worker_service.cuda_graphs import SplitGraphs
+        req = worker_pb2.StepRequest(step_id=4)
+        req.seqs.add(seq_id=8, num_tokens=9, start_pos=0, sample=True, reset_block_table=True,
+                     adapter_id=1, block_table_i32=np.arange(24, 26, dtype="<i4").tobytes())
+        req.token_ids_i32 = np.arange(60, 69, dtype="<i4").tobytes()
+        req.decode.seq_ids_u64 = np.array([100, 101, 102], "<u8").tobytes()
+        req.decode.token_ids_i32 = np.array([7, 8, 9], "<i4").tobytes()
+        plan = runner.table.plan(req)
+        runner.kv_cache.copy_(kv)
+        eager = runner.forward(plan).out
+        runner.kv_cache.copy_(kv)
+        slots = store.slots(runner.table.adapter[plan.rows], plan.num_tokens)
+        assert len(set(slots.tolist())) == 3          # -1 (base), 0 and 1 among the rows
+        without_graphs(dg, lambda b: dg._forward(b).out)
+        without_graphs(pg, pg.forward)
+        split, step = SplitGraphs(dg, pg), StepInputs(plan, lora=slots)
+        assert split.fits(step)
+        torch.testing.assert_close(split.run(step).out, eager, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
