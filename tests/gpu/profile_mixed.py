@@ -35,7 +35,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="also the mixed step's host time under cProfile")
     ap.add_argument("--deterministic", action="store_true", help="the worker's --deterministic")
     ap.add_argument("--profile-decode", action="store_true",
-                    help="also the decode step's kernels (torch profiler), not only the mixed one")
+                    help="also the decode step: which executor takes it, its graph's replay "
+                         "alone, and its kernels (torch profiler), not only the mixed step's")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -94,6 +95,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     steps = [("mixed", lambda: dict(prefills=chunk(), decodes=decode_rows()))]
     if args.profile_decode:
+        decode_executor(r, decode_rows(), args.reps)
+    if args.profile_decode:
         steps.insert(0, ("decode", lambda: dict(decodes=decode_rows())))
     for label, make in steps:
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
@@ -102,6 +105,37 @@ def main() -> None:
         print(f"{label} step:")
         print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                         row_limit=12))
+
+
+def decode_executor(r: ModelRunner, rows: list[tuple[int, int]], reps: int) -> None:
+    """Which executor takes a decode step of these rows, and, where it is the decode graphs,
+    its bucket's replay alone against the whole step (plan + load + replay + logits): what
+    the step adds around the graph."""
+    import numpy as np
+    from nanoserve.v1 import worker_pb2
+    from worker_service.cuda_graphs import DecodeGraphs
+    req = worker_pb2.StepRequest(step_id=10**6)
+    req.decode.seq_ids_u64 = np.array([s for s, _ in rows], "<u8").tobytes()
+    req.decode.token_ids_i32 = np.array([t for _, t in rows], "<i4").tobytes()
+    plan = r.table.plan(req)
+    step = r.inputs(plan)
+    taker = next(e for e in r.executors if e.fits(step))
+    print(f"decode step of {len(rows)} rows taken by {type(taker).__name__}", flush=True)
+    if not isinstance(taker, DecodeGraphs):
+        return
+    graph = taker.graphs[taker.load(step)].graph
+    for label, fn in (("graph replay alone", graph.replay), ("forward (load + replay)",
+                                                            lambda: r.forward(plan))):
+        times = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times = sorted(times[3:])
+        print(f"{label:40s} min / median / max {times[0]:.3f} / {times[len(times) // 2]:.3f} / "
+              f"{times[-1]:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
