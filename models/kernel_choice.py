@@ -16,8 +16,9 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
   whose tuning they are).
 - DETERMINISTIC (the worker's --deterministic, issue 68; set once at load by
   worker_service/loading.py): a row's result must not depend on the rows beside it, so
-  every linear layer and the LM head take kernels/batch_invariant.py's fixed-tile GEMM
-  for every row count (no GEMV for one row and GEMM for more: two reduction orders), and
+  every linear layer and the LM head take kernels/batch_invariant.py's GEMM (K in order,
+  never split: its tiles may follow the row count, every tile giving the same bits) for
+  every row count (no GEMV for one row and GEMM for more: two reduction orders), and
   nothing hands an FP8 GEMM pre-quantized rows. Norms, rotary, SiLU, the q/k norm and
   MoE routing reduce each row alone already (a program per row, or per-row torch ops).
 """

@@ -58,10 +58,10 @@ def set_deterministic(on: bool, tp: TPGroup, small_batch_kernel: str = "off") ->
     other row, batch size, graph bucket, chunk boundary or prefix-cache hit changes. The
     rules live with the choices they change: models/kernel_choice.py (the GEMMs), the
     attention backend (kernels/attention.py: select_backend's deterministic), the sampler
-    (sampler.py: a row's sampling path follows its own parameters, mode or not). A process serves one mode. Refused
-    where the order is not ours: TP > 1 (the all-reduce's algorithm, hence its order,
-    follows the message size, i.e. the batch) and the persistent small-batch kernel (its
-    own GEMV order)."""
+    (sampler.py: a row's sampling path follows its own parameters, mode or not). A
+    process serves one mode. Refused where the order is not ours: TP > 1 (the
+    all-reduce's algorithm, hence its order, follows the message size, i.e. the batch) and
+    the persistent small-batch kernel (its own GEMV order)."""
     if on and tp.size > 1:
         raise ValueError("--deterministic covers one rank (TP=1): the all-reduce's order "
                          "follows the batch's size")
