@@ -53,13 +53,8 @@ $(STUBS) &: $(PROTOS) | $(PINS)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 		--grpc_python_out=protos $(PROTOS)
 
-# Two pytest workers (pytest-xdist), each taking whole files: the suite is mostly the Triton
-# interpreter and service processes, and on CI's two cores it takes ~13 minutes instead of
-# ~18 in one process. TEST_WORKERS=0: one process (what a debugger wants).
-TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test proto
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 \
-		$(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # Build the images and run docker-compose.yml + docker-compose.cpu.yml for real (tests/compose_check.py):
 # starts dockerd if none answers (../shared/CONTAINERS.md), streams through the published ports,
