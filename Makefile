@@ -53,8 +53,19 @@ $(STUBS) &: $(PROTOS) | $(PINS)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 		--grpc_python_out=protos $(PROTOS)
 
+# Two pytest workers (pytest-xdist), each taking whole files: the suite is mostly the Triton
+# interpreter and service processes, which two workers overlap on two cores. Files marked
+# `alone` (kill schedules, fair shares, memory and timing measures) then run in one process,
+# where no other test's processes slow theirs. TEST_WORKERS=0: all in one process.
+TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10
 test: $(VENV)/.installed-test proto
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests
+ifeq ($(TEST_WORKERS),0)
+	$(PYTEST) tests
+else
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not alone" tests; r=$$?; \
+		$(PYTEST) -m alone tests || exit 1; exit $$r
+endif
 
 # Build the images and run docker-compose.yml + docker-compose.cpu.yml for real (tests/compose_check.py):
 # starts dockerd if none answers (../shared/CONTAINERS.md), streams through the published ports,

@@ -11,6 +11,8 @@ do, as they retry a call refused before its first token while a core or frontend
 restarts), and only streams in flight at such a kill may end that way. Every request
 finishes with all its tokens, exact; afterwards nothing runs and every KV block is free. The output reports requests,
 kills, losses and the engine core's resume latency (kill -> next token anywhere).
+Each stream sends requests one after another until the kill schedule is done, so every
+kill lands while streams run however slowly the host restarts processes.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from services import engine_idle, named_children, start_null_worker, start_scheduler, wait_until
 from worker_service.null_worker import expected_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 VOCAB, MAX_LEN = 1000, 2048
 STREAMS = 240
 STEP_MS = 10
@@ -48,16 +50,25 @@ class Run:
         self.token_times: list[float] = []
         self.frontend_kills: list[float] = []
         self.core_kills: list[float] = []
+        self.kills_done = False
 
 
 async def one_stream(stubs, rng: random.Random, eos: int, run: Run) -> None:
+    """Requests one after another, the first after a random delay, until the kills are done."""
+    await asyncio.sleep(rng.uniform(0, 3))      # arrivals spread over the first seconds
+    while True:
+        await one_request(stubs, rng, eos, run)
+        if run.kills_done:
+            return
+
+
+async def one_request(stubs, rng: random.Random, eos: int, run: Run) -> None:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 200))]
     n = rng.randint(500, 900)
     want = expected_tokens(prompt, n, VOCAB, eos)
     req = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt),
         sampling=generate_pb2.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
-    await asyncio.sleep(rng.uniform(0, 3))      # arrivals spread over the first seconds
     losses = 0
     for _ in range(100):
         started, got = time.monotonic(), []
@@ -100,7 +111,7 @@ async def chaos(sched, worker_box: list, model_dir, eos: int, seed: int) -> tupl
         tasks = [asyncio.ensure_future(one_stream(stubs, random.Random(rng.random()), eos, run))
                  for _ in range(STREAMS)]
         done_kills = []
-        while kills and not all(t.done() for t in tasks):
+        while kills and not any(t.done() and t.exception() for t in tasks):
             await asyncio.sleep(rng.uniform(0.8, 1.5))
             victim = kills.pop()
             now = time.monotonic()
@@ -120,6 +131,7 @@ async def chaos(sched, worker_box: list, model_dir, eos: int, seed: int) -> tupl
             # Let the restarted process come up before the next kill can land on it.
             await asyncio.to_thread(wait_until, lambda: set(named_children(sched.popen.pid))
                                     >= {"ns-engine-core", "ns-frontend-0", "ns-frontend-1"}, 30)
+        run.kills_done = True
         await asyncio.gather(*tasks)
     finally:
         for c in channels:
@@ -152,10 +164,11 @@ def test_chaos_kills_lose_nothing_but_a_killed_frontends_streams(tmp_path_factor
         mid_run = [k for k in run.core_kills if k < times[-1]]
         resume = sorted(resumed_after(times, k) for k in mid_run)
         counts = {o: run.outcomes.count(o) for o in set(run.outcomes)}
-        print(f"\nchaos: {STREAMS} streams in {time.monotonic() - t0:.1f}s, kills {kills}, "
+        print(f"\nchaos: {STREAMS} streams, {len(run.outcomes)} requests in "
+              f"{time.monotonic() - t0:.1f}s, kills {kills}, "
               f"outcomes {counts}, engine core kill -> next token: "
               f"p50 {statistics.median(resume):.2f}s, max {resume[-1]:.2f}s")
-        assert len(run.outcomes) == STREAMS
+        assert len(run.outcomes) >= STREAMS
         bad = [o for o in run.outcomes if not o.startswith("ok")]
         assert not bad, bad[:5]
         assert kills.count("ns-engine-core") == 3 and kills.count("worker") == 2 \

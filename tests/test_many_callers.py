@@ -18,7 +18,7 @@ from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from services import free_port, start_null_worker, start_scheduler, wait_until
 from worker_service.null_worker import expected_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 VOCAB, MAX_LEN = 1000, 4096
 
 

@@ -23,7 +23,7 @@ from services import (engine_idle, named_children, rss_bytes, start_null_worker,
                       wait_until)
 from worker_service.null_worker import expected_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 VOCAB, MAX_LEN = 1000, 512
 STREAMS, ROUNDS = 300, 3
 RSS_BOUND = 8 << 20   # bytes, per process, round 1 -> round 3

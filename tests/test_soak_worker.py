@@ -26,7 +26,7 @@ from nanoserve.v1 import generate_pb2, generate_pb2_grpc
 from services import engine_idle, rss_bytes, start_scheduler, start_worker, wait_until
 from tiny_checkpoint import tiny_qwen3_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 VOCAB = 389
 STREAMS, ROUNDS = 80, 7            # round 0 warms up
 KV_GB = 0.1                        # ~13k blocks of 16 tokens at these shapes

@@ -21,7 +21,7 @@ from services import Proc, alive, children, comm, free_port, named_children, wai
 from test_metrics import scrape, value
 from tiny_checkpoint import tiny_qwen3_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 VOCAB = 389
 _SCHEDULER = re.compile(r"scheduler listening on [\w.:]+:(\d+)")
 

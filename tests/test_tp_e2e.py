@@ -29,7 +29,7 @@ from test_e2e import generate, hf_greedy, hf_greedy_ignore_eos
 from tiny_checkpoint import tiny_qwen3_dir
 from worker_service.distributed import EXIT_GROUP_BROKEN, TPConfigError, check_tp_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 BLOCK = 8
 VOCAB = 389
 CHECKPOINTS = {
