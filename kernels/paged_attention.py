@@ -375,7 +375,8 @@ def _prefill_kernel(
     SPLIT_LEN from key 0, each reduced from a fresh state and merged in order
     (_merge_split): in turn inside the program, or, PARTIAL, one split per program (grid
     axis 2 = split * num_kv_heads + kv head) written to PartOut / PartLse for
-    _split_merge_kernel."""
+    _split_merge_kernel. PARTIAL rows are one per sequence (a decode step): a split past the
+    row's context writes nothing, as the merge stops at the row's last split."""
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
     if PARTIAL:
@@ -416,6 +417,8 @@ def _prefill_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]   # a padding row (context 0): zeros
     elif PARTIAL:
         lo = split * SPLIT_LEN
+        if lo >= hi:   # past the context (a graph's grid covers max_model_len)
+            return
         m_i, l_i, acc = _attend_keys(q, q_pos, lo, tl.minimum(hi, lo + SPLIT_LEN), full,
                                      KCache, VCache, KScale, VScale, table, kv_head, stride_cb,
                                      stride_cs, stride_ch, offs_d, d_mask, qk_scale_log2,
@@ -446,10 +449,13 @@ def _prefill_kernel(
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _split_merge_kernel(Out, PartOut, PartLse, stride_ot, stride_oh, num_heads, num_splits,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HEADS_PAD: tl.constexpr):
-    """One row's heads: its splits merged in index order by _merge_split."""
+def _split_merge_kernel(Out, PartOut, PartLse, ContextLens, stride_ot, stride_oh, num_heads,
+                        num_splits, SPLIT_LEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, HEADS_PAD: tl.constexpr):
+    """One row's heads (row = sequence: a decode step): its splits merged in index order by
+    _merge_split, up to the last that holds a key of its context. The splits past it are
+    empty, and merging an empty split changes no bit, so stopping there (not at the
+    grid's num_splits, sized for max_model_len under CUDA graphs) gives the same result."""
     row = tl.program_id(0)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -458,7 +464,8 @@ def _split_merge_kernel(Out, PartOut, PartLse, stride_ot, stride_oh, num_heads, 
     m_run = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
     w_run = tl.zeros([HEADS_PAD], dtype=tl.float32)
     acc_run = tl.zeros([HEADS_PAD, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
+    used = tl.minimum(tl.cdiv(tl.load(ContextLens + row), SPLIT_LEN), num_splits)
+    for s in range(0, used):
         lse = tl.load(PartLse + base + s, mask=h_mask, other=float("-inf"))
         o = tl.load(PartOut + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
                     mask=h_mask[:, None], other=0.0)
@@ -624,6 +631,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_n = 64 if head_dim <= 128 else 32
     assert split_len % 64 == 0, "splits must hold whole key tiles"
     splits = parallel_splits if split_len else 0
+    # the merge takes row i's context from context_lens[i]: one query row per sequence
+    assert not splits or (max_seqlen_q == 1 and num_tokens == num_seqs), \
+        "parallel_splits is for decode steps (one row per sequence)"
     part_out = part_lse = out                         # unused unless splits
     if splits:
         part_out = torch.empty(num_tokens, num_heads, splits, block_d, dtype=torch.float32,
@@ -645,8 +655,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     )
     if splits:
         _split_merge_kernel[(num_tokens,)](
-            out, part_out, part_lse, out.stride(0), out.stride(1), num_heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, HEADS_PAD=triton.next_power_of_2(num_heads),
+            out, part_out, part_lse, context_lens, out.stride(0), out.stride(1), num_heads,
+            splits, SPLIT_LEN=split_len, HEAD_DIM=head_dim, BLOCK_D=block_d, HEADS_PAD=triton.next_power_of_2(num_heads),
             num_warps=4,
         )
     return out
