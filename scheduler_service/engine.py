@@ -210,31 +210,43 @@ class Engine:
 
     @property
     def max_in_flight(self) -> int:
-        return self.pipeline.depth
+        """The pipeline's depth, plus room for the steps sent together past the second."""
+        depth = self.pipeline.depth
+        return depth + self.pipeline.per_message - 1 if depth > 2 else depth
+
+    def _may_schedule(self, n: int, queued: int) -> bool:
+        """Whether to schedule a step now, with n steps in flight or queued to send. Past
+        the second, steps go to the workers `per_message` at a time (one stream write), so
+        a new group starts only once that many fit."""
+        if n >= self.max_in_flight or (n and self.scheduler.wants_sync()):
+            return False
+        if n < 2:
+            return True
+        return self._chained and (queued > 0 or self.max_in_flight - n >= self.pipeline.per_message)
 
     async def run(self) -> None:
         """Keep up to `max_in_flight` steps on the workers: with 2, step N+1 is scheduled
         and sent while the workers compute step N, so the GPU does not wait for us; at
-        short steps more (pipeline.py), each fed the previous one's samples on the worker."""
+        short steps more (pipeline.py), each fed the previous one's samples on the worker,
+        and sent `per_message` to a message."""
         # (batch, step id, schedule ms, when it was sent)
         in_flight: deque[tuple[Batch, int, float, float]] = deque()
+        queued: list[tuple[Batch, worker_pb2.StepRequest, float]] = []   # scheduled, unsent
         last_done = time.perf_counter()
         sent_ms = 0.0   # the engine's time from an answer to the next send (round trip)
         answered = False
         while not self._stop.is_set():
             if self._commands:
                 self._apply_commands()
-            if not in_flight and not self.scheduler.has_work():
+            if not in_flight and not queued and not self.scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             t0 = time.perf_counter()
-            if not in_flight:
+            if not in_flight and not queued:
                 last_done = t0          # idle time between bursts is not step time
-            n = len(in_flight)
-            batch = (self.scheduler.schedule() if n < self.max_in_flight
-                     and (n < 2 or self._chained)
-                     and not (n and self.scheduler.wants_sync()) else None)
+            n = len(in_flight) + len(queued)
+            batch = self.scheduler.schedule() if self._may_schedule(n, len(queued)) else None
             if self.scheduler.errors:   # dropped before prefill (a deadline): tell the callers
                 self._dropped(self.scheduler.drain_errors())
             if batch is not None:
@@ -243,10 +255,18 @@ class Engine:
                 if self._held and (batch.is_prefill or batch.num_prefill):
                     self._release_held()
                 self._chained = self.pipeline.depth > 2 and self._may_chain(batch)
+                queued.append((batch, request, (time.perf_counter() - t0) * 1e3))
+                if n >= 2 and len(queued) < self.pipeline.per_message \
+                        and self._may_schedule(n + 1, len(queued)):
+                    continue   # the next step goes in the same message
+            if queued:
                 t_sent = time.perf_counter()
-                schedule_ms = (t_sent - t0) * 1e3
-                await self.group.send(request)
-                in_flight.append((batch, request.step_id, schedule_ms, t_sent))
+                first = queued[0][1]
+                if len(queued) > 1:
+                    first.then.extend(r for _, r, _ in queued[1:])
+                await self.group.send(first)
+                in_flight.extend((b, r.step_id, ms, t_sent) for b, r, ms in queued)
+                queued.clear()
                 if answered:   # the engine's part of a round trip, after folding an answer in
                     sent_ms = (t_sent - last_done) * 1e3
                     answered = False

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from nanoserve.v1 import worker_pb2
-from nanoserve.worker_group import GroupInfo, WorkerGroupError
+from nanoserve.worker_group import GroupInfo, WorkerGroupError, steps_in
 from scheduler_service.engine import Engine, StepOutputs
-from scheduler_service.pipeline import PipelineDepth
+from scheduler_service.pipeline import PER_MESSAGE, PipelineDepth
 from scheduler_service.scheduler import SchedulerConfig
 from scheduler_service.sequence import SamplingOptions
 from worker_service.null_worker import NullWorkerServicer, expected_tokens
@@ -34,6 +34,7 @@ class InlineNullGroup:
         self.num_kv_blocks = num_kv_blocks
         self.queue: deque = deque()
         self.deepest = 0   # most steps in flight at once
+        self.messages = 0  # Step messages sent (several steps may share one)
 
     async def start(self) -> None:
         await self.worker.Init(worker_pb2.InitRequest(num_kv_blocks=self.num_kv_blocks,
@@ -41,7 +42,9 @@ class InlineNullGroup:
 
     async def send(self, request: worker_pb2.StepRequest) -> None:
         wire = worker_pb2.StepRequest.FromString(request.SerializeToString())
-        self.queue.append(self.worker._launch(wire))
+        self.messages += 1
+        for step in steps_in(wire):
+            self.queue.append(self.worker._launch(step))
         self.deepest = max(self.deepest, len(self.queue))
 
     async def receive(self, step_id: int) -> worker_pb2.StepResponse:
@@ -55,10 +58,12 @@ class InlineNullGroup:
 
 
 def _run(requests: dict[int, tuple[list[int], SamplingOptions]], num_kv_blocks: int = 512,
-         abort_after: dict[int, int] | None = None, max_depth: int = 4
+         abort_after: dict[int, int] | None = None, max_depth: int = 4,
+         per_message: int = PER_MESSAGE
          ) -> tuple[dict[int, list[int]], dict[int, str], Engine, InlineNullGroup]:
     """Serve `requests` (seq_id -> (prompt, sampling)); abort_after: seq_id -> abort it once
-    it has this many tokens. Returns each seq's streamed ids and finish reason."""
+    it has this many tokens; per_message: steps a message past the second in flight.
+    Returns each seq's streamed ids and finish reason."""
     got: dict[int, list[int]] = {s: [] for s in requests}
     reasons: dict[int, str] = {}
     abort_after = abort_after or {}
@@ -87,6 +92,7 @@ def _run(requests: dict[int, tuple[list[int], SamplingOptions]], num_kv_blocks: 
                 done.set()
 
         engine = Engine(group, info, cfg, on_output, max_pipeline_depth=max_depth)
+        engine.pipeline.per_message = per_message
         task = asyncio.ensure_future(engine.run())
         for seq_id, (prompt, sampling) in requests.items():
             engine.add_request(seq_id, list(prompt), sampling)
@@ -113,14 +119,20 @@ def _stop_request(rng: random.Random, n: int) -> tuple[list[int], SamplingOption
     return prompt, SamplingOptions(max_tokens=n, ignore_eos=True), exp
 
 
-def test_deep_pipeline_streams_exactly_to_each_stop():
+@pytest.mark.parametrize("per_message", [1, 2, 3])
+def test_deep_pipeline_streams_exactly_to_each_stop(per_message):
+    """Depth 4, the steps past the second sent per_message to a message (StepRequest.then):
+    the engine keeps per_message - 1 more in flight, and fewer messages than steps go out."""
     rng = random.Random(3)
     reqs, want = {}, {}
     for i in range(16):
         prompt, sampling, exp = _stop_request(rng, rng.randint(1, 150))
         reqs[i + 1], want[i + 1] = (prompt, sampling), exp
-    got, reasons, engine, group = _run(reqs)
-    assert group.deepest == 4 and engine.pipeline.depth == 4
+    got, reasons, engine, group = _run(reqs, per_message=per_message)
+    assert engine.pipeline.depth == 4 and group.deepest == 4 + per_message - 1
+    steps = engine._step_id
+    assert group.messages == steps if per_message == 1 else group.messages < 0.7 * steps, \
+        (group.messages, steps)
     for seq_id, exp in want.items():
         assert got[seq_id] == exp, seq_id
         assert reasons[seq_id] == ("length" if len(exp) == reqs[seq_id][1].max_tokens
@@ -192,3 +204,57 @@ def test_the_null_worker_prices_prefill_tokens():
     dec = worker_pb2.StepRequest(step_id=2)
     dec.decode.seq_ids_u64 = np.arange(3, dtype="<u8").tobytes()
     assert w._launch(dec).resp.gpu_ms == pytest.approx(2.0)
+
+
+@pytest.mark.slow
+def test_a_model_worker_answers_each_step_of_a_message(tmp_path_factory):
+    """A model worker service (tiny Qwen3, real process) sent a prefill and three decode
+    steps in one Step message (StepRequest.then) answers four times, in order, with the
+    ids it samples when each step comes in its own message: greedy, the decode steps'
+    inputs the placeholders (-1) the worker fills from its previous samples."""
+    from scheduler_service.worker_client import WorkerGroup
+    from services import start_worker
+    from tiny_checkpoint import tiny_qwen3_dir
+    model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=3)
+    prompts = {1: [5, 17, 3, 250, 9], 2: [100, 7, 7, 300, 42, 1, 8, 64, 2, 11, 19]}
+
+    def steps() -> list[worker_pb2.StepRequest]:
+        prefill = worker_pb2.StepRequest(step_id=1)
+        for seq_id, prompt in prompts.items():
+            table = np.array([2 * seq_id - 2, 2 * seq_id - 1], "<i4")   # 16 tokens each
+            prefill.seqs.add(seq_id=seq_id, num_tokens=len(prompt), start_pos=0, sample=True,
+                             reset_block_table=True, block_table_i32=table.tobytes(),
+                             sampling=worker_pb2.WorkerSampling(temperature=0.0))
+        prefill.token_ids_i32 = np.array(sum(prompts.values(), []), "<i4").tobytes()
+        out = [prefill]
+        for step_id in (2, 3, 4):
+            d = worker_pb2.StepRequest(step_id=step_id)
+            d.decode.seq_ids_u64 = np.array(list(prompts), "<u8").tobytes()   # inputs: all -1
+            out.append(d)
+        return out
+
+    async def serve(together: bool) -> list[list[int]]:
+        group = WorkerGroup([f"127.0.0.1:{worker.port}"])
+        await group.connect(block_size=BS, num_kv_blocks=8)   # Init: a fresh KV cache
+        sent = steps()
+        try:
+            if together:
+                sent[0].then.extend(sent[1:])
+                await group.send(sent[0])
+            else:
+                for step in sent:
+                    await group.send(step)
+            answers = [await asyncio.wait_for(group.receive(step.step_id), 30) for step in sent]
+        finally:
+            await group.close()
+        return [np.frombuffer(a.sampled_token_ids_i32, "<i4").tolist() for a in answers]
+
+    worker = start_worker(model_dir)
+    try:
+        apart = asyncio.run(serve(False))
+        together = asyncio.run(serve(True))
+    finally:
+        worker.stop()
+    assert [len(ids) for ids in apart] == [2, 2, 2, 2]
+    assert together == apart
+    assert len({tuple(ids) for ids in apart}) > 1   # the steps sampled different ids

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from nanoserve.v1 import worker_pb2
-from nanoserve.worker_group import GroupInfo, WorkerGroupError
+from nanoserve.worker_group import GroupInfo, WorkerGroupError, steps_in
 from worker_service.model_runner import ModelRunner, StepError
 
 
@@ -71,8 +71,9 @@ class LocalWorkerGroup:
     async def send(self, request: worker_pb2.StepRequest) -> None:
         """Launch a step on the step thread without waiting for it (the object itself:
         nothing is serialized). Launching does not wait for the GPU, so step N+1 is queued
-        behind step N as on a worker service."""
-        self._in_flight.append((request.step_id, self._executor.submit(self.runner.launch, request)))
+        behind step N as on a worker service. Steps sent with it (`then`) queue after it."""
+        for step in steps_in(request):
+            self._in_flight.append((step.step_id, self._executor.submit(self.runner.launch, step)))
 
     async def receive(self, step_id: int) -> worker_pb2.StepResponse:
         """The answer to the oldest step in flight; a failure fails the step ('lost' is

@@ -39,6 +39,7 @@ import numpy as np
 
 from nanoserve.grammar_tokenizer import load_tokenizer
 from nanoserve.security import OPEN_WORKER, AsyncGuard, add_port
+from nanoserve.worker_group import steps_in
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.device_clock import DeviceClock
 from worker_service.metrics import WorkerMetrics
@@ -150,8 +151,9 @@ class NullWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         async def launch() -> None:
             try:
-                async for req in request_iterator:
-                    answers.put_nowait(self._launch(req))
+                async for message in request_iterator:
+                    for req in steps_in(message):
+                        answers.put_nowait(self._launch(req))
             finally:
                 answers.put_nowait(None)
 

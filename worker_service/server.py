@@ -18,6 +18,7 @@ from concurrent import futures
 import grpc
 
 from nanoserve.security import OPEN_WORKER, SyncGuard, add_port
+from nanoserve.worker_group import steps_in
 from nanoserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.adapters import AdapterError
 from worker_service.metrics import WorkerMetrics
@@ -111,14 +112,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         def launch_all() -> None:
             try:
-                for req in request_iterator:
-                    self.steps += 1
-                    self.steps_overlapped += self._answered < self._launched
-                    pending, error = self._launch(req)
-                    self._launched += 1
-                    launched.put(error or pending)
-                    if error:
-                        return
+                for message in request_iterator:
+                    for req in steps_in(message):
+                        self.steps += 1
+                        self.steps_overlapped += self._answered < self._launched
+                        pending, error = self._launch(req)
+                        self._launched += 1
+                        launched.put(error or pending)
+                        if error:
+                            return
             except Exception:  # noqa: BLE001 - the stream was cancelled; end as if closed
                 pass
             finally:

@@ -4,7 +4,8 @@ Two implementations: `scheduler_service.worker_client.WorkerGroup` (the worker s
 ranks over gRPC) and `worker_service.local_group.LocalWorkerGroup` (one in-process
 ModelRunner, for benchmarks). Both offer `connect(block_size, num_kv_blocks, wait) ->
 GroupInfo`, `send`/`receive` of Step messages, `healthy`, `close_streams` and `close`, and
-fail with `WorkerGroupError`. The types of that contract live here, in the package both
+fail with `WorkerGroupError`. One `send` may carry several steps (StepRequest.then: see
+`steps_in`); each is answered by its own `receive`. The types of that contract live here, in the package both
 planes may import, so neither plane imports the other. No grpc, no torch.
 """
 from __future__ import annotations
@@ -38,3 +39,9 @@ class GroupInfo:
     task: str = "generate"            # what the workers serve, comma-joined (WorkerInfo.task)
     hidden_size: int = 0              # an embedding's full size (WorkerInfo.hidden_size)
     deterministic: bool = False       # every rank runs batch-invariant kernels (--deterministic)
+
+
+def steps_in(message) -> tuple:
+    """A Step message's steps in order: itself, then those sent with it (StepRequest.then;
+    the first keeps its `then`, which nothing past this reads)."""
+    return (message, *message.then) if message.then else (message,)
