@@ -516,8 +516,9 @@ for w in ${*:-kernels model bench}; do
     small)  # the single caller (issue 44): batch 1 and 8 through gRPC (256-token prompts, 512
       # out, greedy, SMALL_RUNS (3) after 2 warm-ups) for each SMALL_CONFIGS entry
       # (model:worker flags, "_" for spaces) with the decode GEMV off (NANOSERVE_GEMV_MAX_TOKENS=0)
-      # and on (the default), or SMALL_VAR (e.g. NANOSERVE_PDL) 0 and 1; one worker + scheduler
-      # per setting
+      # and on (the default), or SMALL_VAR (e.g. NANOSERVE_PDL) set to each of SMALL_VALS (0 1)
+      # in the worker's and the scheduler's environment (e.g. SMALL_VAR=NANOSERVE_STEPS_PER_MESSAGE
+      # SMALL_VALS="1 3": issue 72's steps a message); one worker + scheduler per setting
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M8=/dev/shm/qwen3-8b
       [ -f $M8/config.json ] || python3 tests/gpu/fp8_check.py checkpoint $M8 >/dev/null 2>&1
@@ -527,12 +528,12 @@ for w in ${*:-kernels model bench}; do
       for cfg in ${SMALL_CONFIGS:-$NANOSERVE_QWEN06B: $M8: $M8:--quantization_fp8_--kv-cache-dtype_fp8}; do
         M=${cfg%%:*}; WA=${cfg#*:}; WA=${WA//_/ }; tag=$(basename "$M")${WA// /}
         V=${SMALL_VAR:-NANOSERVE_GEMV_MAX_TOKENS}
-        for g in 0 1; do
+        for g in ${SMALL_VALS:-0 1}; do
           # shellcheck disable=SC2086
           env "$V=$g" python3 -m worker_service --model "$M" --port 50061 \
             --max-model-len 4096 --log-level WARNING $WA > "$OUT/small_worker.log" 2>&1 &
           WP=$!
-          python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
+          env "$V=$g" python3 -m scheduler_service --model "$M" --workers 127.0.0.1:50061 --port 50051 \
             --max-model-len 4096 --log-level WARNING > "$OUT/small_sched.log" 2>&1 &
           SP=$!
           [ "$V" = NANOSERVE_GEMV_MAX_TOKENS ] && t=g || t=${V#NANOSERVE_}
