@@ -656,7 +656,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if splits:
         _split_merge_kernel[(num_tokens,)](
             out, part_out, part_lse, context_lens, out.stride(0), out.stride(1), num_heads,
-            splits, SPLIT_LEN=split_len, HEAD_DIM=head_dim, BLOCK_D=block_d, HEADS_PAD=triton.next_power_of_2(num_heads),
+            splits, SPLIT_LEN=split_len, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
             num_warps=4,
         )
     return out

@@ -5,8 +5,8 @@ ranks over gRPC) and `worker_service.local_group.LocalWorkerGroup` (one in-proce
 ModelRunner, for benchmarks). Both offer `connect(block_size, num_kv_blocks, wait) ->
 GroupInfo`, `send`/`receive` of Step messages, `healthy`, `close_streams` and `close`, and
 fail with `WorkerGroupError`. One `send` may carry several steps (StepRequest.then: see
-`steps_in`); each is answered by its own `receive`. The types of that contract live here, in the package both
-planes may import, so neither plane imports the other. No grpc, no torch.
+`steps_in`); each is answered by its own `receive`. The types of that contract live here, in
+the package both planes may import, so neither plane imports the other. No grpc, no torch.
 """
 from __future__ import annotations
 
