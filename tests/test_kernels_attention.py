@@ -99,6 +99,37 @@ def test_decode_matches_ref(block_size: int, head_dim: int, group: int, num_spli
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_split_merge_in_kernel_is_the_merge_kernel(monkeypatch, fp8: bool) -> None:
+    """The last split program's merge gives the merge kernel's bits (here, where both run
+    the same arithmetic in the same order; on a GPU two compiled kernels may differ in a
+    last bit: tests/gpu/test_kernels_gpu.py), re-arms its counters (a second call gives
+    the same again), and zero-context padding rows stay zeros."""
+    import kernels.paged_attention as pa
+    seqs = [(c, 1) for c in (1, 15, 16, 17, 70)] + [(130, 1)]
+    b = make_batch(seqs, 16, num_kv_heads=2, group=2, head_dim=32, seed=5)
+    ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], b["meta"], b["scale"])
+    if fp8:
+        from tests.test_kernels_kv_fp8 import fp8_caches
+        b = fp8_caches(b)
+    m = b["meta"]
+    ctx = m.context_lens.clone()
+    ctx[1] = 0
+    k, v, ks, vs = b["k_cache"], b["v_cache"], b.get("k_scale"), b.get("v_scale")
+    call = lambda: paged_decode(b["q"], k, v, m.block_tables, ctx, b["scale"],  # noqa: E731
+                                num_splits=4, k_scale=ks, v_scale=vs)
+    fused = call()
+    counters = pa._COUNTERS[fused.device]
+    assert not counters.any()
+    assert torch.equal(call(), fused)
+    monkeypatch.setattr(pa, "_split_counters", lambda device, n: None)
+    assert torch.equal(call(), fused)
+    assert not fused[1].any()
+    keep = torch.arange(len(seqs)) != 1
+    tol = dict(atol=0.1, rtol=0.1) if fp8 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fused[keep], ref[keep], **tol)
+
+
 @pytest.mark.parametrize("block_size,block_n,num_splits", [(16, 16, 1), (32, 16, 1), (32, 16, 3)])
 def test_decode_tiles_within_pages_match_ref(block_size: int, block_n: int,
                                               num_splits: int) -> None:

@@ -51,6 +51,7 @@ BS = 16                             # KV block size of the runners
 EXPECTED = {
     "kernels.paged_attention._prefill_kernel", "kernels.paged_attention._decode_kernel",
     "kernels.paged_attention._split_merge_kernel", "kernels.rmsnorm._rms_norm_kernel",
+    "kernels.paged_attention._decode_merge_kernel",
     "kernels.qk_norm_rotary._qk_norm_rotary_kernel", "kernels.activation._silu_and_mul_kernel",
     "kernels.gemv._gemv_kernel", "kernels.batch_invariant._matmul_kernel",
     "kernels.persistent_decode._decode_kernel", "kernels.sampling._gumbel_chunk_kernel",
@@ -217,6 +218,19 @@ def direct_calls() -> None:
                   torch.zeros(4, 16, 2, 16, dtype=bf16), slots)
     store_kvcache(k, v, torch.zeros(4, 16, 2, 16, dtype=FP8), torch.zeros(4, 16, 2, 16, dtype=FP8),
                   slots, torch.zeros(4, 16), torch.zeros(4, 16))
+    # split decode attention (the graphs' small buckets on a GPU): merged by the last split
+    # program (bf16 and fp8 caches), or by the merge kernel where a program takes a run
+    from kernels.attention import decode_runs
+    from kernels.paged_attention import paged_decode
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    ctx = torch.tensor([20, 31], dtype=torch.int32)
+    for cache in (bf16, FP8):
+        scales = {} if cache == bf16 else dict(k_scale=torch.ones(4, 16), v_scale=torch.ones(4, 16))
+        paged_decode(rand(2, 4, 128), rand(4, 16, 2, 128).to(cache),
+                     rand(4, 16, 2, 128).to(cache), tables, ctx, 0.1, num_splits=3, **scales)
+    paged_decode(rand(2, 4, 128), rand(4, 16, 2, 128), rand(4, 16, 2, 128), tables[[0, 0]],
+                 torch.tensor([19, 20], dtype=torch.int32), 0.1, num_splits=3,
+                 runs=torch.from_numpy(decode_runs(np.array([0, 0]))))
     # FP8 weights, a few rows (x quantized per token, then the small-M GEMM)
     w = rand(64, 128).to(FP8)
     fp8_small_m_linear(rand(2, 128), w, torch.ones(64, 1), rand(64))
