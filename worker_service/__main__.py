@@ -81,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Triton kernel (kernels/persistent_decode.py) instead of a kernel per "
                         "op, where the model is covered (dense, one rank, no FP8, no LoRA; the "
                         "worker logs why not); experimental, off by default until measured")
+    p.add_argument("--profile-steps", type=profile_steps, default=None, metavar="A:B",
+                   help="trace steps A to B of this worker's Step stream (counted from its "
+                        "start) with the torch profiler, as served: a chrome trace in "
+                        "--profile-dir and a log line of the device's kernels, copies and "
+                        "idle time over those steps (worker_service/step_profile.py)")
+    p.add_argument("--profile-dir", default="nanoserve-profile", metavar="DIR",
+                   help="where --profile-steps writes its trace (default: %(default)s)")
     p.add_argument("--deterministic", nargs="?", const="on", default="off", choices=["on", "off"],
                    help="batch-invariant kernels (issue 68): a sequence's logits, hence its "
                         "greedy and seeded tokens, do not depend on what else runs beside it "
@@ -203,6 +210,17 @@ def serve_metrics(args: argparse.Namespace) -> None:
                              f"{args.metrics_port}: {e}") from e
 
 
+def profile_steps(text: str) -> tuple[int, int]:
+    """--profile-steps A:B (argparse type): 1 <= A <= B."""
+    try:
+        first, last = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (step numbers), got {text!r}") from None
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return first, last
+
+
 def json_object(text: str) -> dict:
     """A flag's JSON object (argparse type)."""
     value = json.loads(text)
@@ -318,8 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanoserve worker rank {args.rank}: configuration error: {e}", file=sys.stderr,
               flush=True)
         return EXIT_CONFIG
+    profile = None
+    if args.profile_steps is not None:
+        from worker_service.step_profile import StepProfile
+        profile = StepProfile(*args.profile_steps, args.profile_dir, args.rank, runner.device)
     server, port = serve(runner, os.path.basename(os.path.normpath(args.model)), args.host,
-                         args.port, args.secret, args.credentials)
+                         args.port, args.secret, args.credentials, profile)
     serve_metrics(args)
     # where start-up went (Init adds the KV cache and CUDA graphs: the server logs it)
     print(f"nanoserve worker rank {args.rank} start-up: "

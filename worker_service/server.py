@@ -34,8 +34,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, model_name: str):
+    def __init__(self, runner: ModelRunner, model_name: str, profile=None):
         self.runner = runner
+        self.profile = profile   # StepProfile (--profile-steps) or None
         self.model_name = model_name
         self.lock = threading.Lock()   # Init and Step never overlap
         self.steps = self.steps_overlapped = 0
@@ -116,7 +117,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     for req in steps_in(message):
                         self.steps += 1
                         self.steps_overlapped += self._answered < self._launched
+                        if self.profile is not None:
+                            self.profile.before(self.steps)
                         pending, error = self._launch(req)
+                        if self.profile is not None:
+                            self.profile.after(self.steps)
                         self._launched += 1
                         launched.put(error or pending)
                         if error:
@@ -171,14 +176,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def serve(runner: ModelRunner, model_name: str, host: str, port: int, secret: str | None = None,
-          credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
-    """secret: every RPC but Health needs it (`authorization: Bearer`); credentials: TLS."""
+          credentials: grpc.ServerCredentials | None = None, profile=None
+          ) -> tuple[grpc.Server, int]:
+    """secret: every RPC but Health needs it (`authorization: Bearer`); credentials: TLS;
+    profile: a StepProfile (--profile-steps)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8), interceptors=[SyncGuard(secret, OPEN_WORKER)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, model_name), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, model_name, profile),
+                                                 server)
     bound = add_port(server, f"{host}:{port}", credentials)
     server.start()
     return server, bound
