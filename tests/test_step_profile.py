@@ -66,6 +66,12 @@ def generate(stub, prompt: list[int], n: int) -> list[int]:
     return [t for chunk in stub.Generate(req, timeout=120) for t in chunk.token_ids]
 
 
+def test_null_worker_refuses_profile_steps():
+    from worker_service.__main__ import main
+    with pytest.raises(SystemExit, match="--null worker computes none"):
+        main(["--null", "--profile-steps", "1:2"])
+
+
 @pytest.mark.slow
 def test_worker_traces_the_steps_asked_for_and_keeps_serving(tmp_path_factory, tmp_path):
     model_dir = tiny_qwen3_dir(tmp_path_factory, vocab_size=389, num_layers=2, seed=3)

@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"nanoserve worker: --rank {args.rank} is not in [0, --world-size "
                          f"{args.world_size})")
     if args.null:
+        if args.profile_steps is not None:
+            raise SystemExit("nanoserve worker: --profile-steps traces a model's steps; a "
+                             "--null worker computes none")
         return serve_null(args)
     if args.standby:
         process.set_name(f"standby {args.rank}")
