@@ -85,6 +85,10 @@
 #   lora     multi-LoRA through the launcher at Qwen3-8B shapes (LORA_MODEL): the base model vs
 #            LORA_N (16) random rank-16 adapters on all seven projections (tests/gpu/make_adapters.py),
 #            nano-vllm's workload x LORA_RUNS (2) and batch 1 (256-token prompt, 512 out) x 3
+#   smallstep the batch-1 step around its graph replay (issues 63, 72): the split-merge test on
+#            CUDA, the runner's replay at 1 and 8 rows for this tree and SMALLSTEP_BASE alternately,
+#            the launcher at batch 1 with the worker's --profile-steps 300:500 (its log line: the
+#            device's kernels, copies and idle a step) and in-process batch 1
 #   small    the single caller (issue 44): batch 1 and 8 through gRPC, 256-token prompts, 512 out,
 #            for SMALL_CONFIGS (0.6B bf16, 8B bf16, 8B fp8 W + KV) with the decode GEMV
 #            (kernels/gemv.py) off and on; SMALL_RUNS (3)
@@ -513,6 +517,33 @@ for w in ${*:-kernels model bench}; do
             kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null ) || rc=1
         done
       done ;;
+    smallstep)   # issues 63 / 72: the batch-1 step around its graph replay; see the header
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      M=$NANOSERVE_QWEN06B
+      python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k in_kernel -s 2>&1 \
+        | grep -v "^$" | tail -6 | tee "$OUT/smallstep_tests.txt"
+      trees=""; for i in 1 2; do trees="$trees ${SMALLSTEP_BASE:-} $PWD"; done
+      for n in 1 8; do for tree in $trees; do
+        who=$( [ "$tree" = "$PWD" ] && echo this || echo base)
+        ( cd "$tree" && export PYTHONPATH="$tree:$tree/protos:${PYTHONPATH#*protos:}"
+          timeout 100 python3 tests/gpu/profile_mixed.py --model "$M" --profile-decode --decode $n \
+            > "$OUT/smallstep_pm_${who}_$n.txt" 2>&1 )
+        echo "$who, $n rows: $(grep -h "^graph replay" "$OUT/smallstep_pm_${who}_$n.txt")"
+      done; done
+      B=(python3 -m client.bench --no-progress --device-name "$GPU" --client-procs 1 --num-seqs 1
+         --min-input-len 256 --max-input-len 256 --min-output-len 512 --max-output-len 512
+         --temperature 0 --warmup 2 --runs 3)
+      python3 -m scheduler_service.launch --model "$M" --tp 1 --port 50051 --worker-base-port 50061 \
+        --worker-args "--profile-steps 300:500 --profile-dir $OUT/smallstep_trace --log-level INFO" \
+        > "$OUT/smallstep_launch.log" 2>&1 &
+      LP=$!
+      for i in $(seq 300); do grep -q "scheduler listening" "$OUT/smallstep_launch.log" && break; sleep 1; done
+      timeout 100 "${B[@]}" --target 127.0.0.1:50051 > "$OUT/smallstep_launcher_b1.txt" 2>&1 || rc=1
+      echo "launcher, batch 1:"; grep -h "^ITL\|^step wall\|GPU idle" "$OUT/smallstep_launcher_b1.txt"
+      grep -h "profiled steps" "$OUT/smallstep_launch.log"
+      kill $LP; wait $LP
+      timeout 200 "${B[@]}" --in-process --model "$M" > "$OUT/smallstep_inproc_b1.txt" 2>&1 || rc=1
+      echo "in-process, batch 1:"; grep -h "^ITL\|^step wall\|GPU idle" "$OUT/smallstep_inproc_b1.txt" ;;
     small)  # the single caller (issue 44): batch 1 and 8 through gRPC (256-token prompts, 512
       # out, greedy, SMALL_RUNS (3) after 2 warm-ups) for each SMALL_CONFIGS entry
       # (model:worker flags, "_" for spaces) with the decode GEMV off (NANOSERVE_GEMV_MAX_TOKENS=0)
