@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nanoserve.v1 import generate_pb2
 from services import served, start_worker, wait_until
+from test_e2e import generate
 from tiny_checkpoint import tiny_qwen3_dir
 from worker_service.__main__ import parse_args
 from worker_service.step_profile import device_span
@@ -59,13 +59,6 @@ def test_profile_steps_flag_refuses_a_bad_range(bad, capsys):
     assert parse_args(["--model", "m", "--profile-steps", "2:9"]).profile_steps == (2, 9)
 
 
-def generate(stub, prompt: list[int], n: int) -> list[int]:
-    req = generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=prompt),
-        sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    return [t for chunk in stub.Generate(req, timeout=120) for t in chunk.token_ids]
-
-
 def test_null_worker_refuses_profile_steps():
     from worker_service.__main__ import main
     with pytest.raises(SystemExit, match="--null worker computes none"):
@@ -80,12 +73,12 @@ def test_worker_traces_the_steps_asked_for_and_keeps_serving(tmp_path_factory, t
                                             "--log-level", "INFO"])
     trace = out / "worker-rank0-steps-2-4.json"
     with served(model_dir, [worker]) as stub:
-        ids = generate(stub, [5, 6, 7, 8], 6)
+        ids, _ = generate(stub, [5, 6, 7, 8], 6, ignore_eos=True)
         assert len(ids) == 6
         assert wait_until(trace.exists, timeout=30), worker.output()
         assert wait_until(lambda: "profiled steps 2-4" in worker.output(None), timeout=10)
         line = next(x for x in worker.output(None).splitlines() if "profiled steps 2-4" in x)
         assert "3 steps: wall" in line and "device idle" in line, line
         assert json.loads(trace.read_text())["traceEvents"]
-        again = generate(stub, [5, 6, 7, 8], 6)   # the stream resumed
+        again, _ = generate(stub, [5, 6, 7, 8], 6, ignore_eos=True)   # the stream resumed
         assert again == ids

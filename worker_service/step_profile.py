@@ -87,7 +87,6 @@ class StepProfile:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _prof: torch.profiler.profile | None = None
     _t0: float = 0.0
-    done: DeviceSpan | None = None
 
     def before(self, step: int) -> None:
         """Called as step number `step` is about to launch."""
@@ -113,6 +112,6 @@ class StepProfile:
         path = os.path.join(self.out_dir,
                             f"worker-rank{self.rank}-steps-{self.first}-{self.last}.json")
         prof.export_chrome_trace(path)
-        self.done = device_span(prof.events(), self.last - self.first + 1)
-        self.done.host_us = host_us
-        log.info("profiled steps %d-%d (%s): %s", self.first, self.last, path, self.done.line())
+        span = device_span(prof.events(), self.last - self.first + 1)
+        span.host_us = host_us
+        log.info("profiled steps %d-%d (%s): %s", self.first, self.last, path, span.line())
