@@ -163,6 +163,25 @@ def _gumbel_merge_kernel(Logits, stride_row, PartScore, PartIdx, PartMax, PartSu
         tl.store(Logprobs + row, x_tok - m - tl.log(total))
 
 
+_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _scratch(device: torch.device, size: int, logprobs: bool) -> tuple[torch.Tensor, ...]:
+    """The chunk pass's partial results, allocated once per shape: four allocations a step
+    were a tenth of a batch-1 step's host time. Reuse is safe in stream order (each call's
+    two kernels finish with them before the next call's first kernel runs). Separate
+    allocations, not views of one: Triton specializes a pointer on its 16-byte alignment,
+    and a view's offset would change it with n (a compile mid-serving)."""
+    key = (device, size, logprobs)
+    if key not in _SCRATCH:
+        f32 = dict(dtype=torch.float32, device=device)
+        scores = torch.empty(size, **f32)
+        _SCRATCH[key] = (scores, torch.empty(size, dtype=torch.int32, device=device),
+                         torch.empty(size, **f32) if logprobs else scores,
+                         torch.empty(size, **f32) if logprobs else scores)
+    return _SCRATCH[key]
+
+
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                   logprobs: bool = True, greedy: bool = False, return_uniform: bool = False):
     """logits [N, V] (any float dtype, last dim contiguous), temperature [N] float32,
@@ -177,12 +196,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     tokens = torch.empty(n, dtype=torch.int64, device=dev)
     lp = torch.empty(n if logprobs else 1, dtype=torch.float32, device=dev)
     uniform = torch.empty((n, v) if return_uniform else (1,), dtype=torch.float32, device=dev)
-    # Separate allocations, not views of one: Triton specializes a pointer on its 16-byte
-    # alignment, and a view's offset would change it with n (a compile mid-serving).
-    scores = torch.empty(n * chunks, dtype=torch.float32, device=dev)
-    idx = torch.empty(n * chunks, dtype=torch.int32, device=dev)
-    maxes = torch.empty(n * chunks, dtype=torch.float32, device=dev) if logprobs else scores
-    sums = torch.empty(n * chunks, dtype=torch.float32, device=dev) if logprobs else scores
+    scores, idx, maxes, sums = _scratch(dev, n * chunks, logprobs)
     if n:
         _gumbel_chunk_kernel[(n, chunks)](
             logits, logits.stride(0), temperature, seeds, scores, idx, maxes, sums, uniform, v,

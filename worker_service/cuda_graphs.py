@@ -25,8 +25,8 @@ With LoRA adapters (models/lora.py) each token's adapter slot is one more static
 (kernels.lora.lora_rows), so one graph serves any mix of adapters.
 
 Each class is an executor (executors.py): `fits` says whether a step's shape has a graph,
-`run` loads the step into the static inputs (by name, one host-to-device copy: StaticLoad)
-and replays.
+`run` loads the step into the static inputs (by name, one host-to-device copy into one
+arena of them: StaticLoad) and replays.
 """
 from __future__ import annotations
 
@@ -46,40 +46,75 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(buckets + [max_batch]))
 
 
+def arena(device: torch.device, specs: list[tuple[int, torch.dtype, int]]) -> list[torch.Tensor]:
+    """Static input buffers, (numel, dtype, initial value) each, as views of one device
+    allocation, so that StaticLoad fills any of them with one copy. Each starts 256-byte
+    aligned, as an allocation of its own would: Triton specializes a pointer on it."""
+    offsets, end = [], 0
+    for numel, dtype, _ in specs:
+        offsets.append(end)
+        end += -(-numel * dtype.itemsize // 256) * 256
+    root = torch.empty(end, dtype=torch.uint8, device=device)
+    bufs = [root[at:at + numel * dtype.itemsize].view(dtype)
+            for (numel, dtype, _), at in zip(specs, offsets)]
+    for buf, (_, _, fill) in zip(bufs, specs):
+        buf.fill_(fill)
+    return bufs
+
+
 class StaticLoad:
-    """Where one bucket's static inputs come from: a host array laid out by name (each
-    input's slice, and its value where a step leaves it unset: padding), copied with one
-    host-to-device transfer and spread over the buffers (a copy per buffer from the host
-    would be a transfer each). Built once per bucket; a step fills a copy of the template
-    by name, plus at most one part whose shape is the step's (its block tables)."""
+    """Where one bucket's static inputs come from: a host image of the bytes of the arena
+    (above) they lie in, each input's value where a step leaves it unset (padding) in its
+    place, copied with one host-to-device transfer (a copy per buffer would cost the
+    launching thread a call each: at batch 1 the host, not the GPU, set the step's pace).
+    Built once per bucket; a step fills a fresh copy of the template by name, plus at most
+    one part whose shape is the step's (its block tables), from the same host buffer."""
 
     def __init__(self, parts: list[tuple[str, torch.Tensor, int]]) -> None:
-        """parts: (name, destination view of a static buffer, padding value)."""
-        self.dests = [dest for _, dest, _ in parts]
-        ends = np.cumsum([dest.numel() for dest in self.dests])
-        self.bounds = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
-        self.slices = {name: slice(a, b) for (name, _, _), (a, b) in zip(parts, self.bounds)}
-        self.template = np.concatenate([np.full(dest.numel(), fill, np.int64)
-                                        for _, dest, fill in parts])
+        """parts: (name, contiguous view of an arena buffer, padding value)."""
+        storage = parts[0][1].untyped_storage()
+        root = torch.empty(0, dtype=torch.uint8, device=parts[0][1].device).set_(storage)
+        base = root.data_ptr()
+        spans = []
+        for _, dest, _ in parts:
+            assert dest.untyped_storage().data_ptr() == base and dest.is_contiguous(), \
+                "parts of one arena"
+            spans.append((dest.data_ptr() - base, dest.numel() * dest.element_size()))
+        lo, hi = min(at for at, _ in spans), max(at + n for at, n in spans)
+        self.dest = root[lo:hi]
+        # bytes outside the parts keep their value (a buffer's tail past this bucket: its
+        # initial padding), so a load leaves every buffer as valid as it found it
+        self.template = self.dest.cpu().numpy().copy()
+        self.slices: dict[str, tuple[slice, np.dtype]] = {}
+        for (name, dest, fill), (at, n) in zip(parts, spans):
+            part = slice(at - lo, at - lo + n)
+            dtype = np.dtype(str(dest.dtype).removeprefix("torch."))
+            self.slices[name] = (part, dtype)
+            self.template[part].view(dtype)[:] = fill
+        self.tail_at = -(-len(self.template) // 16) * 16
+        self.pin = root.device.type == "cuda"
 
-    def host(self) -> np.ndarray:
-        """A fresh host array holding the padding; write a step's values by name."""
-        return self.template.copy()
+    def host(self, tail: int = 0) -> torch.Tensor:
+        """A fresh host buffer (pinned on CUDA) holding the padding, with room for `tail`
+        int32 values after it; write a step's values by name."""
+        host = torch.empty(self.tail_at + 4 * tail, dtype=torch.uint8, pin_memory=self.pin)
+        host.numpy()[:len(self.template)] = self.template
+        return host
 
-    def part(self, host: np.ndarray, name: str) -> np.ndarray:
-        return host[self.slices[name]]
+    def part(self, host: torch.Tensor, name: str) -> np.ndarray:
+        part, dtype = self.slices[name]
+        return host.numpy()[part].view(dtype)
 
-    def copy(self, host: np.ndarray, device: torch.device,
-             tail: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
-        """Copy `host` into the buffers; tail: (destination, values) of the step's own shape,
-        sent in the same transfer."""
+    def copy(self, host: torch.Tensor, tail: tuple[torch.Tensor, np.ndarray] | None = None
+             ) -> None:
+        """Copy `host` into the buffers; tail: (int32 destination, values) of the step's own
+        shape, staged after the template in the same host buffer."""
+        self.dest.copy_(host[:len(self.template)], non_blocking=True)
         if tail is not None:
-            host = np.concatenate([host, tail[1].ravel()])
-        dev = to_device(host, device)
-        for dest, (a, b) in zip(self.dests, self.bounds):
-            dest.copy_(dev[a:b])
-        if tail is not None:
-            tail[0].copy_(dev[len(self.template):].view(tail[0].shape))
+            dest, values = tail
+            src = host[self.tail_at:self.tail_at + 4 * values.size]
+            src.numpy().view(np.int32)[:] = values.reshape(-1)
+            dest.copy_(src.view(torch.int32).view(dest.shape), non_blocking=True)
 
 
 @dataclass
@@ -129,15 +164,14 @@ class DecodeGraphs:
         self.device = device
         self.buckets = batch_buckets(max_batch)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
-        self.slot_mapping = torch.full((max_batch,), -1, **i32)
-        self.context_lens = torch.zeros(max_batch, **i32)
+        (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.runs,
+         self.lora_slot) = arena(device, [   # bucket bs's runs: [:2 * bs] viewed as [2, bs]
+            (max_batch, torch.int64, 0), (max_batch, torch.int64, 0), (max_batch, torch.int32, -1),
+            (max_batch, torch.int32, 0), (2 * max_batch, torch.int32, 0),
+            (max_batch, torch.int32, -1)])
         self.block_tables = torch.zeros(max_batch, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)   # unused by decode kernels
-        self.runs = torch.zeros(2 * max_batch, **i32)   # bucket bs: [:2 * bs] viewed as [2, bs]
-        self.lora_slot = torch.full((max_batch,), -1, **i32)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
         self.loads = {bs: self._static_load(bs) for bs in self.buckets}
@@ -199,7 +233,7 @@ class DecodeGraphs:
         n, w = len(plan.rows), plan.block_tables.shape[1]
         bs = next(b for b in self.buckets if b >= n)
         load = self.loads[bs]
-        host = load.host()
+        host = load.host(plan.block_tables.size)
         if step.ids is None:
             load.part(host, "input_ids")[:n] = plan.token_ids
         load.part(host, "positions")[:n] = plan.positions
@@ -212,7 +246,7 @@ class DecodeGraphs:
             load.part(host, "run_left")[:n] = runs[1]
         if self.lora is not None and step.lora is not None:
             load.part(host, "lora_slot")[:n] = step.lora
-        load.copy(host, self.device, (self.block_tables[:n, :w], plan.block_tables))
+        load.copy(host, (self.block_tables[:n, :w], plan.block_tables))
         if step.ids is not None:
             self.input_ids[:n] = step.ids
         elif step.fill is not None:
@@ -265,16 +299,13 @@ class PrefillGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = mb = -(-max_model_len // block_size)
         self.device = device
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(t, **i64)
-        self.positions = torch.zeros(t, **i64)
-        self.slot_mapping = torch.full((t,), -1, **i32)
-        self.last = torch.zeros(ROWS, **i64)              # each row's last token
-        self.context_lens = torch.zeros(ROWS, **i32)
-        self.cu_seqlens_q = torch.zeros(ROWS + 1, **i32)
-        self.cu_seqlens_k = torch.zeros(ROWS + 1, **i32)
-        self.block_tables = torch.zeros(ROWS, mb, **i32)
-        self.lora_slot = torch.full((t,), -1, **i32)
+        i64, i32 = torch.int64, torch.int32
+        (self.input_ids, self.positions, self.slot_mapping, self.last, self.context_lens,
+         self.cu_seqlens_q, self.cu_seqlens_k, self.lora_slot) = arena(device, [
+            (t, i64, 0), (t, i64, 0), (t, i32, -1),
+            (ROWS, i64, 0),   # each row's last token
+            (ROWS, i32, 0), (ROWS + 1, i32, 0), (ROWS + 1, i32, 0), (t, i32, -1)])
+        self.block_tables = torch.zeros(ROWS, mb, dtype=i32, device=device)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
         # padding tokens store nothing and belong to no row; padding rows have no tokens
@@ -301,7 +332,7 @@ class PrefillGraphs:
         bucket = next(b for b in self.buckets if b >= n)
         ctx = plan.start_pos + plan.num_tokens
         load = self.static
-        host = load.host()
+        host = load.host(plan.block_tables.size)
         load.part(host, "input_ids")[:n] = np.where(plan.token_ids < 0, 0, plan.token_ids)
         load.part(host, "positions")[:n] = plan.positions
         load.part(host, "slot_mapping")[:n] = (plan.slot_mapping if step.slot_mapping is None
@@ -316,7 +347,7 @@ class PrefillGraphs:
         if self.lora is not None and step.lora is not None:
             load.part(host, "lora_slot")[:n] = step.lora
         w = plan.block_tables.shape[1]
-        load.copy(host, self.device, (self.block_tables[:r, :w], plan.block_tables))
+        load.copy(host, (self.block_tables[:r, :w], plan.block_tables))
         if step.fill is not None:   # decode rows' placeholders: last step's samples
             self.input_ids[step.fill[0]] = step.fill[1]
         return bucket

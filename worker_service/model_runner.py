@@ -48,7 +48,7 @@ from worker_service.phases import phase
 from worker_service.pooler import Pooled, Pooler
 from worker_service.sampler import DraftCheck, StepSamples, compile_fused_sampling
 from worker_service.step_plan import SeqTable, StepError, StepPlan
-from worker_service.transfers import to_device
+from worker_service.transfers import to_device_many
 
 
 @dataclass
@@ -381,8 +381,8 @@ class ModelRunner:
         the device, each token's adapter slot."""
         fill = None
         if plan.fill is not None:
-            fill = (to_device(plan.fill[0], self.device),
-                    self.last_sampled.index_select(0, to_device(plan.fill[1], self.device)))
+            at, src = to_device_many(list(plan.fill), self.device)
+            fill = (at, self.last_sampled.index_select(0, src))
         lora = (self.adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
                 if self.adapters is not None else None)
         return StepInputs(plan, fill=fill, lora=lora)

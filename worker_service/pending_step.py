@@ -20,7 +20,7 @@ class PendingStep:
     """A launched step: its sampled ids are on their way to pinned host memory."""
     step_id: int
     t0: float
-    tokens: torch.Tensor | None = None       # host (pinned on CUDA), int32
+    tokens: torch.Tensor | None = None       # host (pinned on CUDA), int64
     logprobs: torch.Tensor | None = None     # host, float32
     top_ids: torch.Tensor | None = None      # host, int32 [rows, K]
     top_logprobs: torch.Tensor | None = None # host, float32 [rows, K]
@@ -41,7 +41,7 @@ class PendingStep:
         """Start copying the answer to the host (tokens: None on ranks that do not answer);
         the end event marks the step's GPU work done."""
         if tokens is not None:
-            self.tokens = to_host(tokens.to(torch.int32))
+            self.tokens = to_host(tokens)   # int64: cast on the answering thread
             if samples.logprobs is not None:
                 self.logprobs = to_host(samples.logprobs.float())
             if samples.top_ids is not None:

@@ -21,7 +21,7 @@ import torch
 
 from models import kernel_choice
 from worker_service.step_plan import SamplingParams
-from worker_service.transfers import to_device
+from worker_service.transfers import to_device, to_device_many
 
 
 @dataclass
@@ -66,13 +66,12 @@ class SamplingBatch:
             split = ([i for i in range(len(params)) if i not in set(filtered)], filtered)
         row_seeds = [_mix(p.seed, pos) & 0x7FFFFFFF if p.seed is not None else random.getrandbits(31)
                      for p, pos in zip(params, positions)]
+        temperature, top_k_t, top_p_t, min_p_t, seeds = to_device_many(   # one transfer
+            [np.array(temps, np.float32), np.array(top_k, np.int64), np.array(top_p, np.float32),
+             np.array(min_p, np.float32), np.array(row_seeds, np.int32)], torch.device(device))
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
-            top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
-            min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
-            seeded_rows=seeded,
-            seeds=torch.tensor(row_seeds, dtype=torch.int32).to(device, non_blocking=True),
+            temperature=temperature, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t,
+            seeded_rows=seeded, seeds=seeds,
             # a row's path follows its own parameters alone (the split above), so under
             # --deterministic too a row samples the same way beside any neighbours
             fused=cuda and not filtered,

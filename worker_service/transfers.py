@@ -19,6 +19,30 @@ def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
+def to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several numpy arrays on `device` with one transfer (CUDA): a step's small inputs cost
+    one copy, not one each. Each part starts 16-byte aligned, as an allocation of its own
+    would: Triton specializes a pointer on that alignment."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    if device.type != "cuda":
+        return [torch.from_numpy(a) for a in arrays]
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.nbytes // 16) * 16
+    host = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    h = host.numpy()
+    for a, at in zip(arrays, offsets):
+        h[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+    dev = host.to(device, non_blocking=True)
+    return [dev[at:at + a.nbytes].view(_TORCH_DTYPE[a.dtype]).view(a.shape)
+            for a, at in zip(arrays, offsets)]
+
+
+_TORCH_DTYPE = {np.dtype(n): getattr(torch, n) for n in
+                ("int64", "int32", "float32", "bool", "uint8", "int8", "float16")}
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """Start copying a device tensor to host memory (pinned on CUDA: asynchronously)."""
     if t.device.type != "cuda":
