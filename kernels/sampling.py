@@ -112,12 +112,14 @@ def _gumbel_chunk_kernel(Logits, stride_row, Temperature, Seeds, PartScore, Part
         x3 = tl.load(base + o3, mask=o3 < V, other=float("-inf")).to(tl.float32)
         u0, u1, u2, u3 = x0, x1, x2, x3   # unused without NOISE
         if NOISE:
-            u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
             if WRITE_UNIFORM:
+                u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
                 tl.store(Uniform + row * V + o0, u0, mask=o0 < V)
                 tl.store(Uniform + row * V + o1, u1, mask=o1 < V)
                 tl.store(Uniform + row * V + o2, u2, mask=o2 < V)
                 tl.store(Uniform + row * V + o3, u3, mask=o3 < V)
+            elif t > 0:   # a greedy row draws no noise (_fold ignores it there)
+                u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
         best, best_idx, run_max, run_sum = _fold(best, best_idx, run_max, run_sum, x0, o0,
                                                  o0 < V, u0, t, inv_t, NOISE, LOGPROBS)
         best, best_idx, run_max, run_sum = _fold(best, best_idx, run_max, run_sum, x1, o1,
@@ -172,13 +174,17 @@ def _scratch(device: torch.device, size: int, logprobs: bool) -> tuple[torch.Ten
     two kernels finish with them before the next call's first kernel runs). Separate
     allocations, not views of one: Triton specializes a pointer on its 16-byte alignment,
     and a view's offset would change it with n (a compile mid-serving)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (device, size, logprobs)
-    if key not in _SCRATCH:
+    if capturing or key not in _SCRATCH:   # a graph's own scratch (DecodeGraphs' sample)
         f32 = dict(dtype=torch.float32, device=device)
         scores = torch.empty(size, **f32)
-        _SCRATCH[key] = (scores, torch.empty(size, dtype=torch.int32, device=device),
-                         torch.empty(size, **f32) if logprobs else scores,
-                         torch.empty(size, **f32) if logprobs else scores)
+        scratch = (scores, torch.empty(size, dtype=torch.int32, device=device),
+                   torch.empty(size, **f32) if logprobs else scores,
+                   torch.empty(size, **f32) if logprobs else scores)
+        if capturing:
+            return scratch
+        _SCRATCH[key] = scratch
     return _SCRATCH[key]
 
 

@@ -11,6 +11,8 @@ graphs themselves: tests/gpu/test_model_gpu.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -303,3 +305,71 @@ def test_decode_graph_inputs_with_fast_forward_rows_match_rows_one_by_one(runner
     torch.testing.assert_close(graph, one_by_one, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv_runs, kv_rows, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runner.kv_cache, kv_rows, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_graph_samples_the_usual_step(runner, monkeypatch):
+    """DecodeGraphs(sample=True): the replay's computation (load + _forward) samples each
+    row from the temperatures and seeds among its static inputs, and the runner answers
+    the step with those ids: the tokens the sampler (sample_plan, the fused kernel) draws
+    from the same logits, seeded rows included, greedy rows their argmax. A step whose
+    sampling is not the usual one (a row wants logprobs) is left to the sampler."""
+    from models import kernel_choice
+    from worker_service.logits_processors import graph_sampling, sample_plan
+    from worker_service.model_runner import ModelRunner
+    monkeypatch.setattr(kernel_choice, "FUSED_ON_CPU", True)   # the sampler's fused kernel
+    monkeypatch.setattr(ModelRunner, "sample_in_graph", property(lambda self: True))
+    runner.kv_cache.zero_()
+    gen = torch.Generator().manual_seed(3)
+    tok = lambda n: torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+    seqs = [(120, 0.0, None), (121, 0.9, 7), (122, 1.3, 11)]   # (seq id, temperature, seed)
+    req = several(1, [(s, tok(5), 0, [40 + i], True) for i, (s, _, _) in enumerate(seqs)])
+    for w, (_, temp, seed) in zip(req.seqs, seqs):
+        w.sampling.temperature = temp
+        if seed is not None:
+            w.sampling.seed, w.sampling.has_seed = seed, True
+    first = runner.table.plan(req)
+    runner.forward(first)
+    runner.table.commit(first)
+    ids = tok(3)
+
+    def decode(step_id):
+        r = worker_pb2.StepRequest(step_id=step_id)
+        r.decode.seq_ids_u64 = np.array([s for s, _, _ in seqs], "<u8").tobytes()
+        r.decode.token_ids_i32 = np.array(ids, "<i4").tobytes()
+        return r
+
+    dg = DecodeGraphs(runner.model, runner.backend, 8, runner.max_model_len, BS,
+                      runner.num_kv_heads, runner.device, sample=True)
+    plan = runner.table.plan(decode(2))   # (not committed: step 3 plans the same step)
+    sampling = graph_sampling(plan, runner.vocab_size, None, None, None)
+    assert sampling is not None and sampling[0].tolist() == pytest.approx([0.0, 0.9, 1.3])
+    before = runner.kv_cache.clone()
+    bs = dg.load(StepInputs(plan, sampling=sampling))
+    assert bs == 4 and dg.temperature[:bs].tolist() == pytest.approx([0.0, 0.9, 1.3, 0.0])
+    out = dg._forward(bs)
+    logits, tokens = out.out[:3], out.tokens[:3]
+    reference = sample_plan(logits, plan, runner.vocab_size, None, None).tokens
+    assert tokens.tolist() == reference.tolist()
+    assert tokens[0] == logits[0].argmax()
+    # the runner answers with the replay's ids (a stand-in graph runs the computation)
+    for b in dg.buckets:
+        f = dg._forward(b)
+
+        def replay(b=b, f=f):
+            g = dg._forward(b)
+            f.out.copy_(g.out)
+            f.tokens.copy_(g.tokens)
+        dg.graphs[b] = _Graph(SimpleNamespace(replay=replay), f.out, None, f.tokens)
+    runner.kv_cache.copy_(before)
+    monkeypatch.setattr(runner, "executors", [dg, *runner.executors])
+    calls = []
+    monkeypatch.setattr(runner, "_sample",
+                        lambda *a: calls.append(a) or ModelRunner._sample(runner, *a))
+    answer = runner.finish(runner.launch(decode(3)))
+    assert not calls   # sampled in the replay
+    assert np.frombuffer(answer.sampled_token_ids_i32, "<i4").tolist() == tokens.tolist()
+    # a row that wants logprobs: the sampler's step
+    row = runner.table.row_of[121]
+    runner.table.params[row] = dataclasses.replace(runner.table.params[row], logprobs=True)
+    answer = runner.finish(runner.launch(decode(4)))
+    assert len(calls) == 1 and len(answer.logprobs_f32) == 12

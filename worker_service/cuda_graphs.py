@@ -122,6 +122,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     out: torch.Tensor | tuple   # the captured forward's output buffers (logits, or the head's)
     features: torch.Tensor | None = None   # the captured target features for an EAGLE-3 head
+    tokens: torch.Tensor | None = None     # the ids the replay sampled (DecodeGraphs' sample)
 
 
 def _capture(forward, pool, device: torch.device):
@@ -132,10 +133,10 @@ def _capture(forward, pool, device: torch.device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = forward()
-    features = None
+    features = tokens = None
     if isinstance(out, Forward):
-        out, features = out.out, out.features
-    return _Graph(graph, out, features), graph.pool() if pool is None else pool
+        out, features, tokens = out.out, out.features, out.tokens
+    return _Graph(graph, out, features, tokens), graph.pool() if pool is None else pool
 
 
 def _sampling_rows(logits: torch.Tensor, plan) -> torch.Tensor:
@@ -148,12 +149,17 @@ def _sampling_rows(logits: torch.Tensor, plan) -> torch.Tensor:
 
 class DecodeGraphs:
     """Decode steps of up to max_batch rows, one graph per bucket. feature_layers: the
-    target's features an EAGLE-3 head needs (each graph leaves them in a buffer)."""
+    target's features an EAGLE-3 head needs (each graph leaves them in a buffer).
+    sample: each replay also samples its rows with the fused kernel (kernels/sampling.py)
+    from temperatures and seeds among its static inputs: for the usual step (StepInputs.
+    sampling) two kernel launches from Python fewer, which at batch 1 were a quarter of the
+    host's time a step; other steps sample after the replay, as before."""
 
     def __init__(self, model, backend, max_batch: int, max_model_len: int, block_size: int,
                  num_kv_heads: int, device: torch.device, lora=None, num_slots: int = 0,
-                 feature_layers: tuple[int, ...] = ()) -> None:
+                 feature_layers: tuple[int, ...] = (), sample: bool = False) -> None:
         self.model = model
+        self.sample = sample
         self.lora, self.num_slots = lora, num_slots   # models/lora.LoraContext, its slots
         self.feature_layers = feature_layers
         self.backend = backend
@@ -165,10 +171,12 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.runs,
-         self.lora_slot) = arena(device, [   # bucket bs's runs: [:2 * bs] viewed as [2, bs]
+         self.lora_slot, self.temperature, self.seeds) = arena(device, [
             (max_batch, torch.int64, 0), (max_batch, torch.int64, 0), (max_batch, torch.int32, -1),
-            (max_batch, torch.int32, 0), (2 * max_batch, torch.int32, 0),
-            (max_batch, torch.int32, -1)])
+            (max_batch, torch.int32, 0),
+            (2 * max_batch, torch.int32, 0),   # bucket bs's runs: [:2 * bs] viewed as [2, bs]
+            (max_batch, torch.int32, -1), (max_batch, torch.float32, 0.0),
+            (max_batch, torch.int32, 0)])
         self.block_tables = torch.zeros(max_batch, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)   # unused by decode kernels
@@ -185,6 +193,8 @@ class DecodeGraphs:
                  ("run_place", self.runs[:bs], 0), ("run_left", self.runs[bs:2 * bs], 1)]
         if self.lora is not None:
             parts.append(("lora_slot", self.lora_slot[:bs], -1))
+        if self.sample:   # padding rows: greedy
+            parts += [("temperature", self.temperature[:bs], 0), ("seeds", self.seeds[:bs], 0)]
         return StaticLoad(parts)
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -200,7 +210,13 @@ class DecodeGraphs:
             self.lora.rows = lora_rows(self.lora_slot[:bs], self.num_slots)
         hidden, features = self.model.features(self.input_ids[:bs], self.positions[:bs],
                                                self._meta(bs), self.feature_layers)
-        return Forward(self.model.compute_logits(hidden), features)
+        logits = self.model.compute_logits(hidden)
+        tokens = None
+        if self.sample:
+            from kernels.sampling import gumbel_sample
+            tokens = gumbel_sample(logits, self.temperature[:bs], self.seeds[:bs],
+                                   logprobs=False)[0]
+        return Forward(logits, features, tokens=tokens)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -246,6 +262,8 @@ class DecodeGraphs:
             load.part(host, "run_left")[:n] = runs[1]
         if self.lora is not None and step.lora is not None:
             load.part(host, "lora_slot")[:n] = step.lora
+        if self.sample and step.sampling is not None:
+            load.part(host, "temperature")[:n], load.part(host, "seeds")[:n] = step.sampling
         load.copy(host, (self.block_tables[:n, :w], plan.block_tables))
         if step.ids is not None:
             self.input_ids[:n] = step.ids
@@ -262,7 +280,9 @@ class DecodeGraphs:
         features = None if g.features is None else g.features[:n]
         if not step.logits or not step.plan.num_samples:
             return Forward(None, features)
-        return Forward(_sampling_rows(g.out[:n], step.plan), features)
+        sampled = g.tokens is not None and step.sampling is not None   # (every row samples)
+        return Forward(_sampling_rows(g.out[:n], step.plan), features,
+                       tokens=g.tokens[:n] if sampled else None)
 
 
 def token_buckets(max_tokens: int) -> list[int]:

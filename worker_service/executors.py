@@ -32,6 +32,9 @@ class StepInputs:
     logits: bool = True                 # the sampling rows' logits (a draft mirror needs none)
     hidden: torch.Tensor | None = None  # [T, H] an EAGLE-3 head's input hidden states
     slot_mapping: np.ndarray | None = None   # in place of the plan's (-1: store nothing)
+    # (temperature, seeds) of the rows where the step's sampling is the usual one
+    # (logits_processors.graph_sampling): an executor may sample in its forward
+    sampling: tuple[np.ndarray, np.ndarray] | None = None
 
     def subset(self, keep: np.ndarray, sampled: bool = True) -> "StepInputs | None":
         """The step's rows `keep` marks (StepPlan.subset): their placeholders, adapter slots
@@ -58,10 +61,12 @@ class Forward:
     """What a forward leaves. A model: the sampling rows' logits (None where none were
     asked for or none sample), the features an EAGLE-3 head needs (None: none asked) and
     the pooling rows' final hidden states (None: the plan pools none; pooler.py).
-    An EAGLE-3 head: its next ids and its hidden states."""
+    An EAGLE-3 head: its next ids and its hidden states. tokens: the sampled ids, where the
+    executor sampled the step's `sampling` itself (None: sample the logits)."""
     out: torch.Tensor | None
     features: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
 
 
 class Executor(Protocol):

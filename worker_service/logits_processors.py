@@ -13,7 +13,8 @@ import torch
 from kernels.grammar_mask import apply_token_bitmask_, apply_token_bitmask_ref
 from worker_service.grammar import GrammarState
 from worker_service.penalties import PenaltyState
-from worker_service.sampler import DraftCheck, SamplingBatch, StepSamples, sample_step
+from worker_service.sampler import (DraftCheck, SamplingBatch, StepSamples, fused_inputs,
+                                    sample_step)
 from worker_service.step_plan import SamplingParams, StepPlan
 from worker_service.transfers import to_device
 
@@ -54,6 +55,25 @@ def grammar_masks(grammar: GrammarState, constrained: list, device: torch.device
     grammar.fill(constrained, host.numpy())
     rows = np.array([i for i, _ in constrained], dtype=np.int64)
     return to_device(rows, device), host.to(device, non_blocking=True)
+
+
+def graph_sampling(plan: StepPlan, vocab_size: int, penalties: PenaltyState | None,
+                   grammar: GrammarState | None, check: DraftCheck | None
+                   ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The usual step's sampling inputs (sampler.fused_inputs), for an executor that samples
+    in its forward: every row samples, none has a bias, a banned id, a penalty or a mask, no
+    drafts are checked. None: sample_plan after the forward."""
+    if check is not None or not len(plan.sample) or not plan.sample.all():
+        return None
+    if any(p.bias_ids or p.banned_ids for p in plan.sampling):
+        return None
+    if penalties is not None and penalties.slot_of and any(
+            s in penalties.slot_of for s in plan.seq_ids):
+        return None
+    if grammar is not None and grammar.matchers and any(
+            s in grammar.matchers for s in plan.seq_ids):
+        return None
+    return fused_inputs(plan.sampling, plan.context_lens.tolist(), vocab_size)
 
 
 def sample_plan(logits: torch.Tensor, plan: StepPlan, vocab_size: int,

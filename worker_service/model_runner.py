@@ -41,7 +41,7 @@ from worker_service.executors import Eager, Executor, Forward, StepInputs, run
 from worker_service.grammar import GrammarState
 from worker_service.host_tier import HostTier
 from worker_service.kv_binding import KVFormat, bind_kv, unbind_kv
-from worker_service.logits_processors import sample_plan
+from worker_service.logits_processors import graph_sampling, sample_plan
 from worker_service.pending_step import PendingStep
 from worker_service.penalties import PenaltyState
 from worker_service.phases import phase
@@ -256,7 +256,7 @@ class ModelRunner:
         features = self.drafter.feature_layers if self.drafter is not None else ()
         graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs, self.max_model_len,
                               block_size, self.num_kv_heads, self.device, lora, cfg.max_loras,
-                              features)
+                              features, sample=self.sample_in_graph)
         with phase(phases, f"{len(graphs.buckets)} decode graphs"):
             graphs.capture()
         self.executors = [graphs, *self._eager()]
@@ -278,6 +278,13 @@ class ModelRunner:
                            f"(<= {prefill.max_tokens} tokens)"):
             prefill.capture()
         self.executors[1:1] = [prefill, SplitGraphs(graphs, prefill)]
+
+    @property
+    def sample_in_graph(self) -> bool:
+        """The decode graphs sample the usual step themselves (DecodeGraphs' sample): on the
+        rank that samples, where there are graphs."""
+        return (self.tp.rank == 0 and self.device.type == "cuda" and not self.config.enforce_eager
+                and "generate" in (self.config.tasks or ("generate",)))
 
     def _bind_device(self) -> None:
         """Make this runner's GPU the calling thread's current device. gRPC calls arrive on
@@ -308,8 +315,12 @@ class ModelRunner:
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             pending.events[0].record()   # GPU time excludes the host's preparation
         step = self.inputs(plan)
+        if self.sample_in_graph:
+            step.sampling = graph_sampling(plan, self.vocab_size, self.penalties, self.grammar,
+                                           check)
         fwd = run(self.executors, step)
-        samples = self._sample(plan, fwd.out, check)
+        samples = (StepSamples(fwd.tokens, None) if fwd.tokens is not None
+                   else self._sample(plan, fwd.out, check))
         pooled = self._pool(plan, fwd)
         tokens = self._commit(plan, samples)
         self._after_step(step, fwd, tokens, pending)

@@ -64,8 +64,7 @@ class SamplingBatch:
         split = None
         if cuda and filtered and len(filtered) < len(params):
             split = ([i for i in range(len(params)) if i not in set(filtered)], filtered)
-        row_seeds = [_mix(p.seed, pos) & 0x7FFFFFFF if p.seed is not None else random.getrandbits(31)
-                     for p, pos in zip(params, positions)]
+        row_seeds = _row_seeds(params, positions)
         temperature, top_k_t, top_p_t, min_p_t, seeds = to_device_many(   # one transfer
             [np.array(temps, np.float32), np.array(top_k, np.int64), np.array(top_p, np.float32),
              np.array(min_p, np.float32), np.array(row_seeds, np.int32)], torch.device(device))
@@ -82,6 +81,27 @@ class SamplingBatch:
             top_logprobs=max((p.top_logprobs for p in params), default=0),
             split=split, source=(params, positions, vocab_size, device),
         )
+
+
+def _row_seeds(params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """Each row's Philox seed for the fused kernel: a seeded request's from (seed, position),
+    so its tokens do not depend on its neighbours; a fresh random one otherwise."""
+    return [_mix(p.seed, pos) & 0x7FFFFFFF if p.seed is not None else random.getrandbits(31)
+            for p, pos in zip(params, positions)]
+
+
+def fused_inputs(params: list[SamplingParams], positions: list[int], vocab_size: int
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(temperature [N] float32, seeds [N] int32) where the fused kernel alone samples these
+    rows and nobody wants their log-probabilities: what a decode graph samples in its own
+    replay (DecodeGraphs). None where a row filters (top-k, top-p, min-p) or asks for
+    log-probabilities: `sample` after the forward."""
+    for p in params:
+        if (p.logprobs or p.top_logprobs or (p.temperature > 0 and (
+                0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0.0))):
+            return None
+    return (np.array([p.temperature for p in params], np.float32),
+            np.array(_row_seeds(params, positions), np.int32))
 
 
 def _mix(seed: int, position: int) -> int:
@@ -196,18 +216,21 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def compile_fused_sampling(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Run each variant of the fused sampling kernels once on a blank row (logprobs or not,
-    greedy or not; the LM head's dtype, and float32: penalized logits), so Triton compiles
+    """Run each variant of the fused sampling kernels once on blank rows (logprobs or not,
+    greedy or not, with PDL (one row) and without; the LM head's dtype, and float32:
+    penalized logits), so Triton compiles
     them at startup: compiled at the first request that asks for one, the whole step
     (every stream in it) would wait for the compiler."""
+    from kernels import pdl
     from kernels.sampling import gumbel_sample
-    temperature = torch.zeros(1, dtype=torch.float32, device=device)
-    seeds = torch.zeros(1, dtype=torch.int32, device=device)
-    for logits_dtype in {dtype, torch.float32}:
-        logits = torch.zeros(1, vocab_size, dtype=logits_dtype, device=device)
-        for logprobs in (False, True):
-            for greedy in (False, True):
-                gumbel_sample(logits, temperature, seeds, logprobs=logprobs, greedy=greedy)
+    for rows in {1, pdl.MAX_ROWS + 1}:   # launched with PDL and without (kernels/pdl.py)
+        temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        seeds = torch.zeros(rows, dtype=torch.int32, device=device)
+        for logits_dtype in {dtype, torch.float32}:
+            logits = torch.zeros(rows, vocab_size, dtype=logits_dtype, device=device)
+            for logprobs in (False, True):
+                for greedy in (False, True):
+                    gumbel_sample(logits, temperature, seeds, logprobs=logprobs, greedy=greedy)
 
 
 @dataclass

@@ -6,6 +6,8 @@ and overlapped steps (placeholder inputs: the worker counts its own samples).
   * the fused Triton penalties kernel on CUDA vs the torch reference on CPU (float32;
     bit-exact with only a repetition penalty, within 1e-5 with presence/frequency, where
     the GPU may fuse a multiply-add);
+  * the decode graphs' own sampling (the usual step's ids drawn in the replay) against the
+    sampler's from the same logits, greedy and seeded rows;
   * a ModelRunner on CUDA (CUDA graphs on, Triton attention, float32 tiny Qwen3) driven like
     the scheduler drives it: one prefill, then packed decode steps whose inputs are all
     placeholders, step N+1 launched before step N is finished. A penalized row must match
@@ -197,8 +199,8 @@ def test_fused_sampling_cuda_vs_reference():
 
 def test_fused_sampling_compiled_before_the_first_request():
     """The worker compiles every variant of the sampling kernels at startup (bf16 logits
-    and float32 penalized ones, logprobs or not, greedy or not): real steps of any batch
-    size then find them compiled."""
+    and float32 penalized ones, logprobs or not, greedy or not, one row (PDL) or more):
+    real steps of any batch size then find them compiled."""
     from kernels.sampling import _gumbel_chunk_kernel, _gumbel_merge_kernel, gumbel_sample
     from worker_service.sampler import compile_fused_sampling
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -206,8 +208,10 @@ def test_fused_sampling_compiled_before_the_first_request():
     for k in kernels:
         k.device_caches.clear()   # forget what earlier tests compiled
     compiled = lambda: [len(k.device_caches[dev.index][0]) for k in kernels]   # noqa: E731
+    from kernels import pdl
+    variants = [16, 8] if pdl.enabled(dev) else [8, 4]   # (PDL: one row's launches apart)
     compile_fused_sampling(151936, torch.bfloat16, dev)
-    assert compiled() == [8, 4]
+    assert compiled() == variants
     for n in (1, 3, 4, 131, 256):
         for dtype in (torch.bfloat16, torch.float32):
             logits = torch.randn(n, 151936, device=dev).to(dtype)
@@ -217,7 +221,53 @@ def test_fused_sampling_compiled_before_the_first_request():
                 gumbel_sample(logits, temps, seeds, logprobs=logprobs)
                 gumbel_sample(logits, temps * 0, seeds, logprobs=logprobs, greedy=True)
     torch.cuda.synchronize()
-    assert compiled() == [8, 4]
+    assert compiled() == variants
+
+
+def graph_sampling_vs_sampler() -> dict:
+    """Decode steps of three rows (greedy; seeded, temperature 0.8 and 1.2) through the
+    runner's CUDA graphs, which sample the usual step in their replay (DecodeGraphs'
+    sample): their ids against sample_plan's from the same logits, each step's inputs the
+    placeholders of the one before."""
+    from nanoserve.v1 import worker_pb2
+    from tiny_checkpoint import make_tiny_qwen3
+    from worker_service.executors import run
+    from worker_service.logits_processors import graph_sampling, sample_plan
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    path = make_tiny_qwen3(tempfile.mkdtemp(prefix="ns-graph-sampling-"), vocab_size=389, seed=5)
+    r = ModelRunner(RunnerConfig(model_dir=str(path), device="cuda", dtype="float32",
+                                 gpu_memory_utilization=0.5, max_num_seqs=8))
+    r.init_kv(12, BLOCK)
+    first = worker_pb2.StepRequest(step_id=1)
+    for i, (temp, seed) in enumerate(((0.0, 0), (0.8, 3), (1.2, 4))):
+        w = first.seqs.add(seq_id=i, num_tokens=4, start_pos=0, sample=True, reset_block_table=True,
+                           block_table_i32=np.arange(4 * i, 4 * i + 4, dtype="<i4").tobytes())
+        w.sampling.temperature = temp
+        w.sampling.seed, w.sampling.has_seed = seed, temp > 0
+    first.token_ids_i32 = np.arange(3, 15, dtype="<i4").tobytes()
+    r.finish(r.launch(first))
+    graph, sampler, argmax = [], [], []
+    for step_id in range(2, STEPS):
+        req = worker_pb2.StepRequest(step_id=step_id)
+        req.decode.seq_ids_u64 = np.arange(3, dtype="<u8").tobytes()
+        plan = r.table.plan(req)
+        step = r.inputs(plan)
+        step.sampling = graph_sampling(plan, r.vocab_size, r.penalties, r.grammar, None)
+        fwd = run(r.executors, step)
+        assert fwd.tokens is not None, "the decode graph was meant to sample"
+        graph.append(fwd.tokens.tolist())
+        sampler.append(sample_plan(fwd.out, plan, r.vocab_size, None, None).tokens.tolist())
+        argmax.append(fwd.out.argmax(-1).tolist())
+        r.table.commit(plan)
+        r.last_sampled = fwd.tokens.clone()
+    return dict(equal=graph == sampler, greedy_row=[g[0] for g in graph] == [a[0] for a in argmax],
+                sampled_not_argmax=sum(g[i] != a[i] for g, a in zip(graph, argmax) for i in (1, 2)))
+
+
+def test_decode_graphs_sample_as_the_sampler_does():
+    r = graph_sampling_vs_sampler()
+    assert r["equal"] and r["greedy_row"]
+    assert r["sampled_not_argmax"] > 0   # the seeded rows do sample
 
 
 def test_overlapped_cuda_graph_steps_match_hf():
@@ -237,6 +287,7 @@ if __name__ == "__main__":
         print(f"penalties kernel max |cuda - cpu ref|: repetition only {rep_only:g}, "
               f"all three {all_three:g}")
         print(f"fused sampling vs reference, 131 x 151936 bf16: {fused_sampling_cuda_vs_reference()}")
+        print(f"decode graphs' own sampling vs the sampler: {graph_sampling_vs_sampler()}")
     r = overlapped_runner(dev)
     print(f"device {dev}, CUDA graphs {r['graphs']}: penalized row == HF generate(repetition_penalty"
           f"={PENALTY}): {r['penalized'] == r['penalized_ref']} (differs from plain greedy: "
