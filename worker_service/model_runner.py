@@ -5,10 +5,12 @@ through the step pipeline, in this order (`launch`):
   before-forward  host-tier copies, penalty / grammar state, the proposer's check of last
                   step's drafts
   forward         the first executor that takes the step (executors.py: a CUDA graph,
-                  else eager) -> logits of the sampling rows (+ an EAGLE-3 head's features)
+                  else eager) -> logits of the sampling rows (+ an EAGLE-3 head's features);
+                  the usual step's ids too where the decode graphs sample in their replay
+                  (logits_processors.graph_sampling says which steps are usual)
   sample          rank 0: logits processors (bias, penalties, masks), then sample or verify
-                  (logits_processors.py); pooling rows answer their pooled hidden state
-                  (an embedding, a reranker score: pooler.py) instead
+                  (logits_processors.py), unless the forward sampled; pooling rows answer
+                  their pooled hidden state (an embedding, a reranker score: pooler.py)
   commit          SeqTable.commit; the samples broadcast to every rank (placeholders)
   after-step      the proposer mirrors the step and drafts (proposer.py)
 
