@@ -373,3 +373,30 @@ def test_a_decode_graph_samples_the_usual_step(runner, monkeypatch):
     runner.table.params[row] = dataclasses.replace(runner.table.params[row], logprobs=True)
     answer = runner.finish(runner.launch(decode(4)))
     assert len(calls) == 1 and len(answer.logprobs_f32) == 12
+
+
+def test_a_decode_graph_gathers_placeholders_in_its_own_copy(runner):
+    """A decode step whose every row is a placeholder (the last step's sample): DecodeGraphs.
+    load sends the rows' places among the last samples with its other inputs and gathers
+    the ids on the device, without StepInputs.placeholders' own copy and gather; with one
+    explicit id beside them it fills the general way. Both give the ids input_ids (the
+    eager path's) gives."""
+    from worker_service.executors import input_ids
+    seqs = [130, 131, 132]
+    first = runner.table.plan(several(1, [(s, [5, 6, 7], 0, [50 + i], True)
+                                          for i, s in enumerate(seqs)]))
+    runner.table.commit(first)   # their samples are rows 0-2 of this step's
+    last = torch.tensor([900, 901, 902], dtype=torch.int64)
+    dg = DecodeGraphs(runner.model, runner.backend, 8, runner.max_model_len, BS,
+                      runner.num_kv_heads, runner.device)
+    for ids, gathered in (([-1, -1, -1], True), ([-1, 17, -1], False)):
+        req = worker_pb2.StepRequest(step_id=2)
+        req.decode.seq_ids_u64 = np.array(seqs[::-1], "<u8").tobytes()   # rows 2, 1, 0
+        req.decode.token_ids_i32 = np.array(ids, "<i4").tobytes()
+        plan = runner.table.plan(req)
+        step = StepInputs(plan, last=last)
+        dg.load(step)
+        want = input_ids(StepInputs(plan, last=last), runner.device)
+        assert dg.input_ids[:3].tolist() == want.tolist() == [
+            902 if ids[0] < 0 else ids[0], 901 if ids[1] < 0 else ids[1], 900]
+        assert (step.fill is None) == gathered   # placeholders() was not asked

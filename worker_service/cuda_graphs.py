@@ -171,12 +171,13 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
         (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.runs,
-         self.lora_slot, self.temperature, self.seeds) = arena(device, [
+         self.lora_slot, self.temperature, self.seeds, self.fill_src) = arena(device, [
             (max_batch, torch.int64, 0), (max_batch, torch.int64, 0), (max_batch, torch.int32, -1),
             (max_batch, torch.int32, 0),
             (2 * max_batch, torch.int32, 0),   # bucket bs's runs: [:2 * bs] viewed as [2, bs]
             (max_batch, torch.int32, -1), (max_batch, torch.float32, 0.0),
-            (max_batch, torch.int32, 0)])
+            (max_batch, torch.int32, 0),
+            (max_batch, torch.int64, 0)])   # each row's place among the last samples
         self.block_tables = torch.zeros(max_batch, self.max_blocks, **i32)
         self.cu_seqlens_q = torch.arange(max_batch + 1, **i32)
         self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)   # unused by decode kernels
@@ -190,7 +191,8 @@ class DecodeGraphs:
         parts = [("input_ids", self.input_ids[:bs], 0), ("positions", self.positions[:bs], 0),
                  ("slot_mapping", self.slot_mapping[:bs], -1),
                  ("context_lens", self.context_lens[:bs], 0),
-                 ("run_place", self.runs[:bs], 0), ("run_left", self.runs[bs:2 * bs], 1)]
+                 ("run_place", self.runs[:bs], 0), ("run_left", self.runs[bs:2 * bs], 1),
+                 ("fill_src", self.fill_src[:bs], 0)]
         if self.lora is not None:
             parts.append(("lora_slot", self.lora_slot[:bs], -1))
         if self.sample:   # padding rows: greedy
@@ -250,6 +252,12 @@ class DecodeGraphs:
         bs = next(b for b in self.buckets if b >= n)
         load = self.loads[bs]
         host = load.host(plan.block_tables.size)
+        # every row a placeholder (the usual decode step): the rows' places among the last
+        # samples ride the one copy, and one gather on the device fills the ids
+        gather = (step.ids is None and step.fill is None and step.last is not None
+                  and plan.fill is not None and len(plan.fill[0]) == n)
+        if gather:
+            load.part(host, "fill_src")[:n] = plan.fill[1]
         if step.ids is None:
             load.part(host, "input_ids")[:n] = plan.token_ids
         load.part(host, "positions")[:n] = plan.positions
@@ -267,8 +275,10 @@ class DecodeGraphs:
         load.copy(host, (self.block_tables[:n, :w], plan.block_tables))
         if step.ids is not None:
             self.input_ids[:n] = step.ids
-        elif step.fill is not None:
-            self.input_ids[step.fill[0]] = step.fill[1]
+        elif gather:
+            torch.index_select(step.last, 0, self.fill_src[:n], out=self.input_ids[:n])
+        elif (fill := step.placeholders()) is not None:
+            self.input_ids[fill[0]] = fill[1]
         return bs
 
     def run(self, step: StepInputs) -> Forward:
@@ -368,8 +378,9 @@ class PrefillGraphs:
             load.part(host, "lora_slot")[:n] = step.lora
         w = plan.block_tables.shape[1]
         load.copy(host, (self.block_tables[:r, :w], plan.block_tables))
-        if step.fill is not None:   # decode rows' placeholders: last step's samples
-            self.input_ids[step.fill[0]] = step.fill[1]
+        fill = step.placeholders()   # decode rows' placeholders: last step's samples
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         return bucket
 
     def forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:

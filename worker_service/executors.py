@@ -17,7 +17,7 @@ import torch
 
 from worker_service.step_meta import step_metadata
 from worker_service.step_plan import StepPlan
-from worker_service.transfers import to_device
+from worker_service.transfers import to_device, to_device_many
 
 
 @dataclass
@@ -27,6 +27,7 @@ class StepInputs:
     plan: StepPlan
     fill: tuple[torch.Tensor, torch.Tensor] | None = None   # placeholders: (indices into the
                                                             # plan's ids, device ids for them)
+    last: torch.Tensor | None = None    # or the samples they come from (placeholders())
     ids: torch.Tensor | None = None     # [T] device ids in place of the plan's (drafters)
     lora: np.ndarray | None = None      # [T] adapter slot a token (-1: base); None: no adapters
     logits: bool = True                 # the sampling rows' logits (a draft mirror needs none)
@@ -45,15 +46,27 @@ class StepInputs:
             return None
         tokens = np.repeat(keep, self.plan.num_tokens)
         fill = None
-        if plan.fill is not None:   # the placeholders of the rows kept, in order
+        if plan.fill is not None and self.last is None:   # the kept rows' placeholders
             kept = tokens[self.plan.fill[0]]
-            fill = (to_device(plan.fill[0], self.fill[1].device),
-                    self.fill[1].index_select(0, to_device(np.flatnonzero(kept),
-                                                           self.fill[1].device)))
-        return StepInputs(plan, fill=fill, logits=sampled and self.logits,
+            have = self.placeholders()
+            fill = (to_device(plan.fill[0], have[1].device),
+                    have[1].index_select(0, to_device(np.flatnonzero(kept), have[1].device)))
+        return StepInputs(plan, fill=fill, last=self.last, logits=sampled and self.logits,
                           lora=None if self.lora is None else self.lora[tokens],
                           slot_mapping=None if self.slot_mapping is None
                           else self.slot_mapping[tokens])
+
+
+    def placeholders(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plan's placeholders as (indices into its ids, their ids) on the device: `fill`,
+        or gathered once from `last` (the decode graphs gather them in their own input
+        copy and never ask: a step's host work is a few calls fewer)."""
+        if self.fill is None and self.plan.fill is not None:
+            if self.last is None:
+                raise ValueError("placeholder inputs without the samples they stand for")
+            at, src = to_device_many(list(self.plan.fill), self.last.device)
+            self.fill = (at, self.last.index_select(0, src))
+        return self.fill
 
 
 @dataclass
@@ -92,8 +105,9 @@ def input_ids(step: StepInputs, device: torch.device) -> torch.Tensor:
         return step.ids
     plan = step.plan
     out = to_device(np.where(plan.token_ids < 0, 0, plan.token_ids), device)
-    if step.fill is not None:
-        out[step.fill[0]] = step.fill[1]
+    fill = step.placeholders()
+    if fill is not None:
+        out[fill[0]] = fill[1]
     return out
 
 

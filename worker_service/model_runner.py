@@ -50,7 +50,6 @@ from worker_service.phases import phase
 from worker_service.pooler import Pooled, Pooler
 from worker_service.sampler import DraftCheck, StepSamples, compile_fused_sampling
 from worker_service.step_plan import SeqTable, StepError, StepPlan
-from worker_service.transfers import to_device_many
 
 
 @dataclass
@@ -390,15 +389,12 @@ class ModelRunner:
             self.last_sampled = tokens
 
     def inputs(self, plan: StepPlan) -> StepInputs:
-        """The plan's inputs to a forward: placeholders (-1) filled from the last samples on
-        the device, each token's adapter slot."""
-        fill = None
-        if plan.fill is not None:
-            at, src = to_device_many(list(plan.fill), self.device)
-            fill = (at, self.last_sampled.index_select(0, src))
+        """The plan's inputs to a forward: placeholders (-1) stand for the last samples on
+        the device (gathered where the executor asks), each token's adapter slot."""
         lora = (self.adapters.slots(self.table.adapter[plan.rows], plan.num_tokens)
                 if self.adapters is not None else None)
-        return StepInputs(plan, fill=fill, lora=lora)
+        return StepInputs(plan, last=self.last_sampled if plan.fill is not None else None,
+                          lora=lora)
 
     def forward(self, plan: StepPlan) -> Forward:
         """The target's forward of a plan alone (every rank runs it): logits of its
