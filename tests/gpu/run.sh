@@ -86,7 +86,8 @@
 #            LORA_N (16) random rank-16 adapters on all seven projections (tests/gpu/make_adapters.py),
 #            nano-vllm's workload x LORA_RUNS (2) and batch 1 (256-token prompt, 512 out) x 3
 #   smallstep the batch-1 step around its graph replay (issues 63, 72): the split-merge test on
-#            CUDA, the runner's replay at 1 and 8 rows for this tree and SMALLSTEP_BASE alternately,
+#            CUDA, the runner's replay and its host side (host_step.py: each launch phase's host
+#            time) at 1 and 8 rows for this tree and SMALLSTEP_BASE alternately,
 #            the launcher at batch 1 with the worker's --profile-steps 300:500 (its log line: the
 #            device's kernels, copies and idle a step) and in-process batch 1
 #   small    the single caller (issue 44): batch 1 and 8 through gRPC, 256-token prompts, 512 out,
@@ -529,6 +530,10 @@ for w in ${*:-kernels model bench}; do
           timeout 100 python3 tests/gpu/profile_mixed.py --model "$M" --profile-decode --decode $n \
             > "$OUT/smallstep_pm_${who}_$n.txt" 2>&1 )
         echo "$who, $n rows: $(grep -h "^graph replay" "$OUT/smallstep_pm_${who}_$n.txt")"
+        ( cd "$tree" && export PYTHONPATH="$tree:$tree/protos:${PYTHONPATH#*protos:}"
+          timeout 100 python3 tests/gpu/host_step.py --model "$M" --rows $n --steps 400 \
+            > "$OUT/smallstep_host_${who}_$n.txt" 2>&1 )
+        grep -h "period\|launch (all" "$OUT/smallstep_host_${who}_$n.txt"
       done; done
       B=(python3 -m client.bench --no-progress --device-name "$GPU" --client-procs 1 --num-seqs 1
          --min-input-len 256 --max-input-len 256 --min-output-len 512 --max-output-len 512
