@@ -48,6 +48,19 @@ class GemvLora:
     part_sizes: tuple[int, ...]     # P <= 3 sizes summing to N
 
 
+@dataclass
+class GemvNorm:
+    """The RMSNorm (and the residual add) before a one-token GEMV, computed in its prologue
+    with kernels/rmsnorm.py's numerics: the GEMV reads x (a sublayer's output), adds the
+    residual, normalizes with `weight` and multiplies by W, with no norm launch of its own
+    and no normalized row in memory. The sum x + residual goes to residual_out, a buffer
+    apart: every program reads the residual, so none may write it in place."""
+    weight: torch.Tensor                     # [K]
+    eps: float
+    residual: torch.Tensor | None = None     # [1, K]; None: x itself is normalized
+    residual_out: torch.Tensor | None = None # [1, K]: gets x + residual (program 0 writes it)
+
+
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (w [N, K] * scale [N, 1]).T + bias, in float32, returned in x's dtype."""
@@ -59,19 +72,48 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
 
 
 @triton.jit
+def _normed_x(X, Res, NormW, offs, mask, rstd, HAS_RES: tl.constexpr):
+    """[1, len(offs)] of the norm's output (GemvNorm): (x + residual) normalized as
+    kernels/rmsnorm.py's kernel does it, in X's dtype."""
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(Res + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    w = tl.load(NormW + offs, mask=mask, other=0.0).to(tl.float32)
+    return ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)[None, :]
+
+
+@triton.jit
+def _norm_rstd(X, Res, ResOut, K, eps, pid, K_PAD: tl.constexpr, HAS_RES: tl.constexpr):
+    """1 / rms of the row x (+ residual) over all K, as kernels/rmsnorm.py computes it;
+    program 0 writes the sum x + residual to ResOut."""
+    offs = tl.arange(0, K_PAD)
+    mask = offs < K
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(Res + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        if pid == 0:
+            tl.store(ResOut + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
                  H, LB, LScale, Slot, R, E0, E1, stride_h, stride_bs, stride_bn, HALF,
+                 Res, ResOut, NormW, eps,
                  T_PAD: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_LORA: tl.constexpr, GATED: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, RNE_BF16: tl.constexpr, NORM: tl.constexpr,
+                 NORM_RES: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr):
     """Y[t, n] for every token t and the BLOCK_N channels of this program; HAS_LORA (one
     token): plus its adapter's delta (GemvLora; columns from E0 on are part 1, from E1 on
     part 2). EVEN_K: the first weight tile is loaded before the PDL wait (kernels/pdl.py):
     weights are no kernel's output, so they stream while the kernel before finishes.
     GATED (W = [gate; up], HALF rows each): the program's rows are BLOCK_N // 2 channels'
     gate and up rows, interleaved, and it stores silu(gate) * up, rounded as
-    kernels/activation.py rounds it: the SwiGLU without its own launch."""
+    kernels/activation.py rounds it: the SwiGLU without its own launch. NORM (one token):
+    x is normalized first, the residual added (NORM_RES), in the prologue (GemvNorm)."""
     pid = tl.program_id(0)
     offs_t = tl.arange(0, T_PAD)
     if GATED:
@@ -87,22 +129,35 @@ def _gemv_kernel(X, W, Scale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
     acc = tl.zeros([T_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rstd = 0.0
     if EVEN_K:
         w = _load_rows(w_ptrs, n_mask, EVEN_N)
         pdl.wait(PDL)
-        x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
+        if NORM:
+            rstd = _norm_rstd(X, Res, ResOut, K, eps, pid, K_PAD, NORM_RES)
+            x = _normed_x(X, Res, NormW, offs_k, offs_k < K, rstd, NORM_RES)
+        else:
+            x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w = _load_rows(w_ptrs, n_mask, EVEN_N)
-            x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
+            if NORM:
+                x = _normed_x(X, Res, NormW, k0 + offs_k, k0 + offs_k < K, rstd, NORM_RES)
+            else:
+                x = tl.load(x_ptrs, mask=t_mask[:, None], other=0.0)
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     else:
         pdl.wait(PDL)
+        if NORM:
+            rstd = _norm_rstd(X, Res, ResOut, K, eps, pid, K_PAD, NORM_RES)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            if NORM:
+                x = _normed_x(X, Res, NormW, k0 + offs_k, k_mask, rstd, NORM_RES)
+            else:
+                x = tl.load(x_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
             w_ptrs += BLOCK_K
@@ -171,17 +226,25 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, *, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None,
-         lora: GemvLora | None = None, gated: bool = False) -> torch.Tensor:
+         lora: GemvLora | None = None, gated: bool = False,
+         norm: GemvNorm | None = None) -> torch.Tensor:
     """gemv_ref's values in one launch: x [..., K] (bf16 / fp16 / fp32, rows contiguous),
     w [N, K] contiguous in any float dtype or e4m3 with scale [N, 1] float32, bias [N] or
     None -> [..., N] in x's dtype. Meant for a few tokens (GEMV_MAX_TOKENS). lora (one
     token only) adds that token's adapter delta before the output is rounded. gated (w is
-    [gate; up], no bias or lora): silu_and_mul_ref of that output, [..., N // 2]."""
+    [gate; up], no bias or lora): silu_and_mul_ref of that output, [..., N // 2].
+    norm (one token, no lora): the GEMV of rms_norm(x (+ residual)) (GemvNorm)."""
     shape = x.shape
     x2, N = linear_rows(x, w, scale, bias)
     K = shape[-1]
     T = x2.shape[0]
     assert not gated or (bias is None and lora is None and N % 2 == 0)
+    if norm is not None:
+        assert T == 1 and lora is None and norm.weight.shape == (K,)
+        assert (norm.residual is None) == (norm.residual_out is None)
+        for r in (norm.residual, norm.residual_out):
+            assert r is None or (r.numel() == K and r.is_contiguous() and r.dtype == x.dtype)
+    res = norm.residual if norm is not None and norm.residual is not None else x2
     out_n = N // 2 if gated else N
     y = torch.empty(T, out_n, dtype=x.dtype, device=x.device)
     if T and N:
@@ -203,10 +266,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         _gemv_kernel[(triton.cdiv(out_n, per_program),)](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
             T, N, K, x2.stride(0), w.stride(0), y.stride(0), *largs, out_n,
+            res, norm.residual_out if norm is not None and norm.residual_out is not None else res,
+            norm.weight if norm is not None else x2, norm.eps if norm is not None else 0.0,
             T_PAD=triton.next_power_of_2(T), HAS_SCALE=sc is not None,
             HAS_BIAS=bias is not None, HAS_LORA=lora is not None, GATED=gated,
             BLOCK_R=triton.next_power_of_2(max(largs[4], 16)), BLOCK_N=bn, BLOCK_K=bk,
             EVEN_N=out_n % per_program == 0, EVEN_K=K % bk == 0,
-            RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
+            RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16, NORM=norm is not None,
+            NORM_RES=norm is not None and norm.residual is not None,
+            K_PAD=triton.next_power_of_2(K) if norm is not None else 1,
             num_warps=nw, **pdl.launch(x.device, T))
     return y.reshape(*shape[:-1], out_n)

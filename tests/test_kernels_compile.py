@@ -231,6 +231,13 @@ def direct_calls() -> None:
     paged_decode(rand(2, 4, 128), rand(4, 16, 2, 128), rand(4, 16, 2, 128), tables[[0, 0]],
                  torch.tensor([19, 20], dtype=torch.int32), 0.1, num_splits=3,
                  runs=torch.from_numpy(decode_runs(np.array([0, 0]))))
+    # the one-token GEMV with the RMSNorm (+ residual add) in its prologue (kernels/gemv.py's
+    # GemvNorm), bf16 and e4m3 weights, gated (gate_up) or not (qkv), at the 0.6B's hidden size
+    from kernels.gemv import GemvNorm, gemv
+    for w, scale, gated in ((rand(64, 1024), None, False), (rand(64, 1024).to(FP8),
+                                                           torch.ones(64, 1), True)):
+        gemv(rand(1, 1024), w, scale, gated=gated,
+             norm=GemvNorm(rand(1024), 1e-6, rand(1, 1024), rand(1, 1024)))
     # FP8 weights, a few rows (x quantized per token, then the small-M GEMM)
     w = rand(64, 128).to(FP8)
     fp8_small_m_linear(rand(2, 128), w, torch.ones(64, 1), rand(64))

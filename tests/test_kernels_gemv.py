@@ -180,3 +180,32 @@ def test_gated_gemv_is_the_unfused_gemv_then_silu_and_mul(t, half, k, w_kind):
     check(out, silu_and_mul_ref(gemv_ref(x.float(), w, scale)).to(torch.bfloat16))
     shifted = torch.cat([unfused[:, :half], unfused[:, half:].roll(1, dims=1)], dim=1)
     assert not torch.equal(out, act(shifted))
+
+
+@pytest.mark.parametrize("w_kind", ["fp8", "same"])
+@pytest.mark.parametrize("n, k, block_k", [(40, 256, 64), (24, 200, 64), (16, 512, 512)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_with_the_norm_in_its_prologue_is_the_norm_then_the_gemv(n, k, block_k, w_kind,
+                                                                      gated):
+    """GemvNorm (one token): the GEMV of rms_norm(x + residual) with the norm in the GEMV's
+    prologue equals the norm kernel (kernels/rmsnorm.py) then the GEMV bit for bit, even and
+    ragged K, bf16 and e4m3 weights, gated or not; the sum x + residual lands in residual_out
+    and the residual is left as it was; without a residual, x itself is normalized. A norm
+    that skipped the residual (the mutation) fails the exact comparison."""
+    from kernels.gemv import GemvNorm
+    from kernels.rmsnorm import rms_norm
+    x, w, scale, _ = case(1, n, k, torch.bfloat16, w_kind, False, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    residual = torch.randn(1, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    weight = (1 + torch.randn(k, generator=g) / 4).to(torch.bfloat16).to(DEVICE)
+    kw = dict(block_n=8, block_k=block_k, gated=gated)
+    res_in, res_out = residual.clone(), torch.empty_like(residual)
+    fused = gemv(x, w, scale, **kw, norm=GemvNorm(weight, 1e-6, res_in, res_out))
+    normed, summed = rms_norm(x, weight, 1e-6, residual.clone())
+    torch.testing.assert_close(fused, gemv(normed, w, scale, **kw), rtol=0, atol=0)
+    torch.testing.assert_close(res_out, summed, rtol=0, atol=0)
+    assert torch.equal(res_in, residual)
+    plain = gemv(x, w, scale, **kw, norm=GemvNorm(weight, 1e-6))
+    torch.testing.assert_close(plain, gemv(rms_norm(x, weight, 1e-6), w, scale, **kw),
+                               rtol=0, atol=0)
+    assert not torch.equal(plain, fused)
