@@ -14,6 +14,9 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
 - kernels/gemv.py's GEMV_MAX_TOKENS (NANOSERVE_GEMV_MAX_TOKENS) and ON_CPU: up to that many
   token rows the linear layers and the LM head take the GEMV (kept beside the kernel,
   whose tuning they are).
+- NORM_IN_GEMV (NANOSERVE_NORM_IN_GEMV=1; off until measured on a GPU): at one token row
+  the decoder layer's norms run in the prologue of the GEMV they feed (kernels/gemv.GemvNorm)
+  instead of a launch of their own.
 - DETERMINISTIC (the worker's --deterministic, issue 68; set once at load by
   worker_service/loading.py): a row's result must not depend on the rows beside it, so
   every linear layer and the LM head take kernels/batch_invariant.py's GEMM (K in order,
@@ -36,6 +39,7 @@ from kernels.fp8_linear import FP8, ONE_BLOCK_MAX, scaled_mm_supported
 FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 FUSED_ON_CPU = False   # tests set it to run the fused kernels in the Triton interpreter
 DETERMINISTIC = False  # batch-invariant kernels (--deterministic): see above
+NORM_IN_GEMV = os.environ.get("NANOSERVE_NORM_IN_GEMV", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,13 @@ class Paths:
                        # layer has no bias, no adapter rows, two parts, no FP8 activation)
     triton: bool       # RMSNorm, rotary, MoE routing and experts: Triton, else torch refs
     invariant: bool = False   # linear layers, LM head: kernels/batch_invariant.py (DETERMINISTIC)
+    normed_gemv: bool = False   # the norm before a GEMV in the GEMV's prologue (one row)
 
 
 @functools.lru_cache(maxsize=1024)
 def decide(on_cuda: bool, rows: int, fused_kernels: bool, fused_on_cpu: bool,
-           gemv_max_tokens: int, gemv_on_cpu: bool, deterministic: bool = False) -> Paths:
+           gemv_max_tokens: int, gemv_on_cpu: bool, deterministic: bool = False,
+           norm_in_gemv: bool = False) -> Paths:
     """The rule: the GEMV up to gemv_max_tokens rows (on CUDA, or in the interpreter), fused
     kernels where enabled. The gated GEMV needs the GEMV and FUSED alone (not the device:
     a GEMV on CPU already runs in the interpreter). deterministic: the batch-invariant GEMM
@@ -59,7 +65,8 @@ def decide(on_cuda: bool, rows: int, fused_kernels: bool, fused_on_cpu: bool,
     lookup ~1 us, building the answer ~3)."""
     gemv = (on_cuda or gemv_on_cpu) and rows <= gemv_max_tokens and not deterministic
     return Paths(gemv=gemv, fused=(on_cuda or fused_on_cpu) and fused_kernels,
-                 gated_gemv=gemv and fused_kernels, triton=on_cuda, invariant=deterministic)
+                 gated_gemv=gemv and fused_kernels, triton=on_cuda, invariant=deterministic,
+                 normed_gemv=gemv and fused_kernels and rows == 1 and norm_in_gemv)
 
 
 def paths(x: torch.Tensor) -> Paths:
@@ -67,7 +74,7 @@ def paths(x: torch.Tensor) -> Paths:
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     return decide(x.is_cuda, rows, FUSED, FUSED_ON_CPU, kernels.gemv.GEMV_MAX_TOKENS,
-                  kernels.gemv.ON_CPU, DETERMINISTIC)
+                  kernels.gemv.ON_CPU, DETERMINISTIC, NORM_IN_GEMV)
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -10,14 +10,30 @@ reduce=False): a norm given `tp` sums it over the ranks first, and where peer me
 the all-reduce, the add and the norm are one kernel (kernels/all_reduce_norm.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from kernels.fp8_linear import quantized_rows_ref
+from kernels.gemv import GemvNorm
 from kernels.rmsnorm import rms_norm, rms_norm_ref
 from models import kernel_choice
 from models.decode_step import NormStep
 from models.parallel import TPGroup, replicated_weight_loader
+
+
+@dataclass
+class DeferredNorm:
+    """A norm left to the one-token GEMV that consumes its output (kernels/gemv.GemvNorm):
+    the GEMV normalizes x (+ the residual) in its prologue, one launch fewer. `residual` is
+    the residual stream after the norm (written by that GEMV where there was one to add)."""
+    x: torch.Tensor
+    norm: GemvNorm
+
+    @property
+    def residual(self) -> torch.Tensor:
+        return self.norm.residual_out if self.norm.residual_out is not None else self.x
 
 
 class RMSNorm(nn.Module):
@@ -36,6 +52,13 @@ class RMSNorm(nn.Module):
     def decode_step(self) -> NormStep:
         """The weight (by reference), eps and the TP sum (models/decode_step.py)."""
         return NormStep(self.weight, self.eps, self.sums_ranks)
+
+    def deferred(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> DeferredNorm:
+        """This norm of x (+ residual) for the GEMV that consumes it to compute (one token,
+        no TP sum); the new residual goes to a fresh buffer."""
+        assert not (residual is not None and self.sums_ranks)
+        out = torch.empty_like(residual) if residual is not None else None
+        return DeferredNorm(x, GemvNorm(self.weight, self.eps, residual, out))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
         """x_normed, or (x_normed, x + residual) when a residual is given (on GPU the sum

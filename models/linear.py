@@ -25,6 +25,7 @@ from kernels.gemv import GemvLora, gemv
 from kernels.quant_linear import consecutive_group, quant_linear, quant_linear_ref
 from models import activation, kernel_choice
 from models.decode_step import LinearStep, QuantWeightStep, TPShard
+from models.layernorm import DeferredNorm
 from models.parallel import TPGroup, check_shape, divide, replicated_weight_loader
 from models.quantized import KINDS, Slot, WeightQuant, convert, trivial_g_idx
 
@@ -176,10 +177,19 @@ class LinearBase(nn.Module):
             return fp8_linear(x, self.weight, scale, bias, quantized)
         return F.linear(x, self.weight, bias)
 
-    def project(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def takes_norm(self, x: torch.Tensor) -> bool:
+        """Whether this layer's GEMV would take x's norm into its prologue (DeferredNorm):
+        one token on the GEMV (kernel_choice's normed_gemv), no adapter, no int4/int8."""
+        return (self.quant is None and self.lora is None and self.weight is not None
+                and kernel_choice.paths(x).normed_gemv)
+
+    def project(self, x: torch.Tensor | QuantizedRows | DeferredNorm,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) plus each row's adapter delta (models/lora.py): one token on the
-        GEMV gets it in the GEMV's epilogue (no expand launch), others after the GEMM."""
+        GEMV gets it in the GEMV's epilogue (no expand launch), others after the GEMM. A
+        DeferredNorm (takes_norm) is normalized in the GEMV's prologue."""
+        if isinstance(x, DeferredNorm):
+            return gemv(x.x, self.weight, self.fp8_scale, bias, norm=x.norm)
         quantized = x if isinstance(x, QuantizedRows) else None
         x = quantized.x if quantized is not None else x
         lora = self.lora
@@ -191,7 +201,7 @@ class LinearBase(nn.Module):
         lora.apply(x, y)
         return y
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows | DeferredNorm) -> torch.Tensor:
         return self.project(x, self.bias)
 
 
@@ -254,6 +264,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         GEMV takes x, with no adapter in play and fused kernels on, straight from its
         epilogue (one launch less per MLP at one token); otherwise this layer, then the
         activation."""
+        if isinstance(x, DeferredNorm):   # (takes_norm said so: no adapter, no bias)
+            return gemv(x.x, self.weight, self.fp8_scale, gated=True, norm=x.norm)
         lora = self.lora
         if (not fp8 and len(self.output_sizes) == 2 and not isinstance(x, QuantizedRows)
                 and kernel_choice.paths(x).gated_gemv and self.bias is None

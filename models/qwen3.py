@@ -22,7 +22,7 @@ from models import kernel_choice
 from models.attention import Attention
 from models.decode_step import AttentionBlockStep, DecoderLayerStep, MLPStep, ModelStep
 from models.embedding import ParallelLMHead, VocabParallelEmbedding
-from models.layernorm import RMSNorm
+from models.layernorm import DeferredNorm, RMSNorm
 from models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.moe import Qwen3MoeSparseMoeBlock, is_sparse_layer
 from models.parallel import TPGroup
@@ -111,8 +111,9 @@ class Qwen3MLP(nn.Module):
         return self.gate_up_proj.takes_fp8_rows(x)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        # x may come quantized from the norm; the activation quantizes for down_proj alike
-        plain = x.x if isinstance(x, QuantizedRows) else x
+        # x may come quantized from the norm, or as the norm itself (DeferredNorm); the
+        # activation quantizes for down_proj alike
+        plain = x.x if isinstance(x, (QuantizedRows, DeferredNorm)) else x
         return self.down_proj(self.gate_up_proj.swiglu(
             x, fp8=self.down_proj.takes_fp8_rows(plain)))
 
@@ -145,18 +146,34 @@ class Qwen3DecoderLayer(nn.Module):
         """hidden: the embedding (first layer) or the previous layer's MLP output, unreduced.
         aux: gets a copy of the residual stream entering this layer (EAGLE-3's input)."""
         # Before FP8 GEMMs of several tokens the norms also write their output as e4m3
-        # (QuantizedRows), saving the GEMMs' quantize launches
+        # (QuantizedRows), saving the GEMMs' quantize launches; before a one-token GEMV
+        # that takes it (kernel_choice's normed_gemv), a norm is left to that GEMV's
+        # prologue (DeferredNorm): no launch of its own
         fp8 = self.self_attn.qkv_proj.takes_fp8_rows(hidden)
-        if residual is None:
+        if aux is None and self._defers(self.input_layernorm, self.self_attn.qkv_proj, hidden):
+            hidden = self.input_layernorm.deferred(hidden, residual)
+            residual = hidden.residual
+        elif residual is None:
             hidden, residual = self.input_layernorm(hidden, fp8=fp8), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual, fp8=fp8)
         if aux is not None:
             aux.append(residual.clone())   # the norms update the residual in place
         hidden = self.self_attn(positions, hidden, meta)
-        fp8 = isinstance(self.mlp, Qwen3MLP) and self.mlp.takes_fp8_rows(hidden)
+        mlp = self.mlp if isinstance(self.mlp, Qwen3MLP) else None
+        if mlp is not None and mlp.gate_up_proj.bias is None and kernel_choice.paths(
+                hidden).gated_gemv and self._defers(self.post_attention_layernorm,
+                                                    mlp.gate_up_proj, hidden):
+            hidden = self.post_attention_layernorm.deferred(hidden, residual)
+            return self.mlp(hidden), hidden.residual
+        fp8 = mlp is not None and mlp.takes_fp8_rows(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual, fp8=fp8)
         return self.mlp(hidden), residual
+
+    @staticmethod
+    def _defers(norm: RMSNorm, linear, x: torch.Tensor) -> bool:
+        """Whether `norm` of x is left to `linear`'s GEMV (no TP sum to make first)."""
+        return not norm.sums_ranks and linear.takes_norm(x)
 
 
 class Qwen3Model(nn.Module):

@@ -209,3 +209,42 @@ def test_gemv_with_the_norm_in_its_prologue_is_the_norm_then_the_gemv(n, k, bloc
     torch.testing.assert_close(plain, gemv(rms_norm(x, weight, 1e-6), w, scale, **kw),
                                rtol=0, atol=0)
     assert not torch.equal(plain, fused)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routes the CPU model through the interpreter")
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_model_decode_with_the_norms_in_the_gemvs_equals_without(tmp_path_factory, monkeypatch,
+                                                                  quantization):
+    """kernel_choice.NORM_IN_GEMV: a one-token decode step of Qwen3 leaves each layer's two
+    norms to the qkv and gate_up GEMVs' prologues (only the final norm runs as a norm) and
+    gives the logits of the same step with the norms on their own; the prefill does not."""
+    import kernels.gemv
+    import models.layernorm
+    from models import kernel_choice
+    from models.loader import load_model
+    from paged_kv import PagedKV
+    from test_qwen3_vs_hf import random_prompts, run_step
+    from tiny_checkpoint import tiny_qwen3_dir
+    path = tiny_qwen3_dir(tmp_path_factory, seed=6)
+    model, _ = load_model(str(path), quantization=quantization)
+    prompts = random_prompts(389, [7], seed=2)
+    monkeypatch.setattr(kernels.gemv, "ON_CPU", True)
+    norms = []
+    forward = models.layernorm.RMSNorm.forward
+    monkeypatch.setattr(models.layernorm.RMSNorm, "forward",
+                        lambda self, *a, **k: norms.append(self) or forward(self, *a, **k))
+
+    def logits(on: bool) -> torch.Tensor:
+        monkeypatch.setattr(kernel_choice, "NORM_IN_GEMV", on)
+        cache = PagedKV(model, [len(p) for p in prompts], block_size=4)
+        run_step(model, cache, prompts, [(0, 0, len(prompts[0]) - 1)])
+        norms.clear()
+        return run_step(model, cache, prompts, [(0, len(prompts[0]) - 1, len(prompts[0]))],
+                        is_decode=True)[0]
+
+    hidden = lambda: [n for n in norms if n.weight.shape[0] == model.config.hidden_size]  # noqa: E731
+    plain = logits(False)
+    assert len(hidden()) == 2 * model.config.num_hidden_layers + 1   # (not the q/k norms)
+    fused = logits(True)
+    assert len(hidden()) == 1   # the final norm
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
