@@ -38,7 +38,7 @@ import torch
 from kernels.attention import AttentionMetadata, decode_runs
 from kernels.lora import lora_rows
 from worker_service.executors import Forward, StepInputs
-from worker_service.transfers import to_device
+from worker_service.transfers import aligned_offsets, to_device
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -50,10 +50,7 @@ def arena(device: torch.device, specs: list[tuple[int, torch.dtype, int]]) -> li
     """Static input buffers, (numel, dtype, initial value) each, as views of one device
     allocation, so that StaticLoad fills any of them with one copy. Each starts 256-byte
     aligned, as an allocation of its own would: Triton specializes a pointer on it."""
-    offsets, end = [], 0
-    for numel, dtype, _ in specs:
-        offsets.append(end)
-        end += -(-numel * dtype.itemsize // 256) * 256
+    offsets, end = aligned_offsets([numel * dtype.itemsize for numel, dtype, _ in specs], 256)
     root = torch.empty(end, dtype=torch.uint8, device=device)
     bufs = [root[at:at + numel * dtype.itemsize].view(dtype)
             for (numel, dtype, _), at in zip(specs, offsets)]

@@ -316,7 +316,7 @@ class ModelRunner:
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             pending.events[0].record()   # GPU time excludes the host's preparation
         step = self.inputs(plan)
-        if self.sample_in_graph:
+        if self.sample_in_graph and plan.is_decode:   # (only the decode graphs sample)
             step.sampling = graph_sampling(plan, self.vocab_size, self.penalties, self.grammar,
                                            check)
         fwd = run(self.executors, step)

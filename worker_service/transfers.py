@@ -19,6 +19,16 @@ def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
+def aligned_offsets(sizes: list[int], align: int) -> tuple[list[int], int]:
+    """Byte offsets of parts of these sizes laid out in order, each `align`-aligned, and
+    the end of the last one (rounded up too)."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // align) * align
+    return offsets, end
+
+
 def to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Several numpy arrays on `device` with one transfer (CUDA): a step's small inputs cost
     one copy, not one each. Each part starts 16-byte aligned, as an allocation of its own
@@ -26,10 +36,7 @@ def to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[torch
     arrays = [np.ascontiguousarray(a) for a in arrays]
     if device.type != "cuda":
         return [torch.from_numpy(a) for a in arrays]
-    offsets, end = [], 0
-    for a in arrays:
-        offsets.append(end)
-        end += -(-a.nbytes // 16) * 16
+    offsets, end = aligned_offsets([a.nbytes for a in arrays], 16)
     host = torch.empty(end, dtype=torch.uint8, pin_memory=True)
     h = host.numpy()
     for a, at in zip(arrays, offsets):
