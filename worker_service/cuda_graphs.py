@@ -91,27 +91,36 @@ class StaticLoad:
         self.tail_at = -(-len(self.template) // 16) * 16
         self.pin = root.device.type == "cuda"
 
-    def host(self, tail: int = 0) -> torch.Tensor:
+    def host(self, tail: int = 0) -> "HostImage":
         """A fresh host buffer (pinned on CUDA) holding the padding, with room for `tail`
         int32 values after it; write a step's values by name."""
         host = torch.empty(self.tail_at + 4 * tail, dtype=torch.uint8, pin_memory=self.pin)
-        host.numpy()[:len(self.template)] = self.template
-        return host
+        image = HostImage(host, host.numpy())
+        image.array[:len(self.template)] = self.template
+        return image
 
-    def part(self, host: torch.Tensor, name: str) -> np.ndarray:
+    def part(self, host: "HostImage", name: str) -> np.ndarray:
         part, dtype = self.slices[name]
-        return host.numpy()[part].view(dtype)
+        return host.array[part].view(dtype)
 
-    def copy(self, host: torch.Tensor, tail: tuple[torch.Tensor, np.ndarray] | None = None
+    def copy(self, host: "HostImage", tail: tuple[torch.Tensor, np.ndarray] | None = None
              ) -> None:
         """Copy `host` into the buffers; tail: (int32 destination, values) of the step's own
         shape, staged after the template in the same host buffer."""
-        self.dest.copy_(host[:len(self.template)], non_blocking=True)
+        self.dest.copy_(host.tensor[:len(self.template)], non_blocking=True)
         if tail is not None:
             dest, values = tail
-            src = host[self.tail_at:self.tail_at + 4 * values.size]
-            src.numpy().view(np.int32)[:] = values.reshape(-1)
+            end = self.tail_at + 4 * values.size
+            host.array[self.tail_at:end].view(np.int32)[:] = values.reshape(-1)
+            src = host.tensor[self.tail_at:end]
             dest.copy_(src.view(torch.int32).view(dest.shape), non_blocking=True)
+
+
+@dataclass
+class HostImage:
+    """One step's host buffer and its numpy view (made once: a load writes ~8 parts)."""
+    tensor: torch.Tensor
+    array: np.ndarray
 
 
 @dataclass

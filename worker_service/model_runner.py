@@ -313,8 +313,11 @@ class ModelRunner:
         plan = self.table.plan(req)
         check = self._before_forward(req, plan)
         if self.device.type == "cuda":
+            # the stream named: Event.record() looks the current device up through
+            # torch.cuda.is_available() each time, tens of us a step on a slow host
+            pending.stream = torch.cuda.current_stream(self.device)
             pending.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            pending.events[0].record()   # GPU time excludes the host's preparation
+            pending.events[0].record(pending.stream)   # GPU time excludes the host's preparation
         step = self.inputs(plan)
         if self.sample_in_graph and plan.is_decode:   # (only the decode graphs sample)
             step.sampling = graph_sampling(plan, self.vocab_size, self.penalties, self.grammar,

@@ -24,7 +24,8 @@ class PendingStep:
     logprobs: torch.Tensor | None = None     # host, float32
     top_ids: torch.Tensor | None = None      # host, int32 [rows, K]
     top_logprobs: torch.Tensor | None = None # host, float32 [rows, K]
-    events: tuple | None = None              # CUDA (start, end) events
+    events: tuple | None = None              # CUDA (start, end) events,
+    stream: torch.cuda.Stream | None = None  # on the stream the step runs on
     drafts: torch.Tensor | None = None       # host, int32 [D, max k]: the drafter's proposals,
     num_drafts: np.ndarray | None = None     # and how many of each row were asked for
     pooled: torch.Tensor | None = None       # host, float32: the pooling rows' answers,
@@ -48,7 +49,7 @@ class PendingStep:
                 self.top_ids = to_host(samples.top_ids.to(torch.int32))
                 self.top_logprobs = to_host(samples.top_logprobs.float())
         if self.events:
-            self.events[1].record()
+            self.events[1].record(self.stream)
 
     def host_ids(self) -> np.ndarray:
         """The sampled ids on the host (waits for their copy)."""

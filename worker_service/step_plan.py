@@ -398,15 +398,19 @@ class SeqTable:
 
         rows_a = np.array(rows, dtype=np.int64)
         n_dec = len(rows) - len(n_tok)
-        num_tokens = np.array(n_tok + [1] * n_dec, dtype=np.int64)
-        start_pos = np.concatenate([np.array(starts, dtype=np.int64),
-                                    self.computed[rows_a[len(n_tok):]] + dec_offset if nd
-                                    else np.zeros(0, np.int64)])
-        sample_a = np.array(sample + (dec_sample if nd else []), dtype=bool)
-        token_ids = np.concatenate([prefill_tokens, dec_tokens]) if nd else prefill_tokens
-        if nd and not len(n_tok):
+        if not n_tok:   # a decode step (the usual one): no prefill parts to join
+            num_tokens = np.ones(n_dec, dtype=np.int64)
+            start_pos = self.computed[rows_a] + dec_offset
+            sample_a = np.array(dec_sample, dtype=bool)
+            token_ids = dec_tokens
             positions = start_pos.copy()
         else:
+            num_tokens = np.array(n_tok + [1] * n_dec, dtype=np.int64)
+            start_pos = np.concatenate([np.array(starts, dtype=np.int64),
+                                        self.computed[rows_a[len(n_tok):]] + dec_offset if nd
+                                        else np.zeros(0, np.int64)])
+            sample_a = np.array(sample + (dec_sample if nd else []), dtype=bool)
+            token_ids = np.concatenate([prefill_tokens, dec_tokens]) if nd else prefill_tokens
             positions = np.repeat(start_pos - np.cumsum(num_tokens) + num_tokens, num_tokens) \
                 + np.arange(len(token_ids))
         table_len = self.table_len[rows_a]
@@ -425,7 +429,8 @@ class SeqTable:
         token_row = np.repeat(np.arange(len(rows_a)), num_tokens)
         slots = self._slots(tables, token_row, positions)
         fill = self._placeholders(token_ids, num_tokens, seq_ids)
-        real = token_ids if fill is None else np.delete(token_ids, fill[0])
+        real = (token_ids if fill is None else token_ids[:0] if len(fill[0]) == len(token_ids)
+                else np.delete(token_ids, fill[0]))
         if len(real) and (real.min() < 0 or real.max() >= self.vocab_size):
             raise StepError(f"token id out of range [0, {self.vocab_size})")
         pool_a, pooling = None, []
@@ -513,11 +518,14 @@ class SeqTable:
         where = np.flatnonzero(token_ids == PLACEHOLDER)
         if not len(where):
             return None
-        ends = np.cumsum(num_tokens) - 1
-        owner = np.searchsorted(ends, where)
-        if (ends[owner] != where).any():
-            bad = seq_ids[int(owner[np.argmax(ends[owner] != where)])]
-            raise StepError(f"sequence {bad}: a placeholder input (-1) must be its last token")
+        if len(where) == len(num_tokens) == len(token_ids):   # every row one token, a placeholder
+            owner = where
+        else:
+            ends = np.cumsum(num_tokens) - 1
+            owner = np.searchsorted(ends, where)
+            if (ends[owner] != where).any():
+                bad = seq_ids[int(owner[np.argmax(ends[owner] != where)])]
+                raise StepError(f"sequence {bad}: a placeholder input (-1) must be its last token")
         try:
             prev = [self.last_rows[seq_ids[i]] for i in owner.tolist()]
         except KeyError as e:
