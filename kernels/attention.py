@@ -160,8 +160,12 @@ class TritonBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                kv_stored: bool = False) -> torch.Tensor:
-        if not kv_stored:
+                kv_stored: bool = False, norm_rotary=None) -> torch.Tensor:
+        """norm_rotary (kernels/qk_norm_rotary.NormRotary; decode rows, bf16 / fp16 cache):
+        q, k, v are raw heads, normalized, rotated and stored by the decode kernel itself."""
+        if norm_rotary is not None:
+            assert meta.is_decode and not self.invariant and k_scale is None
+        elif not kv_stored:
             self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if self.invariant:
             splits = -(-meta.max_seqlen_k // self.split_len) if meta.is_decode else 0
@@ -176,7 +180,7 @@ class TritonBackend:
                                               meta.max_seqlen_k, q.device)
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                 scale, num_splits=splits, k_scale=k_scale, v_scale=v_scale,
-                                runs=meta.decode_runs)
+                                runs=meta.decode_runs, norm_rotary=norm_rotary)
         # fp8: attention always reads the (quantized) cache, prefill included
         if meta.prefix_free and k_scale is None and self._varlen.usable(q, k, scale):
             return self._varlen.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)

@@ -45,6 +45,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.interpret import INTERPRET
 from kernels.kv_quant import check_cache
+from kernels.qk_norm_rotary import NormRotary, norm_rotate_rows
 
 LOG2E = 1.4426950408889634
 
@@ -195,16 +196,24 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,      # page, slot-in-page, kv-head strides of the caches
     stride_bt,
     qk_scale_log2, num_splits,
+    KNew, VNew, QW, KW, CosSin, SlotMapping, eps,   # PROLOGUE's (NormRotary)
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,   # SPLIT: num_splits > 1
     Q_FP16: tl.constexpr, RUNS: tl.constexpr,   # RUNS > 1: rows per program (see paged_decode)
     MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr = False, HALF: tl.constexpr = 1, BLOCK_HALF: tl.constexpr = 1,
 ):
     """MERGE (SPLIT, one row a program): the split programs of a (row, kv head) count
     themselves in Counters, and the last to finish merges their parts (_merge_head, the
-    merge kernel's arithmetic) and re-arms the counter: no merge kernel's launch."""
+    merge kernel's arithmetic) and re-arms the counter: no merge kernel's launch.
+    PROLOGUE (bf16 / fp16 cache): Q, KNew and VNew are the qkv projection's raw heads; the
+    program normalizes and rotates its queries itself, and stores the new K/V of its rows
+    whose positions fall in its own key range before reading that range (a barrier
+    between): no other program reads those keys, so the q/k norm + rotary + KV store
+    kernel's launch is gone."""
     pdl.wait(PDL)
     seq = tl.program_id(0)    # the program's (first) row
     kv_head = tl.program_id(1)
@@ -260,7 +269,16 @@ def _decode_kernel(
     else:
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
-        q = tl.load(q_row + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if PROLOGUE:
+            _store_new_kv(KNew, VNew, KW, CosSin, SlotMapping, ContextLens, KCache, VCache,
+                          Runs, seq, kv_head, num_rows, lo, hi, eps, stride_kt, stride_kh,
+                          stride_vt, stride_vh, stride_cos, stride_cb, stride_cs, stride_ch,
+                          HEAD_DIM, BLOCK_D, HALF, BLOCK_HALF, PAGE_SIZE, RUNS)
+            at = tl.maximum(q_pos, 0).to(tl.int64)[:, None] * stride_cos   # (padding: ctx 0)
+            q = norm_rotate_rows(q_row, g_mask, QW, CosSin + at, eps, HEAD_DIM, BLOCK_D, HALF,
+                                 BLOCK_HALF).to(Q.dtype.element_ty)
+        else:
+            q = tl.load(q_row + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, q_pos, m_i, l_i, acc, KCache, VCache, KScale, VScale,
@@ -285,6 +303,39 @@ def _decode_kernel(
             for g in tl.static_range(GROUP):
                 _merge_head(Out, PartOut, PartLse, seq, kv_head * GROUP + g, stride_ot,
                             stride_oh, num_heads, num_splits, HEAD_DIM, BLOCK_D, SPLITS_PAD)
+
+
+@triton.jit
+def _store_new_kv(KNew, VNew, KW, CosSin, SlotMapping, ContextLens, KCache, VCache, Runs, seq,
+                  kv_head, num_rows, lo, hi, eps, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_cos, stride_cb, stride_cs, stride_ch, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, RUNS: tl.constexpr):
+    """PROLOGUE: the new K (normalized, rotated) and V of kv_head for the program's rows
+    (its run's, RUNS > 1) whose positions lie in [lo, hi), stored as
+    kernels/qk_norm_rotary.py stores them; then a barrier, so the program's own tile loads
+    see them."""
+    offs_r = tl.arange(0, RUNS)
+    if RUNS > 1:
+        r_mask = offs_r < tl.minimum(tl.load(Runs + num_rows + seq), RUNS)
+    else:
+        r_mask = offs_r < 1
+    rows = seq + offs_r
+    ctx = tl.load(ContextLens + rows, mask=r_mask, other=0)
+    slot = tl.load(SlotMapping + rows, mask=r_mask, other=-1).to(tl.int64)
+    own = r_mask & (ctx > lo) & (ctx <= hi) & (slot >= 0)   # position ctx - 1 in [lo, hi)
+    k = norm_rotate_rows(KNew + rows.to(tl.int64)[:, None] * stride_kt + kv_head * stride_kh, own,
+                         KW, CosSin + (ctx - 1).to(tl.int64)[:, None] * stride_cos, eps,
+                         HEAD_DIM, BLOCK_D, HALF, BLOCK_HALF)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = own[:, None] & (offs_d < HEAD_DIM)[None, :]
+    v = tl.load(VNew + rows.to(tl.int64)[:, None] * stride_vt + kv_head * stride_vh
+                + offs_d[None, :], mask=mask, other=0.0)
+    dst = ((slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+           + kv_head * stride_ch)[:, None] + offs_d[None, :]
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + dst, v, mask=mask)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -559,8 +610,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  num_splits: int = 1, out: torch.Tensor | None = None,
                  config: DecodeConfig | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, runs: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, runs: torch.Tensor | None = None,
+                 norm_rotary: NormRotary | None = None) -> torch.Tensor:
     """Decode attention: q [num_seqs, Hq, D] (one token per row) -> [num_seqs, Hq, D].
 
     block_tables [num_seqs, max_blocks] and context_lens [num_seqs] are int32. A sequence
@@ -573,6 +624,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     up to rows_per_program(group) of them, packed beside the group's heads in the rows of
     its tiles, so their K/V is read once instead of once per row (row r sees keys up to
     its own context_lens[r] - 1). The result is the same as without runs.
+
+    norm_rotary (bf16 / fp16 caches): q and its k, v are the projection's raw heads, each
+    row's token at position context_lens - 1; the kernel applies qk_norm_rotary's norm and
+    rotation and stores K/V at norm_rotary.slot_mapping itself (no launch of its own).
     """
     cfg = config or DEFAULT_DECODE_CONFIG
     num_kv_heads, group = _check_common(q, k_cache, v_cache, block_tables)
@@ -602,13 +657,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits > 1 and per_program == 1:
         counters = _split_counters(q.device, num_seqs * num_kv_heads)
     splits_pad = max(MAX_SPLITS, triton.next_power_of_2(num_splits))   # one variant
+    nr = norm_rotary
+    if nr is not None:
+        assert not fp8, "the decode prologue stores bf16 / fp16 K/V only"
+        nr.check(q, k_cache)
+        assert nr.slot_mapping.shape == (num_seqs,)
+        prologue = (nr.k, nr.v, nr.q_weight, nr.k_weight, nr.cos_sin_cache, nr.slot_mapping,
+                    nr.eps, nr.k.stride(0), nr.k.stride(1), nr.v.stride(0), nr.v.stride(1),
+                    nr.cos_sin_cache.stride(0))
+    else:
+        prologue = (q, q, q, q, q, context_lens, 0.0, 0, 0, 0, 0, 0)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if fp8 else q, v_scale if fp8 else q, out, block_tables,
         context_lens, runs if per_program > 1 else context_lens, part_out, part_lse,
         counters if counters is not None else context_lens,
         num_heads, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, *prologue,
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
@@ -616,6 +681,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         SPLIT=num_splits > 1, PRECISION=_precision(q.dtype), FP8=fp8,
         Q_FP16=fp8 and q.dtype != torch.float32, RUNS=per_program,
         MERGE=counters is not None, SPLITS_PAD=splits_pad,
+        PROLOGUE=nr is not None, HALF=head_dim // 2 if nr is not None else 1,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2) if nr is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, num_seqs),
     )
     if num_splits > 1 and counters is None:

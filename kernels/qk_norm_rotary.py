@@ -12,6 +12,8 @@ apply_rotary_ref (then store_kvcache_ref). Needs rot_dim == head_dim.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,30 @@ from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
 from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 from kernels.store_kvcache import slot_rows
+
+
+@dataclass(frozen=True)
+class NormRotary:
+    """What the decode attention kernel needs to do this file's work in its own prologue
+    (kernels/paged_attention.paged_decode's norm_rotary): the raw k, v heads [T, Hkv, D]
+    (views of the qkv output), the norms' weights and eps, the rotary cache and where each
+    token's K/V go."""
+    k: torch.Tensor
+    v: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def check(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        """The shapes qk_norm_rotary asserts, for q [T, Hq, D] and a [.., .., Hkv, D] cache."""
+        t, _, d = q.shape
+        assert self.k.shape == self.v.shape == (t, k_cache.shape[2], d) and d % 2 == 0
+        assert self.cos_sin_cache.shape[-1] == d, "fused q/k norm + rotary needs rot_dim == head_dim"
+        assert q.stride(-1) == self.k.stride(-1) == self.v.stride(-1) == 1
+        assert self.cos_sin_cache.is_contiguous() and k_cache.stride(-1) == 1
+        assert self.q_weight.shape == self.k_weight.shape == (d,)
 
 
 # H100, Qwen3-0.6B heads (tests/gpu/RESULTS.md): 131 tokens 8.0 -> 7.6 us with two programs a
@@ -36,6 +62,21 @@ def qk_norm_rotary_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
 
 @triton.jit
+def _head_rstd(x1, x2, eps, HALF: tl.constexpr):
+    """1 / rms of each row [R] of heads given as their halves x1, x2 [R, BLOCK_HALF]."""
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    return 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
+
+
+@triton.jit
+def _normed(x, rstd, w):
+    """x [R, C] normalized by rstd [R] and weighted by w [1, C] (fp32), rounded as
+    kernels/rmsnorm.py rounds, returned as fp32 for the rotation."""
+    return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(
+        tl.float32)
+
+
+@triton.jit
 def _norm_rotate_heads(X, W, token, stride_t, stride_h, cos, sin, eps,
                        NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
                        HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -47,17 +88,41 @@ def _norm_rotate_heads(X, W, token, stride_t, stride_h, cos, sin, eps,
     p2 = p1 + HALF
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p2, mask=mask, other=0.0)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)
-    w1 = tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(W + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    y1 = ((f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-    y2 = ((f2 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    rstd = _head_rstd(x1, x2, eps, HALF)
+    y1 = _normed(x1, rstd, tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    y2 = _normed(x2, rstd, tl.load(W + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
     o1 = (y1 * cos - y2 * sin).to(X.dtype.element_ty)
     o2 = (y2 * cos + y1 * sin).to(X.dtype.element_ty)
     tl.store(p1, o1, mask=mask)
     tl.store(p2, o2, mask=mask)
     return o1, o2
+
+
+@triton.jit
+def norm_rotate_rows(rows, mask, W, cos_sin, eps, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The heads starting at pointers rows [R, 1] (mask [R]), each normalized and rotated
+    at the position whose cos/sin row starts at cos_sin [R, 1], as whole rows [R, BLOCK_D]
+    in fp32 (the caller rounds them to the heads' dtype), not written anywhere: _norm_rotate_heads' numerics (the statistics
+    from the two halves, each element's rotation partner loaded beside it) for a kernel
+    that consumes them (kernels/paged_attention.py's decode prologue)."""
+    offs_h = tl.arange(0, BLOCK_HALF)
+    hm = mask[:, None] & (offs_h < HALF)[None, :]
+    rstd = _head_rstd(tl.load(rows + offs_h[None, :], mask=hm, other=0.0),
+                      tl.load(rows + HALF + offs_h[None, :], mask=hm, other=0.0), eps, HALF)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    dm = mask[:, None] & d_mask[None, :]
+    y = _normed(tl.load(rows + offs_d[None, :], mask=dm, other=0.0), rstd,
+                tl.load(W + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    yp = _normed(tl.load(rows + partner[None, :], mask=dm, other=0.0), rstd,
+                 tl.load(W + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :])
+    at = offs_d % HALF
+    cos = tl.load(cos_sin + at[None, :], mask=dm, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin + HALF + at[None, :], mask=dm, other=0.0).to(tl.float32)
+    first = (offs_d < HALF)[None, :]
+    return tl.where(first, y * cos - yp * sin, y * cos + yp * sin)
 
 
 @triton.jit

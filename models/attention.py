@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionMetadata
+from kernels.qk_norm_rotary import NormRotary
+from models import kernel_choice
 from models.decode_step import AttentionStep
 
 
@@ -45,10 +47,25 @@ class Attention(nn.Module):
         return dict(k_cache=s.k_cache, v_cache=s.v_cache, slot_mapping=meta.slot_mapping,
                     k_scale=s.k_scale, v_scale=s.v_scale)
 
+    def takes_norm_rotary(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step's attention would apply the q/k norm and rotary and store K/V
+        itself (forward's norm_rotary): decode rows q [T, Hq, D], at least
+        kernel_choice.NORM_ROTARY_IN_ATTENTION_ROWS of them, on the Triton backend's decode
+        kernel (not --deterministic's), a bf16 / fp16 cache."""
+        rows = kernel_choice.NORM_ROTARY_IN_ATTENTION_ROWS
+        return (0 < rows <= q.shape[0] and meta.is_decode and self.k_scale is None
+                and getattr(self.backend, "name", "") == "triton" and not self.backend.invariant)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+                meta: AttentionMetadata, kv_stored: bool = False,
+                norm_rotary: NormRotary | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. norm_rotary (takes_norm_rotary):
+        q, k, v are the projection's raw heads; the decode kernel normalizes, rotates and
+        stores them (its slot_mapping is meta's)."""
         c = self.cache(meta)
+        if norm_rotary is not None:
+            return self.backend.forward(q, k, v, c["k_cache"], c["v_cache"], meta, self.scale,
+                                        norm_rotary=norm_rotary)
         return self.backend.forward(q, k, v, c["k_cache"], c["v_cache"], meta, self.scale,
                                     c["k_scale"], c["v_scale"], kv_stored=kv_stored)
 

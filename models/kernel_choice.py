@@ -12,12 +12,19 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
   norms that hand FP8 GEMMs quantized rows); FUSED_ON_CPU: a CPU test runs them in the
   Triton interpreter.
 - kernels/gemv.py's GEMV_MAX_TOKENS (NANOSERVE_GEMV_MAX_TOKENS) and ON_CPU: up to that many
-  token rows the linear layers and the LM head take the GEMV (kept beside the kernel,
+  token rows the linear layers take the GEMV (kept beside the kernel,
   whose tuning they are).
 - NORM_IN_GEMV (NANOSERVE_NORM_IN_GEMV=0 turns it off): at one token row the decoder
   layer's norms run in the prologue of the GEMV they feed (kernels/gemv.GemvNorm) instead
   of a launch of their own: the 0.6B's batch-1 graph 229 -> 173 kernels, 0.91 -> 0.83 ms
   on an H200, logits bit for bit the same (tests/gpu/RESULTS.md, the batch-1 step).
+- NORM_ROTARY_IN_ATTENTION_ROWS (NANOSERVE_NORM_ROTARY_IN_ATTENTION_ROWS; 0 turns it off):
+  decode steps of at least this many rows leave the q/k norm, rotary and K/V store to the
+  Triton decode attention kernel's prologue (kernels/paged_attention.py; bf16 / fp16
+  caches; models/attention.Attention.takes_norm_rotary) instead of a launch of their own.
+  On an H200 (0.6B, through the launcher, the knob alone) 8 rows gain (step 1.378 ->
+  1.357 ms; graph replay 1.58 -> 1.52), one row loses (0.841 -> 0.923): there the
+  prologue lengthens the attention's latency-bound chain more than the launch it saves.
 - DETERMINISTIC (the worker's --deterministic, issue 68; set once at load by
   worker_service/loading.py): a row's result must not depend on the rows beside it, so
   every linear layer and the LM head take kernels/batch_invariant.py's GEMM (K in order,
@@ -41,12 +48,13 @@ FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 FUSED_ON_CPU = False   # tests set it to run the fused kernels in the Triton interpreter
 DETERMINISTIC = False  # batch-invariant kernels (--deterministic): see above
 NORM_IN_GEMV = os.environ.get("NANOSERVE_NORM_IN_GEMV", "1") != "0"
+NORM_ROTARY_IN_ATTENTION_ROWS = int(os.environ.get("NANOSERVE_NORM_ROTARY_IN_ATTENTION_ROWS", "8"))
 
 
 @dataclass(frozen=True)
 class Paths:
     """The kernels one input takes, by kind of op."""
-    gemv: bool         # linear layers, LM head: kernels/gemv.py (a few rows), else a GEMM
+    gemv: bool         # linear layers: kernels/gemv.py (a few rows), else a GEMM
     fused: bool        # the fused Triton kernels (see FUSED), else one kernel per op
     gated_gemv: bool   # gate_up's GEMV may apply SiLU-and-mul in its epilogue (where the
                        # layer has no bias, no adapter rows, two parts, no FP8 activation)

@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels.attention import AttentionMetadata, select_backend
 from kernels.fp8_linear import QuantizedRows
-from kernels.qk_norm_rotary import qk_norm_rotary
+from kernels.qk_norm_rotary import NormRotary, qk_norm_rotary
 from models import kernel_choice
 from models.attention import Attention
 from models.decode_step import AttentionBlockStep, DecoderLayerStep, MLPStep, ModelStep
@@ -74,6 +74,12 @@ class Qwen3Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         fused = self.qk_norm and kernel_choice.paths(q).fused
+        if (fused and self.attn.takes_norm_rotary(q, meta)
+                and self.rotary_emb.cos_sin_cache.shape[-1] == self.head_dim):
+            # decode rows: the attention kernel normalizes, rotates and stores them itself
+            nr = NormRotary(k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                            self.rotary_emb.cos_sin_cache, meta.slot_mapping)
+            return self.o_proj(self.attn(q, k, v, meta, norm_rotary=nr).reshape(-1, q_size))
         if fused:
             # one kernel for q norm + k norm + rotary + K/V store (kernels/qk_norm_rotary.py);
             # NANOSERVE_FUSED_KERNELS=0 runs the four kernels below instead

@@ -180,6 +180,68 @@ def test_decode_runs_match_ref(group: int, num_splits: int) -> None:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("runs,num_splits", [(False, 1), (False, 3), (True, 1), (True, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_prologue_is_norm_rotary_then_store_then_decode(runs: bool, num_splits: int,
+                                                               dtype: torch.dtype) -> None:
+    """paged_decode's norm_rotary: from the projection's raw q, k, v the decode kernel
+    gives what qk_norm_rotary (norm, rotation, K/V stored) then the plain decode give, bit
+    for bit in the interpreter (compiled, the two kernels may contract the rotation's
+    products into FMAs differently: within an ulp of fp32 there), and leaves the same cache: lone rows with a padding row (context 0, slot -1,
+    stores nothing, zeros out), or fast-forward runs crossing page and split boundaries
+    (each new key stored by the program whose split reads it; in head-major caches, the
+    worker's). The raw heads stay as they were (nothing in place). A prologue that skipped
+    the rotation fails the comparison."""
+    from kernels.qk_norm_rotary import NormRotary, qk_norm_rotary
+    group, d = 2, 32
+    seqs = runs_of(group) if runs else [(9, 1), (13, 1), (70, 1), (33, 1), (1, 1)]
+    b = make_batch(seqs, 4, num_kv_heads=2, group=group, head_dim=d, dtype=dtype, seed=7)
+    m = b["meta"]
+    if runs:
+        r = run_rows(b, seqs)
+        tables, ctx, row_runs = r["block_tables"], r["context_lens"], r["runs"]
+        slots = m.slot_mapping
+    else:   # a padding row last, as a CUDA graph's batch
+        tables = torch.cat([m.block_tables, m.block_tables[:1]])
+        ctx = torch.cat([m.context_lens, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
+        slots = torch.cat([m.slot_mapping, torch.full((1,), -1, dtype=torch.int32, device=DEVICE)])
+        b["q"], b["k"], b["v"] = (torch.cat([t, t[:1]]) for t in (b["q"], b["k"], b["v"]))
+        row_runs = None
+    g = torch.Generator().manual_seed(8)
+    qw, kw = ((1 + torch.randn(d, generator=g) / 4).to(dtype).to(DEVICE) for _ in range(2))
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = torch.arange(80, dtype=torch.float32)[:, None] * inv[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).to(DEVICE)
+    raw = [b[n].clone() for n in ("q", "k", "v")]
+    cfg = DecodeConfig(block_n=16, num_warps=2)
+    if runs:
+        b["k_cache"], b["v_cache"] = head_major(b["k_cache"]), head_major(b["v_cache"])
+
+    caches = [b["k_cache"].clone(), b["v_cache"].clone()]
+    q, k = qk_norm_rotary(raw[0].clone(), raw[1].clone(), qw, kw, 1e-6,
+                          (ctx.long() - 1).clamp(min=0), cos_sin, v=raw[2], k_cache=caches[0],
+                          v_cache=caches[1], slot_mapping=slots)
+    want = paged_decode(q, *caches, tables, ctx, b["scale"], num_splits=num_splits, config=cfg,
+                        runs=row_runs)
+
+    def fused(cos_sin: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        caches = [b["k_cache"].clone(), b["v_cache"].clone()]
+        out = paged_decode(b["q"], *caches, tables, ctx, b["scale"], num_splits=num_splits,
+                           config=cfg, runs=row_runs,
+                           norm_rotary=NormRotary(b["k"], b["v"], qw, kw, 1e-6, cos_sin, slots))
+        return out, caches
+    out, ours = fused(cos_sin)
+    same = (torch.equal if INTERPRET else
+            lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6))
+    assert same(out, want)
+    assert same(ours[0], caches[0]) and same(ours[1], caches[1])
+    assert all(torch.equal(b[n], t) for n, t in zip(("q", "k", "v"), raw))
+    if not runs:
+        assert (out[-1] == 0).all()
+    unrotated = torch.cat([torch.ones_like(cos_sin[:, :d // 2]), torch.zeros_like(cos_sin[:, :d // 2])], -1)
+    assert not torch.equal(fused(unrotated)[0], want)
+
+
 def test_decode_runs_helper() -> None:
     assert decode_runs(np.array([3, 1, 2])) is None
     assert decode_runs(np.array([5, 5, 5, 2, 7, 7])).tolist() == [[0, 1, 2, 0, 0, 1],

@@ -231,6 +231,19 @@ def direct_calls() -> None:
     paged_decode(rand(2, 4, 128), rand(4, 16, 2, 128), rand(4, 16, 2, 128), tables[[0, 0]],
                  torch.tensor([19, 20], dtype=torch.int32), 0.1, num_splits=3,
                  runs=torch.from_numpy(decode_runs(np.array([0, 0]))))
+    # with the q/k norm, rotary and K/V store in its prologue (NormRotary: the served
+    # graphs' decode steps of 8+ rows), one program a row (split, merged in the kernel) and
+    # a run a program
+    from kernels.qk_norm_rotary import NormRotary
+    qkv = rand(2, 8 * 128)
+    nr = NormRotary(qkv[:, 512:768].view(2, 2, 128), qkv[:, 768:].view(2, 2, 128), rand(128),
+                    rand(128), 1e-6, rand(64, 128, dtype=torch.float32),
+                    torch.tensor([20, 31], dtype=torch.int32))
+    for runs in (None, torch.from_numpy(decode_runs(np.array([0, 0])))):
+        paged_decode(qkv[:, :512].view(2, 4, 128), rand(4, 16, 2, 128), rand(4, 16, 2, 128),
+                     tables if runs is None else tables[[0, 0]], ctx if runs is None else
+                     torch.tensor([19, 20], dtype=torch.int32), 0.1, num_splits=3, runs=runs,
+                     norm_rotary=nr)
     # the one-token GEMV with the RMSNorm (+ residual add) in its prologue (kernels/gemv.py's
     # GemvNorm), bf16 and e4m3 weights, gated (gate_up) or not (qkv), at the 0.6B's hidden size
     from kernels.gemv import GemvNorm, gemv

@@ -54,6 +54,22 @@ def run_step(model, cache: PagedKV, prompts: list[torch.Tensor],
     return list(logits.split([e - s for _, s, e in chunks]))
 
 
+def decode_to_end(model, cache: PagedKV, prompts: list[torch.Tensor], first: list[int]
+                  ) -> list[torch.Tensor]:
+    """Prefill each prompt's first tokens, then decode the rest one token a step, all
+    unfinished prompts together; every position's logits, per prompt."""
+    logits = [[o] for o in run_step(model, cache, prompts,
+                                     [(i, 0, n) for i, n in enumerate(first)])]
+    pos = list(first)
+    while active := [i for i, p in enumerate(prompts) if pos[i] < len(p)]:
+        outs = run_step(model, cache, prompts, [(i, pos[i], pos[i] + 1) for i in active],
+                        is_decode=True)
+        for i, ours in zip(active, outs):
+            logits[i].append(ours)
+            pos[i] += 1
+    return [torch.cat(x) for x in logits]
+
+
 def hf_logits(model_dir, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                        attn_implementation="eager")
@@ -122,6 +138,44 @@ def test_fused_kernels_match_unfused(checkpoint, monkeypatch):
         for i, (a, b) in enumerate(zip(step_unfused, step_fused)):
             assert_close(b, a, f"fused vs unfused, seq {i}")
     assert calls or not model.model.layers[0].self_attn.qk_norm    # llama has no q/k norm
+
+
+@pytest.mark.parametrize("shape", ["gqa2-hd16-untied", "gqa4-hd64-sharded"])
+def test_decode_attention_normalizes_rotates_and_stores_itself(shape, tmp_path_factory,
+                                                               monkeypatch):
+    """kernel_choice.NORM_ROTARY_IN_ATTENTION_ROWS (Triton backend, interpreter): decode
+    steps of that many rows or more leave the q/k norm, rotary and K/V store to the decode
+    attention kernel (no qk_norm_rotary launch) and give the logits the separate kernel
+    gives, bit for bit, decoding each prompt to its end across page boundaries (3 rows,
+    then 2, then 1: the threshold at 2 keeps the last steps apart); both are HF's."""
+    import models.kernel_choice
+    import models.qwen3
+    from kernels.attention import select_backend
+    kw = SHAPES[shape]
+    path = tiny_qwen3_dir(tmp_path_factory, **kw)
+    prompts = random_prompts(kw.get("vocab_size", 389), [5, 13, 22], seed=4)
+    refs = hf_logits(path, prompts)
+    model, _ = load_model(str(path), attn_backend=select_backend("triton", "cpu"))
+    monkeypatch.setattr(models.kernel_choice, "FUSED_ON_CPU", True)
+    calls = []
+    kernel = models.qwen3.qk_norm_rotary
+    monkeypatch.setattr(models.qwen3, "qk_norm_rotary",
+                        lambda *a, **kw: calls.append(len(a[0])) or kernel(*a, **kw))
+    first = [2, 3, 5]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(models.kernel_choice, "NORM_ROTARY_IN_ATTENTION_ROWS", 2 if on else 0)
+        calls.clear()
+        cache = PagedKV(model, [len(p) for p in prompts], block_size=4, seed=1)
+        runs.append(decode_to_end(model, cache, prompts, first))
+        # the prefill's launches (one a layer) and the one-row decode steps', or every
+        # decode step's
+        steps = [sum(len(p) - n > s for p, n in zip(prompts, first)) for s in range(30)]
+        launched = sum(1 for rows in steps if rows and (not on or rows < 2))
+        assert len(calls) == model.config.num_hidden_layers * (1 + launched)
+    for i, (plain, fused) in enumerate(zip(*runs)):
+        assert torch.equal(fused, plain), i
+        assert_close(fused, refs[i], f"seq {i}")
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
@@ -292,17 +346,7 @@ def test_fp8_kv_cache_matches_hf_with_fp8_rounded_kv(checkpoint, monkeypatch, fu
     model, config = load_model(str(path))
     cache = PagedKV(model, [len(p) for p in prompts], 4, seed=3, fp8=True)
     assert cache.kv.dtype == torch.float8_e4m3fn
-    first = [2, 3, 5]
-    outs = run_step(model, cache, prompts, [(i, 0, n) for i, n in enumerate(first)])
-    logits = [[o] for o in outs]
-    pos = list(first)
-    while active := [i for i, p in enumerate(prompts) if pos[i] < len(p)]:
-        outs = run_step(model, cache, prompts, [(i, pos[i], pos[i] + 1) for i in active],
-                        is_decode=True)
-        for i, ours in zip(active, outs):
-            logits[i].append(ours)
-            pos[i] += 1
-    ours = torch.cat([torch.cat(x) for x in logits])
+    ours = torch.cat(decode_to_end(model, cache, prompts, [2, 3, 5]))
     fp8_ref, ref = torch.cat(fp8_refs), torch.cat(refs)
     err = ((ours - fp8_ref).norm() / fp8_ref.norm()).item()
     rel = ((ours - ref).norm() / ref.norm()).item()
