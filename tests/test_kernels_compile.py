@@ -254,6 +254,9 @@ def direct_calls() -> None:
     # FP8 weights, a few rows (x quantized per token, then the small-M GEMM)
     w = rand(64, 128).to(FP8)
     fp8_small_m_linear(rand(2, 128), w, torch.ones(64, 1), rand(64))
+    # the same kernel unscaled on bf16 (small_m_linear: benchmarked against cuBLAS)
+    from kernels.fp8_linear import small_m_linear
+    small_m_linear(rand(8, 256), rand(64, 256))
     # sampling: penalties, grammar masks (logits float32 / bf16)
     logits = rand(2, 389, dtype=torch.float32)
     rows = torch.tensor([0, 1], dtype=torch.int64)

@@ -2,11 +2,12 @@
 
     python tests/gpu/bench_gemv.py [--sweep] [--hbm-tbs 3.35]
 
-For Qwen3-8B's and Qwen3-0.6B's linear shapes and LM head, bf16 and e4m3 weights, 1, 2 and
-4 tokens: cuBLAS (F.linear; bf16) or fp8_linear (quantization + the small-M kernel; fp8) vs gemv at
-its default tiles, each checked against gemv_ref, timed from CUDA graph replays over
-enough weight copies that every call streams its weight from HBM. GB/s = weight bytes / us;
-% = of --hbm-tbs. --sweep adds the best (block_n, block_k, warps) over a grid at 1 token.
+For Qwen3-8B's and Qwen3-0.6B's linear shapes and LM head, bf16 and e4m3 weights, 1, 2, 4, 8
+and 16 tokens: cuBLAS (F.linear; bf16) or fp8_linear (quantization + the small-M kernel; fp8) vs
+gemv at its default tiles, and for bf16 the small-M kernel unscaled (fp8_linear.small_m_linear),
+each checked against gemv_ref, timed from CUDA graph replays over enough weight copies that
+every call streams its weight from HBM. GB/s = weight bytes / us; % = of --hbm-tbs. --sweep
+adds the best (block_n, block_k, warps) over a grid at 1 token.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from fp8_check import hbm_copies  # noqa: E402
 from moe_check import graph_us  # noqa: E402
 
-from kernels.fp8_linear import fp8_linear, quantize_rows  # noqa: E402
+from kernels.fp8_linear import fp8_linear, quantize_rows, small_m_linear  # noqa: E402
 from kernels.gemv import gemv, gemv_ref  # noqa: E402
 
 SHAPES = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096),
@@ -42,8 +43,8 @@ def main() -> None:
     print(f"### Decode GEMV, {torch.cuda.get_device_name()} (weights from HBM; % of "
           f"{args.hbm_tbs} TB/s)\n")
     print("| layer (N x K) | weights | tokens | before us (GB/s, %) | gemv us (GB/s, %) | "
-          "speed-up | best tiles at 1 token (bn, bk, warps): us, % |")
-    print("|---|---|---|---|---|---|---|")
+          "speed-up | small-M bf16 us (%) | best tiles at 1 token (bn, bk, warps): us, % |")
+    print("|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
@@ -57,7 +58,7 @@ def main() -> None:
             else:
                 mats = [(w.clone(), None) for _ in range(hbm_copies(w.nbytes))]
             nbytes = mats[0][0].nbytes
-            for t in (1, 2, 4):
+            for t in (1, 2, 4, 8, 16):
                 x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
                 out = gemv(x, *mats[0])
                 ref = gemv_ref(x, *mats[0])
@@ -71,6 +72,12 @@ def main() -> None:
                                          reps=20) / len(mats)
                 b_us = per(before)
                 g_us = per(lambda i: gemv(x, *mats[i]))
+                small = "-"
+                if kind == "bf16":
+                    y = small_m_linear(x, mats[0][0])
+                    assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+                    s_us = per(lambda i: small_m_linear(x, mats[i][0]))
+                    small = f"{s_us:.1f} ({100 * nbytes / s_us / peak:.0f}%)"
                 best = ""
                 if args.sweep and t == 1:
                     res = []
@@ -86,7 +93,7 @@ def main() -> None:
                                      for u, c in res[:3])
                 print(f"| {name} ({n} x {k}) | {kind} | {t} | {b_us:.1f} ({nbytes / b_us / 1e3:.0f}, "
                       f"{100 * nbytes / b_us / peak:.0f}%) | {g_us:.1f} ({nbytes / g_us / 1e3:.0f}, "
-                      f"{100 * nbytes / g_us / peak:.0f}%) | {b_us / g_us:.2f}x | {best} |",
+                      f"{100 * nbytes / g_us / peak:.0f}%) | {b_us / g_us:.2f}x | {small} | {best} |",
                       flush=True)
             del mats
             torch.cuda.empty_cache()
