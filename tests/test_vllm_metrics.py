@@ -29,7 +29,10 @@ def test_vllm_named_load_metrics(tmp_path):
             for t in threads:
                 t.start()
             label = {"model_name": "served-model"}
-            m = scrape_until(port, lambda m: value(m, "vllm:num_requests_waiting", **label) >= 1)
+            # one sync sets the gauges one after another: wait for a scrape that saw all
+            # of them (a CI run once read running 2 beside a cache usage of 0)
+            m = scrape_until(port, lambda m: value(m, "vllm:num_requests_waiting", **label) >= 1
+                             and value(m, "vllm:gpu_cache_usage_perc", **label) > 0)
             assert value(m, "vllm:num_requests_waiting", **label) >= 1   # 5 sent, 2 run at once
             assert value(m, "vllm:num_requests_running", **label) == 2
             assert 0 < value(m, "vllm:gpu_cache_usage_perc", **label) <= 1
