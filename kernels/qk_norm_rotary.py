@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
-from kernels.rmsnorm import rms_norm_ref
+from kernels.rmsnorm import rms_norm_ref, scale_normed
 from kernels.rotary import apply_rotary_ref
 from kernels.store_kvcache import slot_rows
 
@@ -72,8 +72,7 @@ def _head_rstd(x1, x2, eps, HALF: tl.constexpr):
 def _normed(x, rstd, w):
     """x [R, C] normalized by rstd [R] and weighted by w [1, C] (fp32), rounded as
     kernels/rmsnorm.py rounds, returned as fp32 for the rotation."""
-    return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(
-        tl.float32)
+    return scale_normed(x, rstd[:, None], w).to(x.dtype).to(tl.float32)
 
 
 @triton.jit

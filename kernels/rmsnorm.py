@@ -35,8 +35,16 @@ def normalize_row(x, w, eps, N: tl.constexpr):
     """One row's RMSNorm as Hugging Face computes it: x (activation dtype; padding zeros)
     normalized in float32, rounded to x's dtype, times w (float32). Returns float32."""
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    return (xf * rstd).to(x.dtype).to(tl.float32) * w
+    return scale_normed(x, 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps), w)
+
+
+@triton.jit
+def scale_normed(x, rstd, w):
+    """normalize_row's arithmetic once 1 / rms is known (rstd, broadcast to x): x (activation
+    dtype) times rstd in float32, rounded to x's dtype, times w (float32); float32. For
+    kernels that reduce the row apart from where they normalize it (kernels/gemv.py's
+    prologue, the per-head norms of kernels/qk_norm_rotary.py)."""
+    return (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w
 
 
 @triton.jit
