@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.interpret import INTERPRET, INTERPRET_ENV, cast
+from kernels.interpret import INTERPRET
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -174,64 +174,7 @@ def fp8_weight_only_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     return y.to(x.dtype)
 
 
-# --- A few tokens (2-16 in the model): W8A8 with the weight as the dot's left operand ---
-
-@triton.jit
-def _small_m_kernel(XQ, XScale, W, WScale, Bias, Y, T, N, K, stride_xt, stride_wn, stride_yt,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_T: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                    RNE_BF16: tl.constexpr, SCALED: tl.constexpr = True):
-    """Y[t, n] = (sum_k XQ[t, k] * W[n, k]) * XScale[t] * WScale[n] (+ Bias[n]) for BLOCK_N
-    channels and BLOCK_T tokens (SCALED; else bf16 / fp16 XQ and W, no scales:
-    small_m_linear). The weight is the dot's left operand ([BLOCK_N, BLOCK_K],
-    rows contiguous) and the few tokens its right ([BLOCK_K, BLOCK_T]): the token side is
-    padded to the dot's minimum of 16, never the channel side, and both operands are e4m3
-    as they sit in memory, so the tensor cores take them without widening and the loop is
-    the pipelined weight stream (num_stages) alone. Programs walk the token tiles fastest:
-    those sharing a weight tile run side by side, so past BLOCK_T tokens the weight is
-    read from HBM once and from L2 by the rest."""
-    num_t = tl.cdiv(T, BLOCK_T)
-    pid_n = tl.program_id(0) // num_t
-    pid_t = tl.program_id(0) % num_t
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    t_mask = offs_t < T
-    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = XQ + offs_t[None, :].to(tl.int64) * stride_xt + offs_k[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=t_mask[None, :], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-        else:
-            k_mask = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=k_mask[:, None] & t_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        # max_num_imprecise_acc: Hopper's fp8 tensor cores keep a narrower sum than float32,
-        # which Triton lets run over all of K by default (0.4% off fp8_linear_ref on an
-        # H100); adding each 32-wide product into the float32 accumulator keeps _scaled_mm's
-        # precision for ~4% of an 8B batch-8 step (tests/gpu/RESULTS.md).
-        if SCALED:
-            acc = tl.dot(w, x, acc, max_num_imprecise_acc=32)
-        elif RNE_BF16:   # (the interpreter's dot cannot take bf16: its values, widened)
-            acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, x, acc)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if SCALED:
-        acc = acc * tl.load(WScale + offs_n, mask=n_mask, other=0.0)[:, None]
-        acc = acc * tl.load(XScale + offs_t, mask=t_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = Y + offs_t[None, :].to(tl.int64) * stride_yt + offs_n[:, None]
-    tl.store(y_ptrs, cast(acc, Y.dtype.element_ty, RNE_BF16), mask=n_mask[:, None] & t_mask[None, :])
-
+# --- A few tokens (2-16 in the model): kernels/small_m.py's kernel, scaled ---
 
 # Tiles measured on an H100 at Qwen3-8B's four projection shapes, 1 and 8 tokens
 # (tests/gpu/bench_fp8_gemv.py, 108 tilings; tests/gpu/RESULTS.md): 64 channels x 256
@@ -245,53 +188,15 @@ def fp8_small_m_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
                        num_stages: int = 5, xq: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> torch.Tensor:
     """fp8_linear_ref's values for a few tokens in two launches (x quantized per token,
-    then _small_m_kernel; one where xq = (e4m3 x, scales) comes with x): x [..., K] (any
+    then kernels/small_m.py's kernel; one where xq = (e4m3 x, scales) comes with x): x [..., K] (any
     float dtype), w_q [N, K] e4m3, w_scale [N, 1] float32, bias [N] or None -> [..., N] in
     x's dtype. No host sync and a grid from shapes only (CUDA-graph capturable)."""
+    from kernels.small_m import small_m_launch   # (it imports this module's users)
     assert w_q.dtype == FP8 and w_scale.numel() == w_q.shape[0] and w_scale.dtype == torch.float32
-    return _small_m(x, w_q, bias, lambda x2: xq if xq is not None else quantize_rows_(x2),
-                    w_scale.reshape(-1).contiguous(), block_n, block_k, block_t, num_warps,
-                    num_stages)
-
-
-def small_m_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   block_n: int = 64, block_k: int = 256, block_t: int = 16, num_warps: int = 4,
-                   num_stages: int = 5) -> torch.Tensor:
-    """x [..., K] @ w [N, K].T (+ bias) for a few tokens, x and w bf16 / fp16, in one launch
-    of _small_m_kernel unscaled: the weight as the dot's left operand, the tokens padded to
-    the dot's 16 columns. Not on the model's path: tests/gpu/bench_gemv.py times it against
-    cuBLAS at 1-16 tokens, the question before a batch-8 decode step's norms and SwiGLU can
-    move into such a kernel's prologue and epilogue (issue 63)."""
-    assert w.dtype == x.dtype in (torch.bfloat16, torch.float16), (w.dtype, x.dtype)
-    return _small_m(x, w, bias, None, None, block_n, block_k, block_t, num_warps, num_stages)
-
-
-def _small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, quantize,
-             w_scale: torch.Tensor | None, block_n: int, block_k: int, block_t: int,
-             num_warps: int, num_stages: int) -> torch.Tensor:
-    """The two wrappers' launch: x [..., K] as contiguous rows, quantize(rows) -> (e4m3
-    rows, scales) for the scaled kernel (None: unscaled)."""
-    shape = x.shape
-    K = shape[-1]
-    N = w.shape[0]
-    assert w.shape == (N, K) and w.stride(1) == 1, (w.dtype, w.shape, K)
-    assert bias is None or bias.shape == (N,)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    T = x2.shape[0]
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if T and N:
-        x_q, x_scale = quantize(x2) if quantize is not None else (x2, y)
-        grid = (triton.cdiv(N, block_n) * triton.cdiv(T, block_t),)
-        _small_m_kernel[grid](
-            x_q, x_scale, w, w_scale if w_scale is not None else y,
-            bias if bias is not None else y, y, T, N, K,
-            x_q.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t, EVEN_N=N % block_n == 0,
-            EVEN_K=K % block_k == 0, RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,
-            SCALED=quantize is not None, num_warps=num_warps, num_stages=num_stages)
-    return y.reshape(*shape[:-1], N)
+    return small_m_launch(x, w_q, bias,
+                          lambda x2: xq if xq is not None else quantize_rows_(x2),
+                          w_scale.reshape(-1).contiguous(), block_n, block_k, block_t,
+                          num_warps, num_stages)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,11 +10,13 @@ kernel's output, so their streaming starts during the norm or activation before 
 kernel signals `launch_dependents` only after its own wait, so at most one kernel waits
 ahead of the running one (no cascade of resident waiters crowding the SMs).
 
-Only where a kernel takes one token (MAX_ROWS: a batch-1 decode step's chain; the GEMV's
-range). Measured on an H100 (tests/gpu/bench_pdl.py, decode step from its CUDA graph):
+Only where a kernel takes a few tokens (MAX_ROWS: a small batch's decode step chain).
+Measured on an H100 (tests/gpu/bench_pdl.py, decode step from its CUDA graph):
 batch 1 0.6B 1.211 -> 1.038 ms, 8B bf16 5.966 -> 5.748, 8B FP8 weights + KV 4.224 -> 3.942;
-at batch 8, where cuBLAS and the FP8 GEMM kernels (no PDL) sit between the chain's, 0-3%
-slower, so there the kernels launch as before.
+at batch 8, where cuBLAS and the FP8 GEMM kernels (no PDL) sat between the chain's, 0-3%
+slower. Since the layers of 2-8 rows take kernels/small_m.py (Triton, PDL) instead of cuBLAS,
+PDL runs up to 8 rows: on an H200 (0.6B, through the launcher, batch 8) 1.384 -> 1.318 ms a
+step with the small-M kernel, against 1.355 for cuBLAS without PDL (tests/gpu/RESULTS.md).
 
 Every kernel of the decode chain takes a PDL constexpr and is launched with
 `**launch(device, rows)`'s flag; kernels without it launch as before (a PDL kernel after
@@ -33,7 +35,9 @@ import triton.language as tl
 from kernels.interpret import INTERPRET_ENV
 
 ENABLED = os.environ.get("NANOSERVE_PDL", "1") != "0" and not INTERPRET_ENV
-MAX_ROWS = 1   # tokens (rows) a kernel may take and still launch with PDL
+# tokens (rows) a kernel may take and still launch with PDL (NANOSERVE_PDL_MAX_ROWS; models/
+# kernel_choice.SMALL_M_MAX_ROWS, the rows the chain is Triton throughout, is 8 too)
+MAX_ROWS = int(os.environ.get("NANOSERVE_PDL_MAX_ROWS", "8"))
 
 
 @functools.lru_cache(maxsize=None)

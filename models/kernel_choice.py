@@ -14,10 +14,15 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
 - kernels/gemv.py's GEMV_MAX_TOKENS (NANOSERVE_GEMV_MAX_TOKENS) and ON_CPU: up to that many
   token rows the linear layers take the GEMV (kept beside the kernel,
   whose tuning they are).
+- SMALL_M_MAX_ROWS (NANOSERVE_SMALL_M_MAX_ROWS; 0 turns it off): from 2 rows (past the
+  GEMV) up to this many, bf16 / fp16 linear layers take kernels/small_m.py's kernel instead
+  of cuBLAS, which like the GEMV takes the norm before it and the SwiGLU after it: a small
+  batch's decode step then has the batch-1 step's five kernels a layer.
 - NORM_IN_GEMV (NANOSERVE_NORM_IN_GEMV=0 turns it off): at one token row the decoder
   layer's norms run in the prologue of the GEMV they feed (kernels/gemv.GemvNorm) instead
   of a launch of their own: the 0.6B's batch-1 graph 229 -> 173 kernels, 0.91 -> 0.83 ms
-  on an H200, logits bit for bit the same (tests/gpu/RESULTS.md, the batch-1 step).
+  on an H200, logits bit for bit the same (tests/gpu/RESULTS.md, the batch-1 step); the
+  small-M kernel's rows likewise.
 - NORM_ROTARY_IN_ATTENTION_ROWS (NANOSERVE_NORM_ROTARY_IN_ATTENTION_ROWS; 0 turns it off):
   decode steps of at least this many rows leave the q/k norm, rotary and K/V store to the
   Triton decode attention kernel's prologue (kernels/paged_attention.py; bf16 / fp16
@@ -48,6 +53,7 @@ FUSED = os.environ.get("NANOSERVE_FUSED_KERNELS", "1") != "0"
 FUSED_ON_CPU = False   # tests set it to run the fused kernels in the Triton interpreter
 DETERMINISTIC = False  # batch-invariant kernels (--deterministic): see above
 NORM_IN_GEMV = os.environ.get("NANOSERVE_NORM_IN_GEMV", "1") != "0"
+SMALL_M_MAX_ROWS = int(os.environ.get("NANOSERVE_SMALL_M_MAX_ROWS", "8"))
 NORM_ROTARY_IN_ATTENTION_ROWS = int(os.environ.get("NANOSERVE_NORM_ROTARY_IN_ATTENTION_ROWS", "8"))
 
 
@@ -56,26 +62,33 @@ class Paths:
     """The kernels one input takes, by kind of op."""
     gemv: bool         # linear layers: kernels/gemv.py (a few rows), else a GEMM
     fused: bool        # the fused Triton kernels (see FUSED), else one kernel per op
-    gated_gemv: bool   # gate_up's GEMV may apply SiLU-and-mul in its epilogue (where the
-                       # layer has no bias, no adapter rows, two parts, no FP8 activation)
+    gated_linear: bool   # gate_up's GEMV (or small-M kernel) may apply SiLU-and-mul in its
+                       # epilogue (where the layer has no bias, no adapter rows, two parts,
+                       # no FP8 activation)
     triton: bool       # RMSNorm, rotary, MoE routing and experts: Triton, else torch refs
     invariant: bool = False   # linear layers, LM head: kernels/batch_invariant.py (DETERMINISTIC)
-    normed_gemv: bool = False   # the norm before a GEMV in the GEMV's prologue (one row)
+    normed_linear: bool = False   # the norm before a GEMV (or small-M kernel) in its prologue
+    small_m: bool = False   # bf16 / fp16 linear layers: kernels/small_m.py (2..SMALL_M_MAX_ROWS)
 
 
 @functools.lru_cache(maxsize=1024)
 def decide(on_cuda: bool, rows: int, fused_kernels: bool, fused_on_cpu: bool,
            gemv_max_tokens: int, gemv_on_cpu: bool, deterministic: bool = False,
-           norm_in_gemv: bool = False) -> Paths:
+           norm_in_gemv: bool = False, small_m_max_rows: int = 0) -> Paths:
     """The rule: the GEMV up to gemv_max_tokens rows (on CUDA, or in the interpreter), fused
     kernels where enabled. The gated GEMV needs the GEMV and FUSED alone (not the device:
-    a GEMV on CPU already runs in the interpreter). deterministic: the batch-invariant GEMM
-    at every row count, never the GEMV. Cached: every layer of every eager step asks (a
+    a GEMV on CPU already runs in the interpreter); the small-M kernel past the GEMV's rows
+    up to small_m_max_rows, with fused kernels on (gemv_on_cpu: in the interpreter too).
+    deterministic: the batch-invariant GEMM at every row count, never the GEMV. Cached: every layer of every eager step asks (a
     lookup ~1 us, building the answer ~3)."""
     gemv = (on_cuda or gemv_on_cpu) and rows <= gemv_max_tokens and not deterministic
+    small_m = ((on_cuda or gemv_on_cpu) and not gemv and 2 <= rows <= small_m_max_rows
+               and fused_kernels and not deterministic)
     return Paths(gemv=gemv, fused=(on_cuda or fused_on_cpu) and fused_kernels,
-                 gated_gemv=gemv and fused_kernels, triton=on_cuda, invariant=deterministic,
-                 normed_gemv=gemv and fused_kernels and rows == 1 and norm_in_gemv)
+                 gated_linear=(gemv or small_m) and fused_kernels, triton=on_cuda,
+                 invariant=deterministic,
+                 normed_linear=((gemv and rows == 1) or small_m) and fused_kernels
+                 and norm_in_gemv, small_m=small_m)
 
 
 def paths(x: torch.Tensor) -> Paths:
@@ -83,7 +96,7 @@ def paths(x: torch.Tensor) -> Paths:
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     return decide(x.is_cuda, rows, FUSED, FUSED_ON_CPU, kernels.gemv.GEMV_MAX_TOKENS,
-                  kernels.gemv.ON_CPU, DETERMINISTIC, NORM_IN_GEMV)
+                  kernels.gemv.ON_CPU, DETERMINISTIC, NORM_IN_GEMV, SMALL_M_MAX_ROWS)
 
 
 def fp8_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:

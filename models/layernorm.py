@@ -25,7 +25,7 @@ from models.parallel import TPGroup, replicated_weight_loader
 
 @dataclass
 class DeferredNorm:
-    """A norm left to the one-token GEMV that consumes its output (kernels/gemv.GemvNorm):
+    """A norm left to the GEMV or small-M kernel that consumes its output (kernels/gemv.GemvNorm):
     the GEMV normalizes x (+ the residual) in its prologue, one launch fewer. `residual` is
     the residual stream after the norm (written by that GEMV where there was one to add)."""
     x: torch.Tensor
@@ -54,8 +54,8 @@ class RMSNorm(nn.Module):
         return NormStep(self.weight, self.eps, self.sums_ranks)
 
     def deferred(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> DeferredNorm:
-        """This norm of x (+ residual) for the GEMV that consumes it to compute (one token,
-        no TP sum); the new residual goes to a fresh buffer."""
+        """This norm of x (+ residual) for the GEMV or small-M kernel that consumes it to
+        compute (no TP sum); the new residual goes to a fresh buffer."""
         assert not (residual is not None and self.sums_ranks)
         out = torch.empty_like(residual) if residual is not None else None
         return DeferredNorm(x, GemvNorm(self.weight, self.eps, residual, out))

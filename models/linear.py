@@ -21,7 +21,8 @@ from torch import nn
 from kernels.fp8_linear import FP8, QuantizedRows, fp8_linear, quantize_rows
 import kernels.quant_linear
 from kernels.batch_invariant import invariant_linear
-from kernels.gemv import GemvLora, gemv
+from kernels.gemv import GemvLora, GemvNorm, gemv
+from kernels.small_m import small_m_linear
 from kernels.quant_linear import consecutive_group, quant_linear, quant_linear_ref
 from models import activation, kernel_choice
 from models.decode_step import LinearStep, QuantWeightStep, TPShard
@@ -175,13 +176,32 @@ class LinearBase(nn.Module):
         assert lora is None
         if scale is not None:
             return fp8_linear(x, self.weight, scale, bias, quantized)
+        if self.on_small_m(x):
+            return small_m_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
+    def on_small_m(self, x: torch.Tensor) -> bool:
+        """Whether x's rows take kernels/small_m.py (kernel_choice's small_m): bf16 / fp16
+        weights in x's dtype, not e4m3 (their small-M path quantizes x), not int4/int8."""
+        return (kernel_choice.paths(x).small_m and self.quant is None
+                and self.fp8_scale is None and self.weight.dtype == x.dtype
+                and x.dtype in (torch.bfloat16, torch.float16))
+
+    def fused_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     gated: bool = False, norm: GemvNorm | None = None) -> torch.Tensor:
+        """x W^T with the norm before it (norm) and / or the SwiGLU after it (gated) in the
+        kernel: the one-token GEMV, or the small-M kernel (takes_norm / on_small_m said so)."""
+        if kernel_choice.paths(x).gemv:
+            return gemv(x, self.weight, self.fp8_scale, bias, gated=gated, norm=norm)
+        return small_m_linear(x, self.weight, bias, gated=gated, norm=norm)
+
     def takes_norm(self, x: torch.Tensor) -> bool:
-        """Whether this layer's GEMV would take x's norm into its prologue (DeferredNorm):
-        one token on the GEMV (kernel_choice's normed_gemv), no adapter, no int4/int8."""
-        return (self.quant is None and self.lora is None and self.weight is not None
-                and kernel_choice.paths(x).normed_gemv)
+        """Whether this layer's GEMV (or small-M kernel) would take x's norm into its
+        prologue (DeferredNorm): kernel_choice's normed_linear, no adapter, no int4/int8."""
+        if self.quant is not None or self.lora is not None or self.weight is None:
+            return False
+        p = kernel_choice.paths(x)
+        return p.normed_linear and (p.gemv or self.on_small_m(x))
 
     def project(self, x: torch.Tensor | QuantizedRows | DeferredNorm,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,7 +209,7 @@ class LinearBase(nn.Module):
         GEMV gets it in the GEMV's epilogue (no expand launch), others after the GEMM. A
         DeferredNorm (takes_norm) is normalized in the GEMV's prologue."""
         if isinstance(x, DeferredNorm):
-            return gemv(x.x, self.weight, self.fp8_scale, bias, norm=x.norm)
+            return self.fused_matmul(x.x, bias, norm=x.norm)
         quantized = x if isinstance(x, QuantizedRows) else None
         x = quantized.x if quantized is not None else x
         lora = self.lora
@@ -265,13 +285,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         epilogue (one launch less per MLP at one token); otherwise this layer, then the
         activation."""
         if isinstance(x, DeferredNorm):   # (takes_norm said so: no adapter, no bias)
-            return gemv(x.x, self.weight, self.fp8_scale, gated=True, norm=x.norm)
+            return self.fused_matmul(x.x, gated=True, norm=x.norm)
         lora = self.lora
         if (not fp8 and len(self.output_sizes) == 2 and not isinstance(x, QuantizedRows)
-                and kernel_choice.paths(x).gated_gemv and self.bias is None
+                and kernel_choice.paths(x).gated_linear and self.bias is None
                 and self.quant is None
-                and (lora is None or lora.ctx.rows is None)):
-            return gemv(x, self.weight, self.fp8_scale, gated=True)
+                and (lora is None or lora.ctx.rows is None)
+                and (kernel_choice.paths(x).gemv or self.on_small_m(x))):
+            return self.fused_matmul(x, gated=True)
         return activation.swiglu(self(x), fp8=fp8)
 
 

@@ -153,7 +153,7 @@ class Qwen3DecoderLayer(nn.Module):
         aux: gets a copy of the residual stream entering this layer (EAGLE-3's input)."""
         # Before FP8 GEMMs of several tokens the norms also write their output as e4m3
         # (QuantizedRows), saving the GEMMs' quantize launches; before a one-token GEMV
-        # that takes it (kernel_choice's normed_gemv), a norm is left to that GEMV's
+        # that takes it (kernel_choice's normed_linear), a norm is left to that GEMV's
         # prologue (DeferredNorm): no launch of its own
         fp8 = self.self_attn.qkv_proj.takes_fp8_rows(hidden)
         if aux is None and self._defers(self.input_layernorm, self.self_attn.qkv_proj, hidden):
@@ -168,7 +168,7 @@ class Qwen3DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, meta)
         mlp = self.mlp if isinstance(self.mlp, Qwen3MLP) else None
         if mlp is not None and mlp.gate_up_proj.bias is None and kernel_choice.paths(
-                hidden).gated_gemv and self._defers(self.post_attention_layernorm,
+                hidden).gated_linear and self._defers(self.post_attention_layernorm,
                                                     mlp.gate_up_proj, hidden):
             hidden = self.post_attention_layernorm.deferred(hidden, residual)
             return self.mlp(hidden), hidden.residual

@@ -273,22 +273,35 @@ KNOBS = dict(fused_kernels=True, fused_on_cpu=False, gemv_max_tokens=1, gemv_on_
 
 
 @pytest.mark.parametrize("on_cuda,rows,knobs,want", [
-    (True, 1, {}, Paths(gemv=True, fused=True, gated_gemv=True, triton=True)),
-    (True, 2, {}, Paths(gemv=False, fused=True, gated_gemv=False, triton=True)),
-    (True, 1, dict(fused_kernels=False), Paths(gemv=True, fused=False, gated_gemv=False,
+    (True, 1, {}, Paths(gemv=True, fused=True, gated_linear=True, triton=True)),
+    (True, 2, {}, Paths(gemv=False, fused=True, gated_linear=False, triton=True)),
+    (True, 1, dict(fused_kernels=False), Paths(gemv=True, fused=False, gated_linear=False,
                                               triton=True)),
-    (True, 1, dict(gemv_max_tokens=0), Paths(gemv=False, fused=True, gated_gemv=False,
+    (True, 1, dict(gemv_max_tokens=0), Paths(gemv=False, fused=True, gated_linear=False,
                                              triton=True)),
-    (True, 4, dict(gemv_max_tokens=4), Paths(gemv=True, fused=True, gated_gemv=True,
+    (True, 4, dict(gemv_max_tokens=4), Paths(gemv=True, fused=True, gated_linear=True,
                                              triton=True)),
-    (False, 1, {}, Paths(gemv=False, fused=False, gated_gemv=False, triton=False)),
+    (False, 1, {}, Paths(gemv=False, fused=False, gated_linear=False, triton=False)),
     # the CPU tests' interpreter switches: the GEMV's SwiGLU epilogue needs FUSED, not CUDA
-    (False, 1, dict(gemv_on_cpu=True), Paths(gemv=True, fused=False, gated_gemv=True,
+    (False, 1, dict(gemv_on_cpu=True), Paths(gemv=True, fused=False, gated_linear=True,
                                              triton=False)),
-    (False, 3, dict(fused_on_cpu=True), Paths(gemv=False, fused=True, gated_gemv=False,
+    (False, 3, dict(fused_on_cpu=True), Paths(gemv=False, fused=True, gated_linear=False,
                                               triton=False)),
+    # the small-M kernel past the GEMV's rows up to small_m_max_rows, norms and SwiGLU in it
+    (True, 8, dict(small_m_max_rows=8, norm_in_gemv=True),
+     Paths(gemv=False, fused=True, gated_linear=True, triton=True, normed_linear=True,
+           small_m=True)),
+    (True, 9, dict(small_m_max_rows=8, norm_in_gemv=True),
+     Paths(gemv=False, fused=True, gated_linear=False, triton=True)),
+    (True, 1, dict(small_m_max_rows=8, norm_in_gemv=True),
+     Paths(gemv=True, fused=True, gated_linear=True, triton=True, normed_linear=True)),
+    (True, 4, dict(small_m_max_rows=8, fused_kernels=False),
+     Paths(gemv=False, fused=False, gated_linear=False, triton=True)),
+    (True, 4, dict(small_m_max_rows=8, deterministic=True),
+     Paths(gemv=False, fused=True, gated_linear=False, triton=True, invariant=True)),
 ], ids=["cuda-1", "cuda-2", "cuda-unfused", "cuda-no-gemv", "cuda-gemv4", "cpu",
-        "cpu-gemv-interp", "cpu-fused-interp"])
+        "cpu-gemv-interp", "cpu-fused-interp", "cuda-small-m", "cuda-past-small-m",
+        "cuda-1-not-small-m", "cuda-small-m-unfused", "cuda-small-m-deterministic"])
 def test_decide(on_cuda, rows, knobs, want):
     assert decide(on_cuda, rows, **{**KNOBS, **knobs}) == want
 

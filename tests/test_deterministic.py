@@ -341,7 +341,7 @@ def test_gemm_rows_do_not_see_each_other(dtype):
 def test_kernel_choice_rule():
     for rows in (1, 2, 64):
         p = kernel_choice.decide(True, rows, True, False, 1, False, True)
-        assert p.invariant and not p.gemv and not p.gated_gemv
+        assert p.invariant and not p.gemv and not p.gated_linear
     assert kernel_choice.decide(True, 1, True, False, 1, False).gemv
 
 

@@ -42,6 +42,7 @@ import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET = ("cuda", 90, 32)           # GPUTarget: H100 / H200
+SHARED_MEMORY = 232448              # bytes of shared memory a program may take on sm_90
 # constexprs the interpreter gets a value for that a GPU launch never passes
 GPU_CONSTEXPRS = {"RNE_BF16": False}
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ EXPECTED = {
     "kernels.store_kvcache._store_kvcache_kernel", "kernels.penalties._penalties_kernel",
     "kernels.grammar_mask._token_bitmask_kernel", "kernels.lora._shrink_kernel",
     "kernels.lora._expand_kernel", "kernels.fp8_linear._quantize_rows_kernel",
-    "kernels.fp8_linear._small_m_kernel",
+    "kernels.small_m._small_m_kernel",
 }
 
 
@@ -138,7 +139,8 @@ def gpu_paths():
         rows = x.numel() // features if features else 0
         return kernel_choice.decide(True, rows, kernel_choice.FUSED, True,
                                     kernels.gemv.GEMV_MAX_TOKENS, True,
-                                    kernel_choice.DETERMINISTIC)
+                                    kernel_choice.DETERMINISTIC, kernel_choice.NORM_IN_GEMV,
+                                    kernel_choice.SMALL_M_MAX_ROWS)
 
     kernel_choice.paths, kernel_choice.FUSED_ON_CPU = cuda_paths, True
     try:
@@ -255,8 +257,14 @@ def direct_calls() -> None:
     w = rand(64, 128).to(FP8)
     fp8_small_m_linear(rand(2, 128), w, torch.ones(64, 1), rand(64))
     # the same kernel unscaled on bf16 (small_m_linear: benchmarked against cuBLAS)
-    from kernels.fp8_linear import small_m_linear
+    from kernels.small_m import small_m_linear
     small_m_linear(rand(8, 256), rand(64, 256))
+    # ... with the norm (+ residual) in its prologue and the SwiGLU in its epilogue, at the
+    # 0.6B's hidden size (whole K tiles, the model's: the tiles' shared memory must fit)
+    for gated in (False, True):
+        small_m_linear(rand(8, 1024), rand(128, 1024), gated=gated,
+                       norm=GemvNorm(rand(1024), 1e-6, rand(8, 1024), rand(8, 1024)))
+    small_m_linear(rand(8, 3072), rand(64, 3072))
     # sampling: penalties, grammar masks (logits float32 / bf16)
     logits = rand(2, 389, dtype=torch.float32)
     rows = torch.tensor([0, 1], dtype=torch.int64)
@@ -338,9 +346,11 @@ def _compile_job(i: int) -> tuple[str, float, str | None]:
     config, fn, signature, constexprs, attrs, options = _JOBS[i]
     start = time.perf_counter()
     try:
-        triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*TARGET),
-                       options=options.__dict__)
-        error = None
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                target=GPUTarget(*TARGET), options=options.__dict__)
+        shared = kernel.metadata.shared
+        error = (None if shared <= SHARED_MEMORY else   # (checked at launch: a GPU refuses it)
+                 f"OutOfResources: {shared} bytes of shared memory, sm_90 has {SHARED_MEMORY}")
     except Exception as e:   # the compiler's errors, outermost first: where, then why
         chain = []
         while e is not None and len(chain) < 8:

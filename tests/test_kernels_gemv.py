@@ -144,16 +144,17 @@ def test_gemv_adds_the_tokens_lora_delta(parts, w_kind):
             assert (wrong.float() - out.float()).abs().max() > 0.1
 
 
-def test_pdl_launches_only_one_row_kernels_on_hopper(monkeypatch):
+def test_pdl_launches_only_small_batch_kernels_on_hopper(monkeypatch):
     """kernels/pdl.py: the PDL constexpr and the launch flag always agree (a flagged launch
     of a kernel that never waits would race), and only kernels of <= MAX_ROWS rows on an
-    sm_90+ CUDA device get them (at batch 8 PDL measured slower)."""
+    sm_90+ CUDA device get them (past 8 rows cuBLAS GEMMs sit between the chain's kernels)."""
     from kernels import pdl
     monkeypatch.setattr(pdl, "ENABLED", True)
     monkeypatch.setattr(pdl, "_supported", lambda index: index == 0)
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     assert pdl.launch(cuda0, 1) == {"PDL": True, "launch_pdl": True}
-    assert pdl.launch(cuda0, 2) == {"PDL": False}
+    assert pdl.launch(cuda0, pdl.MAX_ROWS) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch(cuda0, pdl.MAX_ROWS + 1) == {"PDL": False}
     assert pdl.launch(cuda1, 1) == {"PDL": False}          # (an older GPU)
     assert pdl.launch(torch.device("cpu"), 1) == {"PDL": False}
     monkeypatch.setattr(pdl, "ENABLED", False)              # NANOSERVE_PDL=0

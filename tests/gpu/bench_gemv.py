@@ -4,7 +4,7 @@
 
 For Qwen3-8B's and Qwen3-0.6B's linear shapes and LM head, bf16 and e4m3 weights, 1, 2, 4, 8
 and 16 tokens: cuBLAS (F.linear; bf16) or fp8_linear (quantization + the small-M kernel; fp8) vs
-gemv at its default tiles, and for bf16 the small-M kernel unscaled (fp8_linear.small_m_linear),
+gemv at its default tiles, and for bf16 the small-M kernel unscaled (kernels/small_m.py),
 each checked against gemv_ref, timed from CUDA graph replays over enough weight copies that
 every call streams its weight from HBM. GB/s = weight bytes / us; % = of --hbm-tbs. --sweep
 adds the best (block_n, block_k, warps) over a grid at 1 token.
@@ -24,7 +24,8 @@ import torch.nn.functional as F  # noqa: E402
 from fp8_check import hbm_copies  # noqa: E402
 from moe_check import graph_us  # noqa: E402
 
-from kernels.fp8_linear import fp8_linear, quantize_rows, small_m_linear  # noqa: E402
+from kernels.fp8_linear import fp8_linear, quantize_rows  # noqa: E402
+from kernels.small_m import small_m_linear  # noqa: E402
 from kernels.gemv import gemv, gemv_ref  # noqa: E402
 
 SHAPES = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096),
