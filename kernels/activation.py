@@ -14,19 +14,13 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8_linear import FP8, ONE_BLOCK_MAX, QuantizedRows, fp8_rows, quantize_store
+from kernels.roundings import silu
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Reference: [..., 2 * d] (gate then up) -> silu(gate) * up, [..., d]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@triton.jit
-def silu(g):
-    """silu of float32 g as every kernel computes it (kernels/gemv.py's gated epilogue too:
-    the same expression gives the same bits)."""
-    return g / (1.0 + tl.exp(-g))
 
 
 @triton.jit

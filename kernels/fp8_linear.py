@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.interpret import INTERPRET
+from kernels.small_m import small_m_launch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)   # 448
@@ -191,7 +192,6 @@ def fp8_small_m_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
     then kernels/small_m.py's kernel; one where xq = (e4m3 x, scales) comes with x): x [..., K] (any
     float dtype), w_q [N, K] e4m3, w_scale [N, 1] float32, bias [N] or None -> [..., N] in
     x's dtype. No host sync and a grid from shapes only (CUDA-graph capturable)."""
-    from kernels.small_m import small_m_launch   # (it imports this module's users)
     assert w_q.dtype == FP8 and w_scale.numel() == w_q.shape[0] and w_scale.dtype == torch.float32
     return small_m_launch(x, w_q, bias,
                           lambda x2: xq if xq is not None else quantize_rows_(x2),

@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.activation import silu
 from kernels.interpret import INTERPRET_ENV, cast
-from kernels.rmsnorm import scale_normed
+from kernels.roundings import norm_input, scale_normed, silu
 
 # Up to this many tokens the model's linear layers take gemv (NANOSERVE_GEMV_MAX_TOKENS=0
 # turns it off, for before/after measurements); the token dimension is padded to a power
@@ -73,20 +72,10 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None
 
 
 @triton.jit
-def _norm_input(X, Res, offs, mask, HAS_RES: tl.constexpr):
-    """x (+ residual, added in float32 and rounded to x's dtype as kernels/rmsnorm.py adds
-    it) at offs: the row GemvNorm normalizes."""
-    x = tl.load(X + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(Res + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _normed_x(X, Res, NormW, offs, mask, rstd, HAS_RES: tl.constexpr):
     """[1, len(offs)] of the norm's output (GemvNorm): (x + residual) normalized as
     kernels/rmsnorm.py's kernel does it, in X's dtype."""
-    x = _norm_input(X, Res, offs, mask, HAS_RES)
+    x = norm_input(X, Res, offs, mask, HAS_RES)
     w = tl.load(NormW + offs, mask=mask, other=0.0).to(tl.float32)
     return scale_normed(x, rstd, w).to(x.dtype)[None, :]
 
@@ -97,7 +86,7 @@ def _norm_rstd(X, Res, ResOut, K, eps, pid, K_PAD: tl.constexpr, HAS_RES: tl.con
     program 0 writes the sum x + residual to ResOut."""
     offs = tl.arange(0, K_PAD)
     mask = offs < K
-    x = _norm_input(X, Res, offs, mask, HAS_RES)
+    x = norm_input(X, Res, offs, mask, HAS_RES)
     if HAS_RES:
         if pid == 0:
             tl.store(ResOut + offs, x, mask=mask)

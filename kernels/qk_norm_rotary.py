@@ -20,7 +20,8 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.kv_quant import check_cache, e4m3_scale, to_e4m3
-from kernels.rmsnorm import rms_norm_ref, scale_normed
+from kernels.rmsnorm import rms_norm_ref
+from kernels.roundings import scale_normed
 from kernels.rotary import apply_rotary_ref
 from kernels.store_kvcache import slot_rows
 

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8_linear import FP8, QuantizedRows, fp8_rows, quantize_store
+from kernels.roundings import scale_normed
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -36,15 +37,6 @@ def normalize_row(x, w, eps, N: tl.constexpr):
     normalized in float32, rounded to x's dtype, times w (float32). Returns float32."""
     xf = x.to(tl.float32)
     return scale_normed(x, 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps), w)
-
-
-@triton.jit
-def scale_normed(x, rstd, w):
-    """normalize_row's arithmetic once 1 / rms is known (rstd, broadcast to x): x (activation
-    dtype) times rstd in float32, rounded to x's dtype, times w (float32); float32. For
-    kernels that reduce the row apart from where they normalize it (kernels/gemv.py's
-    prologue, the per-head norms of kernels/qk_norm_rotary.py)."""
-    return (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w
 
 
 @triton.jit

@@ -16,15 +16,18 @@ side, and the loop is the pipelined weight stream (num_stages) alone.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.activation import silu
-from kernels.gemv import GemvNorm, _norm_input
 from kernels.interpret import INTERPRET_ENV, cast
-from kernels.rmsnorm import scale_normed
+from kernels.roundings import norm_input, scale_normed, silu
+
+if TYPE_CHECKING:
+    from kernels.gemv import GemvNorm
 
 @triton.jit
 def _rows_rstd(X, Res, ResOut, x_offs, t_mask, K, eps, write, BLOCK_K: tl.constexpr,
@@ -37,7 +40,7 @@ def _rows_rstd(X, Res, ResOut, x_offs, t_mask, K, eps, write, BLOCK_K: tl.conste
     acc = tl.zeros([BLOCK_K, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask = (offs_k < K - k0)[:, None] & t_mask[None, :]
-        x = _norm_input(X, Res, x_offs + k0, mask, HAS_RES)
+        x = norm_input(X, Res, x_offs + k0, mask, HAS_RES)
         if HAS_RES:
             if write == 0:
                 tl.store(ResOut + x_offs + k0, x, mask=mask)
@@ -89,7 +92,7 @@ def _small_m_kernel(XQ, XScale, W, WScale, Bias, Y, T, N, K, stride_xt, stride_w
             x_mask = k_mask[:, None] & t_mask[None, :]
             w_mask = n_mask[:, None] & k_mask[None, :]
         if NORM:
-            x = _norm_input(XQ, Res, x_offs + k0, x_mask, NORM_RES)
+            x = norm_input(XQ, Res, x_offs + k0, x_mask, NORM_RES)
             g = tl.load(NormW + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             x = scale_normed(x, rstd[None, :], g[:, None]).to(x.dtype)
         else:
