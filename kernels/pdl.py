@@ -16,7 +16,8 @@ batch 1 0.6B 1.211 -> 1.038 ms, 8B bf16 5.966 -> 5.748, 8B FP8 weights + KV 4.22
 at batch 8, where cuBLAS and the FP8 GEMM kernels (no PDL) sat between the chain's, 0-3%
 slower. Since the layers of 2-8 rows take kernels/small_m.py (Triton, PDL) instead of cuBLAS,
 PDL runs up to 8 rows: on an H200 (0.6B, through the launcher, batch 8) 1.384 -> 1.318 ms a
-step with the small-M kernel, against 1.355 for cuBLAS without PDL (tests/gpu/RESULTS.md).
+step with the small-M kernel, against 1.355 for cuBLAS without PDL; from the graph (bench_pdl.py)
+batch 2 1.430 -> 1.311, FP8 weights + KV batch 8 1.679 -> 1.532, logits bit-equal.
 
 Every kernel of the decode chain takes a PDL constexpr and is launched with
 `**launch(device, rows)`'s flag; kernels without it launch as before (a PDL kernel after

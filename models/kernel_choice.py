@@ -17,11 +17,13 @@ Knobs, read at call time so tests and tests/gpu/profile_decode.py can flip them:
 - SMALL_M_MAX_ROWS (NANOSERVE_SMALL_M_MAX_ROWS; 0 turns it off): from 2 rows (past the
   GEMV) up to this many, bf16 / fp16 linear layers take kernels/small_m.py's kernel instead
   of cuBLAS, which like the GEMV takes the norm before it and the SwiGLU after it: a small
-  batch's decode step then has the batch-1 step's five kernels a layer.
+  batch's decode step then has the batch-1 step's five kernels a layer (0.6B batch 8: 258 ->
+  146), all launched with PDL (kernels/pdl.py). On an H200 through the launcher, batch 8: 1.355
+  -> 1.318 ms a step (1.384 without PDL; tests/gpu/RESULTS.md, the small-batch step).
 - NORM_IN_GEMV (NANOSERVE_NORM_IN_GEMV=0 turns it off): at one token row the decoder
   layer's norms run in the prologue of the GEMV they feed (kernels/gemv.GemvNorm) instead
   of a launch of their own: the 0.6B's batch-1 graph 229 -> 173 kernels, 0.91 -> 0.83 ms
-  on an H200, logits bit for bit the same (tests/gpu/RESULTS.md, the batch-1 step); the
+  on an H200, logits bit for bit the same (tests/gpu/RESULTS.md, the small-batch step); the
   small-M kernel's rows likewise.
 - NORM_ROTARY_IN_ATTENTION_ROWS (NANOSERVE_NORM_ROTARY_IN_ATTENTION_ROWS; 0 turns it off):
   decode steps of at least this many rows leave the q/k norm, rotary and K/V store to the

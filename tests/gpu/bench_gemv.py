@@ -7,7 +7,9 @@ and 16 tokens: cuBLAS (F.linear; bf16) or fp8_linear (quantization + the small-M
 gemv at its default tiles, and for bf16 the small-M kernel unscaled (kernels/small_m.py),
 each checked against gemv_ref, timed from CUDA graph replays over enough weight copies that
 every call streams its weight from HBM. GB/s = weight bytes / us; % = of --hbm-tbs. --sweep
-adds the best (block_n, block_k, warps) over a grid at 1 token.
+adds the best (block_n, block_k, warps) over a grid at 1 token; --small-m-sweep the small-M
+kernel's best (block_n, block_k, stages) at 2+ tokens (bf16; in the model 0.6B's o and down
+take 16 programs of 64 rows at the default tiles). --tokens picks the token counts.
 """
 from __future__ import annotations
 
@@ -38,13 +40,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--hbm-tbs", type=float, default=3.35)
+    ap.add_argument("--small-m-sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="1,2,4,8,16")
     args = ap.parse_args()
     peak = args.hbm_tbs * 1e6   # bytes per us
     print(f"### Decode GEMV, {torch.cuda.get_device_name()} (weights from HBM; % of "
           f"{args.hbm_tbs} TB/s)\n")
     print("| layer (N x K) | weights | tokens | before us (GB/s, %) | gemv us (GB/s, %) | "
-          "speed-up | small-M bf16 us (%) | best tiles at 1 token (bn, bk, warps): us, % |")
+          "speed-up | small-M bf16 us (%) | best tiles (GEMV at 1 token: bn, bk, warps; small-M: bn, bk, "
+          "stages): us, % |")
     print("|---|---|---|---|---|---|---|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):
@@ -59,7 +64,7 @@ def main() -> None:
             else:
                 mats = [(w.clone(), None) for _ in range(hbm_copies(w.nbytes))]
             nbytes = mats[0][0].nbytes
-            for t in (1, 2, 4, 8, 16):
+            for t in map(int, args.tokens.split(",")):
                 x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
                 out = gemv(x, *mats[0])
                 ref = gemv_ref(x, *mats[0])
@@ -89,6 +94,18 @@ def main() -> None:
                         except Exception:  # noqa: BLE001 - out of registers / shared memory
                             continue
                         res.append((us, (bn, bk, nw)))
+                    res.sort()
+                    best = "; ".join(f"{c}: {u:.1f}, {100 * nbytes / u / peak:.0f}%"
+                                     for u, c in res[:3])
+                if args.small_m_sweep and t > 1 and kind == "bf16":
+                    res = []
+                    for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4, 5)):
+                        try:
+                            us = per(lambda i: small_m_linear(x, mats[i][0], block_n=bn,
+                                                              block_k=bk, num_stages=st))
+                        except Exception:  # noqa: BLE001 - out of shared memory
+                            continue
+                        res.append((us, (bn, bk, st)))
                     res.sort()
                     best = "; ".join(f"{c}: {u:.1f}, {100 * nbytes / u / peak:.0f}%"
                                      for u, c in res[:3])
