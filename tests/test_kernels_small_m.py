@@ -91,13 +91,17 @@ def test_small_m_with_the_norm_in_its_prologue_is_the_norm_then_the_linear(t, n,
 
 
 @pytest.mark.skipif(not INTERPRET, reason="routes the CPU model through the interpreter")
+@pytest.mark.parametrize("family", [dict(seed=8), dict(qwen2=True, seed=9), dict(llama=True,
+                                                                              seed=10)],
+                         ids=["qwen3", "qwen2-qkv-bias", "llama"])
 def test_model_decode_on_the_small_m_kernel_matches_cublas_path_and_hf(tmp_path_factory,
-                                                                         monkeypatch):
+                                                                         monkeypatch, family):
     """kernel_choice.SMALL_M_MAX_ROWS: a bf16 Qwen3 prefilling three prompts' first tokens
     (6 rows) and decoding them to their ends together (3 rows a step, then 2, then 1) takes
     the small-M kernel at 2-6 rows with each layer's two norms in its prologues and the SwiGLU
     in gate_up's epilogue (only the final norm runs as a norm), and gives the logits of the
-    plain GEMM path within bf16 rounding; both are as far from Hugging Face's float32 logits."""
+    plain GEMM path within bf16 rounding; both are as far from Hugging Face's float32 logits.
+    Qwen2 (q/k/v biases: the bias beside the norm prologue) and Llama too."""
     import kernels.gemv
     import models.layernorm
     from models import kernel_choice
@@ -105,7 +109,7 @@ def test_model_decode_on_the_small_m_kernel_matches_cublas_path_and_hf(tmp_path_
     from paged_kv import PagedKV
     from test_qwen3_vs_hf import decode_to_end, hf_logits, random_prompts
     from tiny_checkpoint import tiny_qwen3_dir
-    path = tiny_qwen3_dir(tmp_path_factory, seed=8)
+    path = tiny_qwen3_dir(tmp_path_factory, **family)
     prompts = random_prompts(389, [5, 9, 12], seed=3)
     refs = hf_logits(path, prompts)
     model, _ = load_model(str(path), dtype=torch.bfloat16)
@@ -133,7 +137,7 @@ def test_model_decode_on_the_small_m_kernel_matches_cublas_path_and_hf(tmp_path_
         assert not torch.equal(small, plain)
         apart = ((small.float() - plain.float()).norm() / plain.float().norm()).item()
         err = [((x.float() - refs[i]).norm() / refs[i].norm()).item() for x in (plain, small)]
-        assert apart < 2e-2 and err[1] < 2.5e-2 and err[1] < 1.5 * err[0] + 1e-3, (i, apart, err)
+        assert apart < 4e-2 and err[1] < 3e-2 and err[1] < 1.5 * err[0] + 1e-3, (i, apart, err)
 
 
 def test_default_tiles_at_the_model_shapes() -> None:

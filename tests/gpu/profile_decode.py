@@ -14,7 +14,8 @@ Each variant also replays the step from a CUDA graph (as the worker does) and pr
 wall time beside the kernels' sum: the difference is what launches and tails cost.
 --variants picks them: "+"-joined words from fused (else unfused), fp8kv, gemv (the decode
 GEMV of kernels/gemv.py for <= its token limit; without it, cuBLAS / fp8_linear), det (the
-worker's --deterministic: batch-invariant GEMMs and split-length attention). A second
+worker's --deterministic: batch-invariant GEMMs and split-length attention), cublas (2-8 rows
+on cuBLAS, not kernels/small_m.py), nopdl (no programmatic dependent launch). A second
 table per variant charges the GPU time to modules (each projection, attention, norms, LM
 head; CUDA events around each in eager steps) with the bytes each must read: weights, or
 the batch's KV for attention, and the bandwidth that achieves.
@@ -88,6 +89,7 @@ def _rank_main(rank: int, args, port: int) -> None:
 def run_variants(args, tp=None) -> None:
     """Every variant's kernel table, graph replay and module table (see the docstring)."""
     import kernels.gemv
+    import kernels.pdl
     import models.kernel_choice
     from kernels.attention import select_backend
     from kernels.sampling import gumbel_sample
@@ -101,6 +103,7 @@ def run_variants(args, tp=None) -> None:
                           quantization=args.quantization)
     labels, module_events = _label_modules(model)
     gemv_limit = kernels.gemv.GEMV_MAX_TOKENS
+    small_m_limit, pdl_on = models.kernel_choice.SMALL_M_MAX_ROWS, kernels.pdl.ENABLED
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 1025, (args.batch,), generator=g).tolist()
     ids = torch.randint(0, 10000, (args.batch,), generator=g).cuda()
@@ -115,6 +118,8 @@ def run_variants(args, tp=None) -> None:
         words = set(name.split("+"))
         fused, fp8 = "fused" in words, "fp8kv" in words
         kernels.gemv.GEMV_MAX_TOKENS = gemv_limit if "gemv" in words else 0
+        models.kernel_choice.SMALL_M_MAX_ROWS = 0 if "cublas" in words else small_m_limit
+        kernels.pdl.ENABLED = pdl_on and "nopdl" not in words
         # det: the worker's --deterministic (batch-invariant GEMMs, split-length attention)
         models.kernel_choice.DETERMINISTIC = backend.invariant = "det" in words
         kv = PagedKV(model, ctx, block_size=256, fp8=fp8)
