@@ -90,6 +90,13 @@
 #            time) at 1 and 8 rows for this tree and SMALLSTEP_BASE alternately,
 #            the launcher at batch 1 with the worker's --profile-steps 300:500 (its log line: the
 #            device's kernels, copies and idle a step) and in-process batch 1
+#   smallbatch the 2-8 row decode path (issue 63: kernels/small_m.py, PDL to 8 rows), one call of
+#            ~8 min on the random 0.6B: its kernel tests on CUDA; bench_pdl.py PDL off / on at 2 and
+#            8 rows (bf16, FP8 W + KV: logits bit-equal); profile_decode.py --batch 8 with the
+#            small-M kernel, on cuBLAS, on cuBLAS without PDL; bench_gemv.py --small-m-sweep at 8
+#            tokens (SMALLB_SHAPES); decode attention's tiles and splits at batch 8; the launcher
+#            at batch 1 and 8 with the defaults and with NANOSERVE_SMALL_M_MAX_ROWS=0
+#            NANOSERVE_PDL_MAX_ROWS=1 (the cuBLAS path before), alternately SMALLB_ROUNDS (2) times
 #   small    the single caller (issue 44): batch 1 and 8 through gRPC, 256-token prompts, 512 out,
 #            for SMALL_CONFIGS (0.6B bf16, 8B bf16, 8B fp8 W + KV) with the decode GEMV
 #            (kernels/gemv.py) off and on; SMALL_RUNS (3)
@@ -518,6 +525,40 @@ for w in ${*:-kernels model bench}; do
             kill $SP $WP 2>/dev/null; wait $SP $WP 2>/dev/null ) || rc=1
         done
       done ;;
+    smallbatch)   # issue 63: the 2-8 row decode path; see the header
+      python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
+      M=$NANOSERVE_QWEN06B
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_small_m.py \
+        tests/test_kernels_fp8_small_m.py 2>&1 | tail -2 | tee "$OUT/smallb_tests.txt"
+      timeout 120 python3 tests/gpu/bench_pdl.py --batches 2,8 --settings base,pdl --replays 50 \
+        --sets 2 2>&1 | tee "$OUT/smallb_pdl_bf16.md" | grep "^|" || rc=1
+      timeout 120 python3 tests/gpu/bench_pdl.py --quantization fp8 --fp8-kv --batches 8 \
+        --settings base,pdl --replays 50 --sets 2 2>&1 | tee "$OUT/smallb_pdl_fp8.md" | grep "^|" || rc=1
+      timeout 150 python3 tests/gpu/profile_decode.py --batch 8 --hbm-tbs 4.8 \
+        --variants fused+gemv,fused+gemv+cublas,fused+gemv+cublas+nopdl > "$OUT/smallb_profile.md" 2>&1 || rc=1
+      grep -h "^###\|^CUDA graph replay" "$OUT/smallb_profile.md"
+      timeout 300 python3 tests/gpu/bench_gemv.py --hbm-tbs 4.8 --small-m-sweep --tokens 8 \
+        --shapes "${SMALLB_SHAPES:-0.6B o,0.6B down,0.6B qkv}" 2>&1 | tee "$OUT/smallb_gemv.md" | grep "^|" || rc=1
+      timeout 150 python3 tests/gpu/bench_decode_attention.py --batch 8 --peak-tbs 4.8 --kv bf16 \
+        --groups 2 --contexts "512;1024" --splits 4,8 --configs all > "$OUT/smallb_attn.md" 2>&1 || rc=1
+      tail -4 "$OUT/smallb_attn.md"
+      B=(python3 -m client.bench --no-progress --target 127.0.0.1:50051 --client-procs 1
+         --min-input-len 256 --max-input-len 256 --min-output-len 512 --max-output-len 512
+         --temperature 0 --warmup 2 --runs 3)
+      for round in $(seq "${SMALLB_ROUNDS:-2}"); do for who in this cublas; do
+        SE=(NANOSERVE_SMALL_M_MAX_ROWS=8 NANOSERVE_PDL_MAX_ROWS=8)
+        [ $who = cublas ] && SE=(NANOSERVE_SMALL_M_MAX_ROWS=0 NANOSERVE_PDL_MAX_ROWS=1)
+        env "${SE[@]}" python3 -m scheduler_service.launch --model "$M" --tp 1 --port 50051 \
+          --worker-base-port 50061 > "$OUT/smallb_launch_${who}_$round.log" 2>&1 &
+        LP=$!
+        for i in $(seq 200); do grep -q "scheduler listening" "$OUT/smallb_launch_${who}_$round.log" && break
+          kill -0 $LP 2>/dev/null || break; sleep 1; done
+        for n in 1 8; do
+          timeout 60 "${B[@]}" --num-seqs $n > "$OUT/smallb_${who}_${round}_b$n.txt" 2>&1 || rc=1
+          echo "$who round $round batch $n: $(grep -h "^step wall" "$OUT/smallb_${who}_${round}_b$n.txt")"
+        done
+        kill $LP; wait $LP
+      done; done ;;
     smallstep)   # issues 63 / 72: the batch-1 step around its graph replay; see the header
       python3 tests/gpu/test_model_gpu.py --make-checkpoint-only >/dev/null || rc=1
       M=$NANOSERVE_QWEN06B
