@@ -61,6 +61,22 @@ class GemvNorm:
     residual_out: torch.Tensor | None = None # [1, K]: gets x + residual (program 0 writes it)
 
 
+def norm_args(norm: GemvNorm | None, x2: torch.Tensor) -> tuple:
+    """A prologue norm's kernel arguments over rows x2 [T, K]: (residual, residual_out,
+    weight, eps), x2 standing in for what is absent, after GemvNorm's contract is checked
+    (weight [K]; residual and residual_out both or neither, each x2's shape, contiguous, in
+    x2's dtype). The GEMV and kernels/small_m.py take the same."""
+    if norm is None:
+        return x2, x2, x2, 0.0
+    assert norm.weight.shape == (x2.shape[-1],)
+    assert (norm.residual is None) == (norm.residual_out is None)
+    for r in (norm.residual, norm.residual_out):
+        assert r is None or (r.shape == x2.shape and r.is_contiguous() and r.dtype == x2.dtype)
+    if norm.residual is None:
+        return x2, x2, norm.weight, norm.eps
+    return norm.residual, norm.residual_out, norm.weight, norm.eps
+
+
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (w [N, K] * scale [N, 1]).T + bias, in float32, returned in x's dtype."""
@@ -236,12 +252,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     K = shape[-1]
     T = x2.shape[0]
     assert not gated or (bias is None and lora is None and N % 2 == 0)
-    if norm is not None:
-        assert T == 1 and lora is None and norm.weight.shape == (K,)
-        assert (norm.residual is None) == (norm.residual_out is None)
-        for r in (norm.residual, norm.residual_out):
-            assert r is None or (r.numel() == K and r.is_contiguous() and r.dtype == x.dtype)
-    res = norm.residual if norm is not None and norm.residual is not None else x2
+    assert norm is None or (T == 1 and lora is None)
+    res, res_out, norm_w, eps = norm_args(norm, x2)
     out_n = N // 2 if gated else N
     y = torch.empty(T, out_n, dtype=x.dtype, device=x.device)
     if T and N:
@@ -263,8 +275,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         _gemv_kernel[(triton.cdiv(out_n, per_program),)](
             x2, w, sc if sc is not None else y, bias if bias is not None else y, y,
             T, N, K, x2.stride(0), w.stride(0), y.stride(0), *largs, out_n,
-            res, norm.residual_out if norm is not None and norm.residual_out is not None else res,
-            norm.weight if norm is not None else x2, norm.eps if norm is not None else 0.0,
+            res, res_out, norm_w, eps,
             T_PAD=triton.next_power_of_2(T), HAS_SCALE=sc is not None,
             HAS_BIAS=bias is not None, HAS_LORA=lora is not None, GATED=gated,
             BLOCK_R=triton.next_power_of_2(max(largs[4], 16)), BLOCK_N=bn, BLOCK_K=bk,

@@ -103,9 +103,10 @@ def norm_rotate_rows(rows, mask, W, cos_sin, eps, HEAD_DIM: tl.constexpr, BLOCK_
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """The heads starting at pointers rows [R, 1] (mask [R]), each normalized and rotated
     at the position whose cos/sin row starts at cos_sin [R, 1], as whole rows [R, BLOCK_D]
-    in fp32 (the caller rounds them to the heads' dtype), not written anywhere: _norm_rotate_heads' numerics (the statistics
-    from the two halves, each element's rotation partner loaded beside it) for a kernel
-    that consumes them (kernels/paged_attention.py's decode prologue)."""
+    in fp32 (the caller rounds them to the heads' dtype), not written anywhere:
+    _norm_rotate_heads' numerics (the statistics from the two halves, each element's
+    rotation partner loaded beside it) for a kernel that consumes them
+    (kernels/paged_attention.py's decode prologue)."""
     offs_h = tl.arange(0, BLOCK_HALF)
     hm = mask[:, None] & (offs_h < HALF)[None, :]
     rstd = _head_rstd(tl.load(rows + offs_h[None, :], mask=hm, other=0.0),

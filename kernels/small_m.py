@@ -16,18 +16,14 @@ side, and the loop is the pipelined weight stream (num_stages) alone.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.gemv import GemvNorm, linear_rows, norm_args
 from kernels.interpret import INTERPRET_ENV, cast
 from kernels.roundings import norm_input, scale_normed, silu
-
-if TYPE_CHECKING:
-    from kernels.gemv import GemvNorm
 
 
 @triton.jit
@@ -156,20 +152,12 @@ def small_m_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
     quantize(rows) -> (e4m3 rows, scales) for the scaled kernel (None: unscaled)."""
     shape = x.shape
     K = shape[-1]
-    N = w.shape[0]
-    assert w.shape == (N, K) and w.stride(1) == 1, (w.dtype, w.shape, K)
-    assert bias is None or bias.shape == (N,)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1 or (norm is not None and x2.stride(0) != K):
+    x2, N = linear_rows(x, w, w_scale, bias)
+    if norm is not None:   # (the prologue reads x and the residual with one row stride)
+        assert quantize is None
         x2 = x2.contiguous()
     T = x2.shape[0]
-    if norm is not None:
-        assert quantize is None and norm.weight.shape == (K,)
-        assert (norm.residual is None) == (norm.residual_out is None)
-        for r in (norm.residual, norm.residual_out):
-            assert r is None or (r.shape == x2.shape and r.is_contiguous() and r.dtype == x.dtype)
-    res = norm.residual if norm is not None and norm.residual is not None else x2
-    res_out = norm.residual_out if norm is not None and norm.residual_out is not None else res
+    res, res_out, norm_w, eps = norm_args(norm, x2)
     out_n = N // 2 if gated else N
     y = torch.empty(T, out_n, dtype=x.dtype, device=x.device)
     if T and N:
@@ -178,8 +166,7 @@ def small_m_launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
         _small_m_kernel[grid](
             x_q, x_scale, w, w_scale if w_scale is not None else y,
             bias if bias is not None else y, y, T, out_n, K,
-            x_q.stride(0), w.stride(0), y.stride(0), res, res_out,
-            norm.weight if norm is not None else x2, norm.eps if norm is not None else 0.0,
+            x_q.stride(0), w.stride(0), y.stride(0), res, res_out, norm_w, eps,
             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=block_t,
             EVEN_N=out_n % block_n == 0, EVEN_K=K % block_k == 0,
             RNE_BF16=INTERPRET_ENV and x.dtype == torch.bfloat16,

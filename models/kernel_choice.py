@@ -81,8 +81,8 @@ def decide(on_cuda: bool, rows: int, fused_kernels: bool, fused_on_cpu: bool,
     kernels where enabled. The gated GEMV needs the GEMV and FUSED alone (not the device:
     a GEMV on CPU already runs in the interpreter); the small-M kernel past the GEMV's rows
     up to small_m_max_rows, with fused kernels on (gemv_on_cpu: in the interpreter too).
-    deterministic: the batch-invariant GEMM at every row count, never the GEMV. Cached: every layer of every eager step asks (a
-    lookup ~1 us, building the answer ~3)."""
+    deterministic: the batch-invariant GEMM at every row count, never the GEMV. Cached:
+    every layer of every eager step asks (a lookup ~1 us, building the answer ~3)."""
     gemv = (on_cuda or gemv_on_cpu) and rows <= gemv_max_tokens and not deterministic
     small_m = ((on_cuda or gemv_on_cpu) and not gemv and 2 <= rows <= small_m_max_rows
                and fused_kernels and not deterministic)

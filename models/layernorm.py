@@ -25,9 +25,10 @@ from models.parallel import TPGroup, replicated_weight_loader
 
 @dataclass
 class DeferredNorm:
-    """A norm left to the GEMV or small-M kernel that consumes its output (kernels/gemv.GemvNorm):
-    the GEMV normalizes x (+ the residual) in its prologue, one launch fewer. `residual` is
-    the residual stream after the norm (written by that GEMV where there was one to add)."""
+    """A norm left to the GEMV or small-M kernel that consumes its output
+    (kernels/gemv.GemvNorm): that kernel normalizes x (+ the residual) in its prologue, one
+    launch fewer. `residual` is the residual stream after the norm (written by that kernel
+    where there was one to add)."""
     x: torch.Tensor
     norm: GemvNorm
 

@@ -187,10 +187,15 @@ class LinearBase(nn.Module):
                 and self.fp8_scale is None and self.weight.dtype == x.dtype
                 and x.dtype in (torch.bfloat16, torch.float16))
 
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether x's rows go to a kernel that can take the norm before it and the SwiGLU
+        after it (fused_matmul): the one-token GEMV, or the small-M kernel (on_small_m)."""
+        return kernel_choice.paths(x).gemv or self.on_small_m(x)
+
     def fused_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, *,
                      gated: bool = False, norm: GemvNorm | None = None) -> torch.Tensor:
         """x W^T with the norm before it (norm) and / or the SwiGLU after it (gated) in the
-        kernel: the one-token GEMV, or the small-M kernel (takes_norm / on_small_m said so)."""
+        kernel: the one-token GEMV, or the small-M kernel (fuses said so)."""
         if kernel_choice.paths(x).gemv:
             return gemv(x, self.weight, self.fp8_scale, bias, gated=gated, norm=norm)
         return small_m_linear(x, self.weight, bias, gated=gated, norm=norm)
@@ -200,14 +205,13 @@ class LinearBase(nn.Module):
         prologue (DeferredNorm): kernel_choice's normed_linear, no adapter, no int4/int8."""
         if self.quant is not None or self.lora is not None or self.weight is None:
             return False
-        p = kernel_choice.paths(x)
-        return p.normed_linear and (p.gemv or self.on_small_m(x))
+        return kernel_choice.paths(x).normed_linear and self.fuses(x)
 
     def project(self, x: torch.Tensor | QuantizedRows | DeferredNorm,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) plus each row's adapter delta (models/lora.py): one token on the
         GEMV gets it in the GEMV's epilogue (no expand launch), others after the GEMM. A
-        DeferredNorm (takes_norm) is normalized in the GEMV's prologue."""
+        DeferredNorm (takes_norm) is normalized in the fused kernel's prologue."""
         if isinstance(x, DeferredNorm):
             return self.fused_matmul(x.x, bias, norm=x.norm)
         quantized = x if isinstance(x, QuantizedRows) else None
@@ -281,17 +285,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def swiglu(self, x: torch.Tensor | QuantizedRows, fp8: bool = False):
         """silu(gate) * up of this [gate, up] layer (as QuantizedRows where fp8). Where the
-        GEMV takes x, with no adapter in play and fused kernels on, straight from its
-        epilogue (one launch less per MLP at one token); otherwise this layer, then the
-        activation."""
+        GEMV or the small-M kernel takes x (fuses), with no adapter in play and fused kernels
+        on, straight from its epilogue (one launch less per MLP); otherwise this layer, then
+        the activation."""
         if isinstance(x, DeferredNorm):   # (takes_norm said so: no adapter, no bias)
             return self.fused_matmul(x.x, gated=True, norm=x.norm)
         lora = self.lora
         if (not fp8 and len(self.output_sizes) == 2 and not isinstance(x, QuantizedRows)
                 and kernel_choice.paths(x).gated_linear and self.bias is None
                 and self.quant is None
-                and (lora is None or lora.ctx.rows is None)
-                and (kernel_choice.paths(x).gemv or self.on_small_m(x))):
+                and (lora is None or lora.ctx.rows is None) and self.fuses(x)):
             return self.fused_matmul(x, gated=True)
         return activation.swiglu(self(x), fp8=fp8)
 
