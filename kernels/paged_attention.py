@@ -587,17 +587,35 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the decode kernel (tests/gpu/bench_decode_attention.py sweeps it).
-    block_n=None: 128 keys per tile for head_dim <= 128, else 32 (best on an H100 for bf16
-    and fp8 caches at batch 131 and 256, timed as the model runs it: from a CUDA graph)."""
+    """Launch shape of the decode kernel (tests/gpu/bench_decode_attention.py sweeps it);
+    None picks by the launch (_tile_and_warps)."""
     block_n: int | None = None
-    num_warps: int = 4
+    num_warps: int | None = None
     num_stages: int = 2
 
 
-# NANOSERVE_DECODE_BLOCK_N overrides the key-tile size, to compare configs end to end.
-DEFAULT_DECODE_CONFIG = DecodeConfig(block_n=int(os.environ.get("NANOSERVE_DECODE_BLOCK_N", "0"))
-                                     or None)
+SPLIT_WIDE_ROWS = 8   # from this many rows a split launch takes 64-key tiles and 2 warps
+
+
+def _tile_and_warps(cfg: DecodeConfig, head_dim: int, num_splits: int,
+                    num_seqs: int) -> tuple[int, int]:
+    """Keys a tile and warps a program where cfg leaves them open. Unsplit (batch 16+ of 8
+    kv heads): 128 keys, 4 warps (best on an H100 for bf16 and fp8 caches at batch 131 and
+    256). Split, up to 7 rows: 32 keys (at a 256-token context a batch-1 step has 8
+    programs a kv head at work, not 2), 4 warps. Split, 8+ rows: 64 keys, 2 warps (an H200
+    at batch 8, 512 / 1024-token contexts: bf16 group 2 19.1 -> 16.1 / 25.9 -> 22.5 us,
+    fp8 group 4 18.8 -> 16.9 / 23.9 -> 20.6; the 0.6B's graph step 1.53 -> 1.35 ms. At
+    batch 1 the same shape lost: 0.82 -> 0.90 ms). head_dim > 128: 32 keys."""
+    wide = num_splits > 1 and num_seqs >= SPLIT_WIDE_ROWS and head_dim <= 128
+    block_n = cfg.block_n or (64 if wide else 32 if head_dim > 128 or num_splits > 1 else 128)
+    return block_n, cfg.num_warps or (2 if wide else 4)
+
+
+# NANOSERVE_DECODE_BLOCK_N / _WARPS override the key-tile size and warps, to compare configs
+# end to end.
+DEFAULT_DECODE_CONFIG = DecodeConfig(
+    block_n=int(os.environ.get("NANOSERVE_DECODE_BLOCK_N", "0")) or None,
+    num_warps=int(os.environ.get("NANOSERVE_DECODE_WARPS", "0")) or None)
 
 
 def rows_per_program(group: int) -> int:
@@ -657,6 +675,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits > 1 and per_program == 1:
         counters = _split_counters(q.device, num_seqs * num_kv_heads)
     splits_pad = max(MAX_SPLITS, triton.next_power_of_2(num_splits))   # one variant
+    block_n, num_warps = _tile_and_warps(cfg, head_dim, num_splits, num_seqs)
     nr = norm_rotary
     if nr is not None:
         assert not fp8, "the decode prologue stores bf16 / fp16 K/V only"
@@ -677,13 +696,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
-        BLOCK_N=cfg.block_n or (32 if head_dim > 128 or num_splits > 1 else 128),
+        BLOCK_N=block_n,
         SPLIT=num_splits > 1, PRECISION=_precision(q.dtype), FP8=fp8,
         Q_FP16=fp8 and q.dtype != torch.float32, RUNS=per_program,
         MERGE=counters is not None, SPLITS_PAD=splits_pad,
         PROLOGUE=nr is not None, HALF=head_dim // 2 if nr is not None else 1,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2) if nr is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, num_seqs),
+        num_warps=num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device, num_seqs),
     )
     if num_splits > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -130,6 +130,24 @@ def test_decode_split_merge_in_kernel_is_the_merge_kernel(monkeypatch, fp8: bool
     torch.testing.assert_close(fused[keep], ref[keep], **tol)
 
 
+def test_decode_split_at_eight_rows_takes_whole_page_tiles_and_matches_ref() -> None:
+    """From SPLIT_WIDE_ROWS rows a split launch walks 64-key tiles: with 64-slot pages each
+    tile is one page (one block-table load), contexts ending inside, at and past a page,
+    and splits whose chunk rounds up to whole tiles (some splits left empty)."""
+    from kernels.paged_attention import SPLIT_WIDE_ROWS, _tile_and_warps
+    seqs = [(c, 1) for c in (1, 63, 64, 65, 130, 200, 257, 40)]
+    assert len(seqs) == SPLIT_WIDE_ROWS
+    assert _tile_and_warps(DecodeConfig(), 32, 3, len(seqs)) == (64, 2)
+    assert _tile_and_warps(DecodeConfig(), 32, 3, len(seqs) - 1) == (32, 4)
+    b = make_batch(seqs, 64, num_kv_heads=2, group=2, head_dim=32, seed=11)
+    m = b["meta"]
+    ref = paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], m, b["scale"])
+    for splits in (3, 5):
+        out = paged_decode(b["q"], b["k_cache"], b["v_cache"], m.block_tables, m.context_lens,
+                           b["scale"], num_splits=splits)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("block_size,block_n,num_splits", [(16, 16, 1), (32, 16, 1), (32, 16, 3)])
 def test_decode_tiles_within_pages_match_ref(block_size: int, block_n: int,
                                               num_splits: int) -> None:

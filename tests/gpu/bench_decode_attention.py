@@ -125,7 +125,8 @@ def main() -> None:
     peak = args.peak_tbs or (4.8 if "H200" in name else 3.35)
     configs = [DecodeConfig(None, 4, 2), DecodeConfig(32, 4, 2), DecodeConfig(64, 4, 2),
                DecodeConfig(64, 8, 2), DecodeConfig(64, 4, 3), DecodeConfig(128, 4, 2),
-               DecodeConfig(128, 8, 2), DecodeConfig(64, 2, 2)]
+               DecodeConfig(128, 8, 2), DecodeConfig(64, 2, 2), DecodeConfig(32, 2, 2),
+               DecodeConfig(32, 2, 3)]
     if args.configs == "default":
         configs = configs[:1]
     print(f"{name}, batch {args.batch}, head_dim 128, {args.kv_heads} kv heads, page 256, bf16 q; "

@@ -8,8 +8,8 @@ gemv at its default tiles, and for bf16 the small-M kernel unscaled (kernels/sma
 each checked against gemv_ref, timed from CUDA graph replays over enough weight copies that
 every call streams its weight from HBM. GB/s = weight bytes / us; % = of --hbm-tbs. --sweep
 adds the best (block_n, block_k, warps) over a grid at 1 token; --small-m-sweep the small-M
-kernel's best (block_n, block_k, stages) at 2+ tokens (bf16; in the model 0.6B's o and down
-take 16 programs of 64 rows at the default tiles). --tokens picks the token counts.
+kernel's best (block_n, block_k, stages) at 2+ tokens (bf16; gate_up gated, as the model runs
+it; in the model 0.6B's o and down take 16 programs of 64 rows at the default tiles). --tokens picks the token counts.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ SHAPES = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 40
           "8B down": (4096, 12288), "8B lm_head": (151936, 4096),
           "0.6B qkv": (4096, 1024), "0.6B o": (1024, 2048), "0.6B gate_up": (6144, 1024),
           "0.6B down": (1024, 3072), "0.6B lm_head": (151936, 1024)}
+# --small-m-sweep's (block_k, num_stages) for block_n 16, 32 and 64
+SMALL_M_GRID = ((128, 5), (256, 3), (256, 4), (256, 5), (512, 3), (512, 4))
 
 
 def main() -> None:
@@ -99,17 +101,21 @@ def main() -> None:
                                      for u, c in res[:3])
                 if args.small_m_sweep and t > 1 and kind == "bf16":
                     res = []
-                    for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4, 5)):
+                    gated = "gate_up" in name   # (as the model runs it: SwiGLU in the epilogue)
+                    for bn, (bk, st) in itertools.product((16, 32, 64), SMALL_M_GRID):
+                        def run(i, bn=bn, bk=bk, st=st):
+                            return small_m_linear(x, mats[i][0], gated=gated, block_n=bn,
+                                                  block_k=bk, num_stages=st)
                         try:   # (out of shared memory raises here, outside a capture)
-                            small_m_linear(x, mats[0][0], block_n=bn, block_k=bk, num_stages=st)
-                            us = per(lambda i: small_m_linear(x, mats[i][0], block_n=bn,
-                                                              block_k=bk, num_stages=st))
+                            run(0)
+                            us = per(run)
                         except Exception:  # noqa: BLE001 - out of shared memory
                             continue
                         res.append((us, (bn, bk, st)))
                     res.sort()
+                    default = {c: u for u, c in res}.get((64, 128 if gated else 256, 5))
                     best = "; ".join(f"{c}: {u:.1f}, {100 * nbytes / u / peak:.0f}%"
-                                     for u, c in res[:3])
+                                     for u, c in res[:3]) + f"; default {default:.1f}"
                 print(f"| {name} ({n} x {k}) | {kind} | {t} | {b_us:.1f} ({nbytes / b_us / 1e3:.0f}, "
                       f"{100 * nbytes / b_us / peak:.0f}%) | {g_us:.1f} ({nbytes / g_us / 1e3:.0f}, "
                       f"{100 * nbytes / g_us / peak:.0f}%) | {b_us / g_us:.2f}x | {small} | {best} |",
