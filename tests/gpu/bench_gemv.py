@@ -8,8 +8,9 @@ gemv at its default tiles, and for bf16 the small-M kernel unscaled (kernels/sma
 each checked against gemv_ref, timed from CUDA graph replays over enough weight copies that
 every call streams its weight from HBM. GB/s = weight bytes / us; % = of --hbm-tbs. --sweep
 adds the best (block_n, block_k, warps) over a grid at 1 token; --small-m-sweep the small-M
-kernel's best (block_n, block_k, stages) at 2+ tokens (bf16; gate_up gated, as the model runs
-it; in the model 0.6B's o and down take 16 programs of 64 rows at the default tiles). --tokens picks the token counts.
+kernel's best (block_n, block_k, stages) at 2+ tokens (bf16; as the model runs them: qkv and
+gate_up with the norm in the prologue, gate_up gated; in the model 0.6B's o and down take 16
+programs of 64 rows at the default tiles). --tokens picks the token counts.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from moe_check import graph_us  # noqa: E402
 
 from kernels.fp8_linear import fp8_linear, quantize_rows  # noqa: E402
 from kernels.small_m import small_m_linear  # noqa: E402
-from kernels.gemv import gemv, gemv_ref  # noqa: E402
+from kernels.gemv import GemvNorm, gemv, gemv_ref  # noqa: E402
 
 SHAPES = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096),
           "8B down": (4096, 12288), "8B lm_head": (151936, 4096),
@@ -101,11 +102,17 @@ def main() -> None:
                                      for u, c in res[:3])
                 if args.small_m_sweep and t > 1 and kind == "bf16":
                     res = []
-                    gated = "gate_up" in name   # (as the model runs it: SwiGLU in the epilogue)
+                    # as the model runs them: qkv and gate_up with the norm (and residual
+                    # add) in the prologue, gate_up with the SwiGLU in the epilogue
+                    gated = "gate_up" in name
+                    norm = None
+                    if gated or "qkv" in name:
+                        norm = GemvNorm(torch.ones(k, device="cuda", dtype=x.dtype), 1e-6,
+                                        torch.randn_like(x), torch.empty_like(x))
                     for bn, (bk, st) in itertools.product((16, 32, 64), SMALL_M_GRID):
                         def run(i, bn=bn, bk=bk, st=st):
-                            return small_m_linear(x, mats[i][0], gated=gated, block_n=bn,
-                                                  block_k=bk, num_stages=st)
+                            return small_m_linear(x, mats[i][0], gated=gated, norm=norm,
+                                                  block_n=bn, block_k=bk, num_stages=st)
                         try:   # (out of shared memory raises here, outside a capture)
                             run(0)
                             us = per(run)
@@ -113,7 +120,8 @@ def main() -> None:
                             continue
                         res.append((us, (bn, bk, st)))
                     res.sort()
-                    default = {c: u for u, c in res}.get((64, 128 if gated else 256, 5))
+                    default = {c: u for u, c in res}.get((32 if gated else 64, 256,
+                                                          4 if norm else 5))
                     best = "; ".join(f"{c}: {u:.1f}, {100 * nbytes / u / peak:.0f}%"
                                      for u, c in res[:3]) + f"; default {default:.1f}"
                 print(f"| {name} ({n} x {k}) | {kind} | {t} | {b_us:.1f} ({nbytes / b_us / 1e3:.0f}, "
