@@ -538,7 +538,7 @@ for w in ${*:-kernels model bench}; do
         --variants fused+gemv,fused+gemv+cublas,fused+gemv+cublas+nopdl > "$OUT/smallb_profile.md" 2>&1 || rc=1
       grep -h "^###\|^CUDA graph replay" "$OUT/smallb_profile.md"
       timeout 300 python3 tests/gpu/bench_gemv.py --hbm-tbs 4.8 --small-m-sweep --tokens 8 \
-        --shapes "${SMALLB_SHAPES:-0.6B o,0.6B down,0.6B qkv}" 2>&1 | tee "$OUT/smallb_gemv.md" | grep "^|" || rc=1
+        --shapes "${SMALLB_SHAPES:-0.6B o,0.6B down,0.6B qkv,0.6B gate_up}" 2>&1 | tee "$OUT/smallb_gemv.md" | grep "^|" || rc=1
       timeout 150 python3 tests/gpu/bench_decode_attention.py --batch 8 --peak-tbs 4.8 --kv bf16 \
         --groups 2 --contexts "512;1024" --splits 4,8 --configs all > "$OUT/smallb_attn.md" 2>&1 || rc=1
       tail -4 "$OUT/smallb_attn.md"
