@@ -13,9 +13,10 @@ Reference: `kernels.attention.paged_attention_ref`. Two kernels:
   by their log-sum-exp (a counter per pair; a second kernel where a program takes a run
   of rows); the chunk length is derived in-kernel from the real context length, so a
   fixed num_splits is correct for any context (CUDA-graph safe). Split, keys are walked
-  32 at a time: at a 256-token context a batch-1 step has 8 programs a kv head at work,
-  not 2 (one H200, Qwen3-0.6B graph replay 0.901 -> 0.854 ms at batch 1, 1.305 -> 1.271
-  at 8); where a program takes one row, the merge's launch is gone too.
+  32 at a time below 8 rows: at a 256-token context a batch-1 step has 8 programs a kv
+  head at work, not 2 (one H200, Qwen3-0.6B graph replay 0.901 -> 0.854 ms at batch 1,
+  1.305 -> 1.271 at 8); from 8 rows 64 at a time on 2 warps (_tile_and_warps); where a
+  program takes one row, the merge's launch is gone too.
 * `paged_prefill`: ragged query blocks (cu_seqlens_q); sequence i's queries sit at
   positions context_len - q_len .. context_len - 1 and attend causally to its whole paged
   context, so a prefix-cache hit only queries the uncached suffix. Rows of a program are
